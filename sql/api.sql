@@ -1,0 +1,221 @@
+-- flow's public SQL surface (names and named parameters are the API, see
+-- DESIGN.md) and the views a person reads.
+--
+-- Every function that changes flow's tables is SECURITY DEFINER with a pinned
+-- search_path and ends in `caller_ticket bigint DEFAULT flow._ticket()`: the
+-- default is evaluated in the caller's security context, before the switch to
+-- the definer, so flow._redeem() learns the real calling role. Never pass it.
+
+-- ---------------------------------------------------------------- definitions and queues
+
+-- Register or update a kind of command; its handler runs as the calling role.
+CREATE FUNCTION flow.define(name text, handler regprocedure, version integer DEFAULT 1,
+    queue text DEFAULT 'default', max_attempts integer DEFAULT 5, backoff interval DEFAULT '1 second',
+    backoff_max interval DEFAULT '1 hour', max_elapsed interval DEFAULT NULL, timeout interval DEFAULT NULL,
+    caller_ticket bigint DEFAULT flow._ticket())
+RETURNS void
+LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT flow._define(flow._redeem(caller_ticket), name, handler, version, queue, max_attempts, backoff,
+                        backoff_max, max_elapsed, timeout)
+$$;
+
+-- Set a queue's concurrency limit (NULL: none) and paused flag (NULL: unchanged).
+CREATE FUNCTION flow.set_queue(name text, concurrency integer DEFAULT NULL, paused boolean DEFAULT NULL,
+    caller_ticket bigint DEFAULT flow._ticket())
+RETURNS void
+LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT flow._set_queue(flow._redeem(caller_ticket), name, concurrency, paused)
+$$;
+
+-- ---------------------------------------------------------------- starting runs
+
+-- Start a run of a definition; returns the run id (the same one again for the same key).
+CREATE FUNCTION flow.enqueue(name text, args jsonb DEFAULT '{}', key text DEFAULT NULL,
+    version integer DEFAULT NULL, queue text DEFAULT NULL, start_after interval DEFAULT NULL,
+    run_at timestamptz DEFAULT NULL, deadline interval DEFAULT NULL,
+    caller_ticket bigint DEFAULT flow._ticket())
+RETURNS uuid
+LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT flow._enqueue(flow._redeem(caller_ticket), name, args, key, version, queue, start_after,
+                         run_at, deadline)
+$$;
+
+-- Start one run per element of args_array in one statement; returns their ids in order.
+CREATE FUNCTION flow.enqueue_many(name text, args_array jsonb[], version integer DEFAULT NULL,
+    queue text DEFAULT NULL, start_after interval DEFAULT NULL, run_at timestamptz DEFAULT NULL,
+    deadline interval DEFAULT NULL, caller_ticket bigint DEFAULT flow._ticket())
+RETURNS uuid[]
+LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT flow._enqueue_many(flow._redeem(caller_ticket), name, args_array, version, queue, start_after,
+                              run_at, deadline)
+$$;
+
+-- ---------------------------------------------------------------- run control
+
+-- Cancel every unfinished command of a run; true if the run was still running.
+CREATE FUNCTION flow.cancel(run_id uuid, caller_ticket bigint DEFAULT flow._ticket())
+RETURNS boolean
+LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT flow._cancel(flow._redeem(caller_ticket), run_id)
+$$;
+
+-- Wait until a run is terminal (or the timeout passes) and return its outcome.
+CREATE FUNCTION flow.await(run_id uuid, timeout interval DEFAULT '30 seconds',
+    caller_ticket bigint DEFAULT flow._ticket())
+RETURNS flow.run_outcome
+LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT flow._await(flow._redeem(caller_ticket), run_id, timeout)
+$$;
+
+-- ---------------------------------------------------------------- events and children
+
+-- Append an event to the journal (inside a handler: only if its attempt succeeds).
+CREATE FUNCTION flow.emit(name text, key text, payload jsonb DEFAULT '{}',
+    caller_ticket bigint DEFAULT flow._ticket())
+RETURNS bigint
+LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT flow._emit(flow._redeem(caller_ticket), name, key, payload)
+$$;
+
+-- A wait on the event (name, key), for flow.spawn(waits => ...).
+CREATE FUNCTION flow.wait(name text, key text) RETURNS flow.wait_spec
+LANGUAGE sql IMMUTABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT ROW(name, key)::flow.wait_spec
+$$;
+
+-- Inside a handler: add a child command to the current run.
+CREATE FUNCTION flow.spawn(name text, args jsonb DEFAULT '{}', key text DEFAULT NULL,
+    start_after interval DEFAULT NULL, waits flow.wait_spec[] DEFAULT '{}', within interval DEFAULT NULL,
+    version integer DEFAULT NULL, queue text DEFAULT NULL, caller_ticket bigint DEFAULT flow._ticket())
+RETURNS uuid
+LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT flow._spawn(flow._redeem(caller_ticket), name, args, key, start_after, waits, within, version, queue)
+$$;
+
+-- ---------------------------------------------------------------- decisions inside a handler
+
+-- Fail the current command permanently: no retry.
+CREATE FUNCTION flow.fail(message text) RETURNS void
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    text_ text := coalesce(message, 'failed by its handler');
+BEGIN
+    PERFORM flow._decide('permanent', 'permanent', text_, NULL);
+    RAISE EXCEPTION USING ERRCODE = 'FL020', MESSAGE = text_;
+END $$;
+
+-- Retry the current command after `delay` (positive), counting an attempt.
+CREATE FUNCTION flow.retry_after(delay interval, message text DEFAULT 'retry requested by its handler')
+RETURNS void
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF delay IS NULL OR delay <= interval '0' THEN
+        RAISE EXCEPTION 'flow: retry_after delay must be positive, got %', delay USING ERRCODE = 'FL005';
+    END IF;
+    PERFORM flow._decide('retry_after', 'retry_after', coalesce(message, 'retry requested by its handler'),
+                         (extract(epoch FROM delay) * 1000000)::bigint);
+    RAISE EXCEPTION USING ERRCODE = 'FL021', MESSAGE = coalesce(message, 'retry requested by its handler');
+END $$;
+
+-- ---------------------------------------------------------------- views
+
+-- Runs the current role may see: its own, or those of roles it is a member of.
+CREATE VIEW flow.runs WITH (security_barrier) AS
+SELECT r.id, r.key, r.name, r.version, r.queue, r.status, r.args, r.result, r.error,
+       r.error ->> 'message' AS last_error, r.deadline, r.created_at, r.finished_at,
+       r.owner::regrole AS owner,
+       (SELECT sum(c.attempts) FROM flow._commands c WHERE c.run_id = r.id)::integer AS attempts
+FROM flow._runs r
+WHERE pg_has_role(current_user, r.owner, 'MEMBER');
+
+CREATE VIEW flow.commands WITH (security_barrier) AS
+SELECT c.id, c.run_id, c.parent_id, c.key, c.name, c.version, c.queue, c.status, c.attempts,
+       c.next_run_at, c.args, c.result, c.last_error_code, c.last_error_message, c.stop_reason,
+       c.wait_timed_out, c.lease_owner, c.lease_expires_at, c.attempt_started_at, c.attempt_deadline,
+       c.created_at, c.finished_at
+FROM flow._commands c JOIN flow._runs r ON r.id = c.run_id
+WHERE pg_has_role(current_user, r.owner, 'MEMBER');
+
+-- Finished attempts of visible commands, plus the live one of a running command.
+CREATE VIEW flow.attempts WITH (security_barrier) AS
+SELECT a.command_id, c.run_id, c.name, a.attempt, a.owner, a.started_at, a.finished_at,
+       a.finished_at - a.started_at AS duration, a.outcome, a.error_code, a.error_message
+FROM flow._attempts a JOIN flow._commands c ON c.id = a.command_id JOIN flow._runs r ON r.id = c.run_id
+WHERE pg_has_role(current_user, r.owner, 'MEMBER')
+UNION ALL
+SELECT c.id, c.run_id, c.name, c.attempts, c.lease_owner, c.attempt_started_at, NULL, now() - c.attempt_started_at,
+       'running', NULL, NULL
+FROM flow._commands c JOIN flow._runs r ON r.id = c.run_id
+WHERE c.status = 'running' AND pg_has_role(current_user, r.owner, 'MEMBER');
+
+CREATE VIEW flow.definitions WITH (security_barrier) AS
+SELECT d.name, d.version, d.handler, d.handler IS NULL AS external, d.takes_context, d.owner::regrole AS owner,
+       d.queue, d.max_attempts, d.backoff, d.backoff_max, d.max_elapsed, d.timeout, d.created_at, d.updated_at
+FROM flow._definitions d
+WHERE pg_has_role(current_user, d.owner, 'MEMBER');
+
+-- Per-queue counts by state (all roles' commands: queues are shared lanes).
+CREATE VIEW flow.queues AS
+SELECT q.name, q.concurrency, q.paused,
+       count(c.id) FILTER (WHERE c.status = 'pending') AS pending,
+       count(c.id) FILTER (WHERE c.status = 'pending' AND c.next_run_at <= now()) AS due,
+       count(c.id) FILTER (WHERE c.status = 'waiting') AS waiting,
+       count(c.id) FILTER (WHERE c.status = 'running') AS running,
+       count(c.id) FILTER (WHERE c.status = 'succeeded') AS succeeded,
+       count(c.id) FILTER (WHERE c.status = 'failed') AS failed,
+       count(c.id) FILTER (WHERE c.status = 'cancelled') AS cancelled
+FROM flow._queues q LEFT JOIN flow._commands c ON c.queue = q.name
+GROUP BY q.name, q.concurrency, q.paused;
+
+-- The journal, with the waits each event satisfied.
+CREATE VIEW flow.events WITH (security_barrier) AS
+SELECT e.position, e.id, e.name, e.key, e.payload, e.emitted_at, e.run_id, e.command_id,
+       e.owner::regrole AS owner,
+       coalesce((SELECT array_agg(w.command_id ORDER BY w.command_id) FROM flow._waits w
+                 WHERE w.event_position = e.position), '{}') AS satisfied_waits
+FROM flow._events e
+WHERE pg_has_role(current_user, e.owner, 'MEMBER');
+
+CREATE VIEW flow.waits WITH (security_barrier) AS
+SELECT w.command_id, c.run_id, w.name, w.key, w.event_position, w.satisfied_at
+FROM flow._waits w JOIN flow._commands c ON c.id = w.command_id JOIN flow._runs r ON r.id = c.run_id
+WHERE pg_has_role(current_user, r.owner, 'MEMBER');
+
+-- What each in-database worker is doing now (shared memory).
+CREATE VIEW flow.workers AS
+SELECT w.worker, w.pid, w.state, w.command_id, w.since, w.handled
+FROM flow._worker_states() w;
+
+-- Engine counters since the server started (shared memory), plus recent attempts.
+CREATE VIEW flow.stats AS
+SELECT s.name, s.value FROM flow._counters() s;
+
+-- Throughput and latency of attempts finished in the last minute, per definition.
+CREATE VIEW flow.recent_attempts WITH (security_barrier) AS
+SELECT c.queue, c.name, count(*) AS attempts,
+       round(count(*) / 60.0, 2) AS per_second,
+       count(*) FILTER (WHERE a.outcome = 'succeeded') AS succeeded,
+       percentile_cont(0.5) WITHIN GROUP (ORDER BY a.finished_at - a.started_at) AS p50,
+       percentile_cont(0.99) WITHIN GROUP (ORDER BY a.finished_at - a.started_at) AS p99,
+       max(a.finished_at - a.started_at) AS max
+FROM flow._attempts a JOIN flow._commands c ON c.id = a.command_id JOIN flow._runs r ON r.id = c.run_id
+WHERE a.finished_at > now() - interval '1 minute' AND pg_has_role(current_user, r.owner, 'MEMBER')
+GROUP BY c.queue, c.name;
+
+-- ---------------------------------------------------------------- privileges
+
+-- Internal functions are the extension owner's alone; flow._ticket must stay
+-- callable by everyone because it runs in the caller's context.
+DO $$
+DECLARE
+    f regprocedure;
+BEGIN
+    FOR f IN SELECT p.oid::regprocedure FROM pg_proc p
+             WHERE p.pronamespace = 'flow'::regnamespace AND p.proname LIKE '\_%'
+               AND p.proname NOT IN ('_ticket', '_decide', '_worker_states', '_counters') LOOP
+        EXECUTE format('REVOKE ALL ON FUNCTION %s FROM PUBLIC', f);
+    END LOOP;
+END $$;
+REVOKE ALL ON ALL TABLES IN SCHEMA flow FROM PUBLIC;
+GRANT SELECT ON flow.runs, flow.commands, flow.attempts, flow.definitions, flow.queues, flow.events,
+    flow.waits, flow.workers, flow.stats, flow.recent_attempts TO PUBLIC;

@@ -1,0 +1,732 @@
+-- flow's engine SQL: definitions, enqueue, claim, settle, recovery, cancel.
+--
+-- Internal functions (flow._*) take the acting role as `caller` and are only
+-- executable by the extension owner. Public functions are SECURITY DEFINER
+-- with a pinned search_path; they learn who called them through a one-shot
+-- ticket made by flow._ticket() in the caller's security context (see
+-- src/api.rs): inside a SECURITY DEFINER function current_user is the owner,
+-- so this is the one way to know the real caller.
+
+-- ---------------------------------------------------------------- helpers
+
+-- Raise a flow error with its SQLSTATE; used from Rust too.
+CREATE FUNCTION flow._raise(code text, message text, detail text DEFAULT NULL) RETURNS void
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    RAISE EXCEPTION USING ERRCODE = code, MESSAGE = message, DETAIL = coalesce(detail, '');
+END $$;
+
+CREATE FUNCTION flow._require_name(what text, value text) RETURNS text
+LANGUAGE plpgsql IMMUTABLE SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF value IS NULL OR btrim(value) = '' THEN
+        RAISE EXCEPTION 'flow: % must not be NULL or empty', what USING ERRCODE = 'FL002';
+    END IF;
+    RETURN value;
+END $$;
+
+-- args and payloads: a JSON object within flow.max_result_bytes.
+CREATE FUNCTION flow._require_payload(what text, value jsonb, must_be_object boolean DEFAULT true)
+RETURNS jsonb
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    size integer;
+BEGIN
+    IF value IS NULL OR (must_be_object AND jsonb_typeof(value) <> 'object') THEN
+        RAISE EXCEPTION 'flow: % must be a JSON object, got %', what, coalesce(jsonb_typeof(value), 'NULL')
+            USING ERRCODE = 'FL003';
+    END IF;
+    size := octet_length(value::text);
+    IF size > flow._max_payload_bytes() THEN
+        RAISE EXCEPTION 'flow: % is % bytes, over flow.max_result_bytes (% bytes)',
+            what, size, flow._max_payload_bytes() USING ERRCODE = 'FL004';
+    END IF;
+    RETURN value;
+END $$;
+
+CREATE FUNCTION flow._require_member(caller oid, owner oid, what text, id uuid) RETURNS void
+LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    -- Another role's run is reported exactly like a missing one: no existence leak.
+    IF owner IS NULL OR NOT pg_has_role(caller, owner, 'MEMBER') THEN
+        RAISE EXCEPTION 'flow: no % with id %', what, id USING ERRCODE = 'FL014';
+    END IF;
+END $$;
+
+-- ---------------------------------------------------------------- definitions and queues
+
+CREATE FUNCTION flow._define(caller oid, name text, handler regprocedure, version integer, queue text,
+    max_attempts integer, backoff interval, backoff_max interval, max_elapsed interval, timeout interval)
+RETURNS void
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    fn record;
+    takes_context boolean := false;
+    existing_owner oid;
+BEGIN
+    PERFORM flow._require_name('name', name);
+    PERFORM flow._require_name('queue', queue);
+    IF version IS NULL OR version < 1 THEN
+        RAISE EXCEPTION 'flow: version must be 1 or more, got %', version USING ERRCODE = 'FL015';
+    END IF;
+    IF max_attempts IS NULL OR max_attempts < 1 THEN
+        RAISE EXCEPTION 'flow: max_attempts must be 1 or more, got %', max_attempts USING ERRCODE = 'FL015';
+    END IF;
+    IF backoff IS NULL OR backoff <= interval '0' OR backoff_max IS NULL OR backoff_max < backoff THEN
+        RAISE EXCEPTION 'flow: backoff must be positive and at most backoff_max (got % and %)', backoff, backoff_max
+            USING ERRCODE = 'FL015';
+    END IF;
+    IF max_elapsed <= interval '0' OR timeout <= interval '0' THEN
+        RAISE EXCEPTION 'flow: max_elapsed and timeout must be positive when given' USING ERRCODE = 'FL015';
+    END IF;
+    IF handler IS NOT NULL THEN
+        SELECT p.pronargs, p.proargtypes, p.prorettype, p.prokind, p.proretset INTO fn
+        FROM pg_proc p WHERE p.oid = handler;
+        IF NOT FOUND THEN
+            RAISE EXCEPTION 'flow: handler % does not exist', handler USING ERRCODE = '42883';
+        END IF;
+        IF fn.prokind <> 'f' OR fn.proretset
+           OR fn.prorettype NOT IN ('jsonb'::regtype, 'void'::regtype)
+           OR fn.pronargs NOT IN (1, 2)
+           OR fn.proargtypes[0] <> 'jsonb'::regtype
+           OR (fn.pronargs = 2 AND fn.proargtypes[1] <> 'flow.context'::regtype) THEN
+            RAISE EXCEPTION 'flow: handler % has the wrong signature', handler::text
+                USING ERRCODE = 'FL008',
+                      HINT = 'A handler is a function (args jsonb) or (args jsonb, ctx flow.context) returning jsonb or void.';
+        END IF;
+        takes_context := fn.pronargs = 2;
+        IF NOT has_function_privilege(caller, handler, 'EXECUTE') THEN
+            RAISE EXCEPTION 'flow: role % may not execute handler %', caller::regrole, handler::text
+                USING ERRCODE = '42501';
+        END IF;
+    END IF;
+
+    SELECT d.owner INTO existing_owner FROM flow._definitions d
+    WHERE d.name = _define.name ORDER BY d.version LIMIT 1;
+    IF existing_owner IS NOT NULL AND NOT pg_has_role(caller, existing_owner, 'MEMBER') THEN
+        RAISE EXCEPTION 'flow: definition % belongs to role %', name, existing_owner::regrole
+            USING ERRCODE = 'FL011';
+    END IF;
+
+    INSERT INTO flow._queues (name) VALUES (queue) ON CONFLICT DO NOTHING;
+    INSERT INTO flow._definitions AS d (name, version, handler, takes_context, owner, queue,
+        max_attempts, backoff, backoff_max, max_elapsed, timeout)
+    VALUES (name, version, handler, takes_context, coalesce(existing_owner, caller), queue,
+        max_attempts, backoff, backoff_max, max_elapsed, timeout)
+    ON CONFLICT ON CONSTRAINT _definitions_pkey DO UPDATE SET
+        handler = excluded.handler, takes_context = excluded.takes_context, queue = excluded.queue,
+        max_attempts = excluded.max_attempts, backoff = excluded.backoff,
+        backoff_max = excluded.backoff_max, max_elapsed = excluded.max_elapsed,
+        timeout = excluded.timeout, updated_at = now();
+END $$;
+
+CREATE FUNCTION flow._set_queue(caller oid, name text, concurrency integer, paused boolean) RETURNS void
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    PERFORM flow._require_name('queue', name);
+    IF concurrency IS NOT NULL AND concurrency < 1 THEN
+        RAISE EXCEPTION 'flow: queue concurrency must be 1 or more (NULL for no limit), got %', concurrency
+            USING ERRCODE = 'FL009';
+    END IF;
+    -- Queues are shared lanes; only the owners of definitions using them (or a superuser) tune them.
+    IF EXISTS (SELECT 1 FROM flow._definitions d WHERE d.queue = _set_queue.name
+               AND NOT pg_has_role(caller, d.owner, 'MEMBER')) THEN
+        RAISE EXCEPTION 'flow: queue % is used by another role''s definitions', name USING ERRCODE = 'FL011';
+    END IF;
+    INSERT INTO flow._queues AS q (name, concurrency, paused) VALUES (name, concurrency, coalesce(paused, false))
+    ON CONFLICT ON CONSTRAINT _queues_pkey DO UPDATE SET concurrency = excluded.concurrency,
+        paused = coalesce(_set_queue.paused, q.paused), updated_at = now();
+    PERFORM flow._wake();
+END $$;
+
+-- ---------------------------------------------------------------- enqueue
+
+-- Resolve a definition: newest version unless one is named.
+CREATE FUNCTION flow._definition(name text, version integer) RETURNS flow._definitions
+LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    d flow._definitions;
+BEGIN
+    PERFORM flow._require_name('name', name);
+    SELECT * INTO d FROM flow._definitions x
+    WHERE x.name = _definition.name AND (_definition.version IS NULL OR x.version = _definition.version)
+    ORDER BY x.version DESC LIMIT 1;
+    IF NOT FOUND THEN
+        IF version IS NULL THEN
+            RAISE EXCEPTION 'flow: no definition named %', name USING ERRCODE = 'FL001';
+        END IF;
+        RAISE EXCEPTION 'flow: definition % has no version %', name, version USING ERRCODE = 'FL001';
+    END IF;
+    RETURN d;
+END $$;
+
+-- When a new command is first due, from start_after or run_at.
+CREATE FUNCTION flow._first_due(start_after interval, run_at timestamptz) RETURNS timestamptz
+LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF start_after IS NOT NULL AND run_at IS NOT NULL THEN
+        RAISE EXCEPTION 'flow: give start_after or run_at, not both' USING ERRCODE = 'FL006';
+    END IF;
+    IF start_after < interval '0' THEN
+        RAISE EXCEPTION 'flow: start_after must not be negative, got %', start_after USING ERRCODE = 'FL005';
+    END IF;
+    RETURN greatest(now(), coalesce(run_at, now() + coalesce(start_after, interval '0')));
+END $$;
+
+CREATE FUNCTION flow._deadline(deadline interval) RETURNS timestamptz
+LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF deadline <= interval '0' THEN
+        RAISE EXCEPTION 'flow: deadline % is already past', deadline USING ERRCODE = 'FL007';
+    END IF;
+    RETURN now() + deadline;
+END $$;
+
+CREATE FUNCTION flow._enqueue(caller oid, name text, args jsonb, key text, version integer, queue text,
+    start_after interval, run_at timestamptz, deadline interval)
+RETURNS uuid
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    d flow._definitions := flow._definition(name, version);
+    due timestamptz := flow._first_due(start_after, run_at);
+    ends timestamptz := flow._deadline(deadline);
+    lane text := coalesce(queue, d.queue);
+    run_id uuid := flow._new_id();
+    existing flow._runs;
+BEGIN
+    PERFORM flow._require_payload('args', args);
+    IF key IS NOT NULL AND btrim(key) = '' THEN
+        RAISE EXCEPTION 'flow: key must not be empty (NULL for none)' USING ERRCODE = 'FL002';
+    END IF;
+    PERFORM flow._require_name('queue', lane);
+    IF ends IS NOT NULL AND ends <= due THEN
+        RAISE EXCEPTION 'flow: deadline % passes before the run is due at %', ends, due USING ERRCODE = 'FL007';
+    END IF;
+    INSERT INTO flow._queues (name) VALUES (lane) ON CONFLICT DO NOTHING;
+
+    -- The run key makes enqueue idempotent: a concurrent insert of the same key
+    -- waits for the first to commit, then finds its row.
+    INSERT INTO flow._runs (id, key, owner, name, version, queue, args, deadline)
+    VALUES (run_id, key, caller, d.name, d.version, lane, args, ends)
+    ON CONFLICT ON CONSTRAINT _runs_owner_key_key DO NOTHING;
+    IF NOT FOUND THEN
+        SELECT * INTO existing FROM flow._runs r WHERE r.owner = caller AND r.key = _enqueue.key;
+        IF existing.name IS DISTINCT FROM d.name OR existing.version IS DISTINCT FROM d.version
+           OR existing.args IS DISTINCT FROM args OR existing.queue IS DISTINCT FROM lane THEN
+            RAISE EXCEPTION 'flow: run key % was already used for another declaration', key
+                USING ERRCODE = 'FL010',
+                      DETAIL = format('existing run %s is %s v%s on queue %s', existing.id, existing.name,
+                                      existing.version, existing.queue);
+        END IF;
+        RETURN existing.id;
+    END IF;
+
+    INSERT INTO flow._commands (id, run_id, key, name, version, queue, args, declaration, status,
+        next_run_at, not_before, budget_started_at, deadline)
+    VALUES (flow._new_id(), run_id, 'root', d.name, d.version, lane, args,
+        jsonb_build_object('name', d.name, 'version', d.version, 'args', args, 'queue', lane),
+        'pending', due, due, due, ends);
+    PERFORM flow._wake();
+    RETURN run_id;
+END $$;
+
+-- Many runs in one statement: set-based, no run keys.
+CREATE FUNCTION flow._enqueue_many(caller oid, name text, args_array jsonb[], version integer, queue text,
+    start_after interval, run_at timestamptz, deadline interval)
+RETURNS uuid[]
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    d flow._definitions := flow._definition(name, version);
+    due timestamptz := flow._first_due(start_after, run_at);
+    ends timestamptz := flow._deadline(deadline);
+    lane text := coalesce(queue, d.queue);
+    limit_bytes integer := flow._max_payload_bytes();
+    bad record;
+    ids uuid[];
+BEGIN
+    IF args_array IS NULL THEN
+        RAISE EXCEPTION 'flow: args_array must not be NULL' USING ERRCODE = 'FL003';
+    END IF;
+    PERFORM flow._require_name('queue', lane);
+    IF ends IS NOT NULL AND ends <= due THEN
+        RAISE EXCEPTION 'flow: deadline % passes before the runs are due at %', ends, due USING ERRCODE = 'FL007';
+    END IF;
+    SELECT i, a INTO bad FROM unnest(args_array) WITH ORDINALITY AS t(a, i)
+    WHERE a IS NULL OR jsonb_typeof(a) <> 'object' OR octet_length(a::text) > limit_bytes
+    LIMIT 1;
+    IF FOUND THEN
+        IF bad.a IS NULL OR jsonb_typeof(bad.a) <> 'object' THEN
+            RAISE EXCEPTION 'flow: args_array[%] must be a JSON object', bad.i USING ERRCODE = 'FL003';
+        END IF;
+        RAISE EXCEPTION 'flow: args_array[%] is over flow.max_result_bytes (% bytes)', bad.i, limit_bytes
+            USING ERRCODE = 'FL004';
+    END IF;
+    INSERT INTO flow._queues (name) VALUES (lane) ON CONFLICT DO NOTHING;
+
+    WITH items AS (
+        SELECT flow._new_id() AS run_id, flow._new_id() AS command_id, a AS args, i
+        FROM unnest(args_array) WITH ORDINALITY AS t(a, i)
+    ), runs AS (
+        INSERT INTO flow._runs (id, owner, name, version, queue, args, deadline)
+        SELECT run_id, caller, d.name, d.version, lane, args, ends FROM items
+    ), commands AS (
+        INSERT INTO flow._commands (id, run_id, key, name, version, queue, args, declaration, status,
+            next_run_at, not_before, budget_started_at, deadline)
+        SELECT command_id, run_id, 'root', d.name, d.version, lane, args,
+            jsonb_build_object('name', d.name, 'version', d.version, 'args', args, 'queue', lane),
+            'pending', due, due, due, ends
+        FROM items
+    )
+    SELECT array_agg(run_id ORDER BY i) INTO ids FROM items;
+    PERFORM flow._wake();
+    RETURN coalesce(ids, '{}');
+END $$;
+
+-- ---------------------------------------------------------------- claim
+
+-- Retry delay: exponential from `backoff`, jittered by ±25 %, kept within
+-- [backoff, backoff_max]. Computed in seconds so huge attempt numbers cannot
+-- overflow an interval.
+CREATE FUNCTION flow._backoff(backoff interval, backoff_max interval, attempt integer) RETURNS interval
+LANGUAGE sql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT make_interval(secs => greatest(extract(epoch FROM backoff),
+        least(extract(epoch FROM backoff_max),
+              extract(epoch FROM backoff) * power(2, least(greatest(attempt - 1, 0), 60))
+                  * (0.75 + random() * 0.5)))::double precision)
+$$;
+
+-- The context a handler or external worker sees for a command in its current attempt.
+CREATE FUNCTION flow._context(c flow._commands) RETURNS flow.context
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT ROW(c.run_id, (SELECT r.key FROM flow._runs r WHERE r.id = c.run_id), c.id, c.key, c.name,
+               c.version, c.queue, c.attempts, c.attempt_deadline,
+               coalesce((SELECT jsonb_agg(jsonb_build_object('name', w.name, 'key', w.key,
+                                 'payload', e.payload, 'position', e.position) ORDER BY w.name, w.key)
+                         FROM flow._waits w JOIN flow._events e ON e.position = w.event_position
+                         WHERE w.command_id = c.id), '[]'::jsonb),
+               c.wait_timed_out,
+               coalesce((SELECT jsonb_agg(jsonb_build_object('name', w.name, 'key', w.key) ORDER BY w.name, w.key)
+                         FROM flow._waits w WHERE w.command_id = c.id AND w.event_position IS NULL),
+                        '[]'::jsonb))::flow.context
+$$;
+
+-- Claim up to max_count due commands in one short transaction (rule 3): the
+-- attempt is counted and its lease recorded before any handler runs.
+-- In-database workers pass their pid and backend start (names NULL: commands
+-- with an SQL handler); external workers pass definition names and a lease.
+-- Fairness (rule 2): every unpaused queue with due work offers its head, in
+-- (next_run_at, id) order, up to its free concurrency; candidates are then
+-- interleaved round-robin across queues, starting at queue number `turn`.
+CREATE FUNCTION flow._claim(owner_name text, owner_pid integer, owner_started timestamptz,
+    max_count integer, lease interval, names text[], turn integer)
+RETURNS SETOF flow.claimed_command
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    lanes text[];
+BEGIN
+    -- index _commands_due: one probe per queue
+    SELECT array_agg(q.name ORDER BY q.name) INTO lanes
+    FROM flow._queues q
+    WHERE NOT q.paused AND EXISTS (
+        SELECT 1 FROM flow._commands c
+        WHERE c.queue = q.name AND c.status IN ('pending', 'waiting') AND c.next_run_at <= now());
+    IF lanes IS NULL THEN
+        RETURN;
+    END IF;
+    -- Claims on limited queues serialize here, so the running counts read by
+    -- the next statement (a fresh snapshot) are exact across all workers.
+    PERFORM 1 FROM flow._queues q
+    WHERE q.name = ANY (lanes) AND q.concurrency IS NOT NULL ORDER BY q.name FOR UPDATE;
+
+    RETURN QUERY
+    WITH lane AS (
+        SELECT q.name,
+               (row_number() OVER (ORDER BY q.name) - 1)::integer AS ord,
+               CASE WHEN q.concurrency IS NULL THEN max_count
+                    ELSE greatest(0, q.concurrency - (
+                        SELECT count(*) FROM flow._commands r       -- index _commands_running
+                        WHERE r.queue = q.name AND r.status = 'running'))::integer
+               END AS room
+        FROM flow._queues q WHERE q.name = ANY (lanes)
+    ), candidate AS (
+        SELECT h.id, l.ord, row_number() OVER (PARTITION BY l.ord ORDER BY h.next_run_at, h.id) AS rank
+        FROM lane l CROSS JOIN LATERAL (
+            SELECT c.id, c.next_run_at
+            FROM flow._commands c                                   -- index _commands_due
+            JOIN flow._definitions d ON d.name = c.name AND d.version = c.version
+            WHERE c.queue = l.name AND c.status IN ('pending', 'waiting') AND c.next_run_at <= now()
+              AND CASE WHEN names IS NULL THEN d.handler IS NOT NULL
+                       ELSE d.handler IS NULL AND d.name = ANY (names) END
+            ORDER BY c.next_run_at, c.id
+            LIMIT least(l.room, max_count)
+            FOR UPDATE OF c SKIP LOCKED
+        ) h
+        WHERE l.room > 0
+    ), picked AS (
+        SELECT p.id FROM candidate p
+        ORDER BY p.rank, ((p.ord - turn) % cardinality(lanes) + cardinality(lanes)) % cardinality(lanes)
+        LIMIT max_count
+    ), claimed AS (
+        UPDATE flow._commands c SET
+            status = 'running',
+            attempts = c.attempts + 1,
+            attempt_started_at = now(),
+            lease_token = gen_random_uuid(),
+            lease_owner = owner_name,
+            lease_pid = owner_pid,
+            lease_backend_start = owner_started,
+            attempt_deadline = least(now() + d.timeout, c.budget_started_at + d.max_elapsed, c.deadline),
+            lease_expires_at = CASE WHEN owner_pid IS NULL THEN now() + lease
+                                    ELSE coalesce(least(now() + d.timeout, c.budget_started_at + d.max_elapsed,
+                                                        c.deadline), 'infinity') END,
+            wait_timed_out = c.wait_timed_out OR c.status = 'waiting'
+        FROM picked p, flow._definitions d
+        WHERE c.id = p.id AND d.name = c.name AND d.version = c.version
+        RETURNING c AS cmd, d.handler::oid AS handler_oid, d.owner AS handler_owner
+    )
+    SELECT (k.cmd).id, (k.cmd).run_id, (k.cmd).name, (k.cmd).version, (k.cmd).queue, (k.cmd).args,
+           (k.cmd).attempts, (k.cmd).lease_token, (k.cmd).lease_expires_at, (k.cmd).attempt_deadline,
+           k.handler_oid, k.handler_owner, flow._context(k.cmd)
+    FROM claimed k;
+END $$;
+
+-- Milliseconds until the next command becomes due (NULL: none scheduled), so
+-- an idle worker sleeps exactly that long (rule 1).
+CREATE FUNCTION flow._next_due_ms() RETURNS bigint
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT (extract(epoch FROM min(h.next_run_at) - clock_timestamp()) * 1000)::bigint
+    FROM flow._queues q CROSS JOIN LATERAL (
+        SELECT c.next_run_at FROM flow._commands c                  -- index _commands_due
+        WHERE c.queue = q.name AND c.status IN ('pending', 'waiting') AND c.next_run_at < 'infinity'
+        ORDER BY c.next_run_at LIMIT 1) h
+    WHERE NOT q.paused
+$$;
+
+-- ---------------------------------------------------------------- settle
+
+-- Cut a message to at most 1 KiB of UTF-8 without splitting a character.
+CREATE FUNCTION flow._cut_message(message text) RETURNS text
+LANGUAGE plpgsql IMMUTABLE SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    cut text := left(message, 1024);
+BEGIN
+    WHILE octet_length(cut) > 1024 LOOP
+        cut := left(cut, length(cut) - greatest(1, (octet_length(cut) - 1024) / 4));
+    END LOOP;
+    RETURN cut;
+END $$;
+
+-- Lock the run of a command. Every settlement of a run takes this lock first,
+-- so exactly one of them sees the run's last command finish (rule 7).
+CREATE FUNCTION flow._lock_run_of(command_id uuid) RETURNS flow._runs
+LANGUAGE sql SET search_path = pg_catalog, pg_temp AS $$
+    SELECT r.* FROM flow._runs r
+    WHERE r.id = (SELECT c.run_id FROM flow._commands c WHERE c.id = command_id)
+    FOR UPDATE
+$$;
+
+-- Close every unfinished command of a run (cancel or run failure). A running
+-- one gets an attempt row; its worker's later settlement finds no lease.
+CREATE FUNCTION flow._close_open_commands(run_id uuid, reason text) RETURNS void
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    INSERT INTO flow._attempts (command_id, attempt, lease_token, owner, started_at, finished_at,
+        outcome, error_code, error_message)
+    SELECT c.id, c.attempts, c.lease_token, c.lease_owner, c.attempt_started_at, now(), 'cancelled',
+           reason, 'the run ended while this attempt ran'
+    FROM flow._commands c WHERE c.run_id = _close_open_commands.run_id AND c.status = 'running';
+    UPDATE flow._commands c SET status = 'cancelled', stop_reason = reason, finished_at = now(),
+        lease_token = NULL, lease_owner = NULL, lease_pid = NULL, lease_backend_start = NULL,
+        lease_expires_at = NULL, attempt_started_at = NULL, attempt_deadline = NULL
+    WHERE c.run_id = _close_open_commands.run_id AND c.finished_at IS NULL;
+END $$;
+
+CREATE FUNCTION flow._finish_run_if_done(run_id uuid) RETURNS void
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM flow._commands c
+                   WHERE c.run_id = _finish_run_if_done.run_id AND c.finished_at IS NULL) THEN
+        UPDATE flow._runs r SET status = 'succeeded', finished_at = now(),
+            result = (SELECT c.result FROM flow._commands c WHERE c.run_id = r.id AND c.parent_id IS NULL)
+        WHERE r.id = _finish_run_if_done.run_id AND r.status = 'running';
+    END IF;
+END $$;
+
+-- Settle a successful attempt. Returns 'succeeded', or 'expired' when the
+-- lease is no longer held (lost, cancelled, already settled): nothing changes.
+CREATE FUNCTION flow._settle_success(command_id uuid, lease_token uuid, result jsonb) RETURNS text
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    done record;
+BEGIN
+    PERFORM flow._lock_run_of(command_id);
+    UPDATE flow._commands c SET status = 'succeeded', result = _settle_success.result, finished_at = now(),
+        lease_token = NULL, lease_owner = NULL, lease_pid = NULL, lease_backend_start = NULL,
+        lease_expires_at = NULL, attempt_started_at = NULL, attempt_deadline = NULL
+    FROM (SELECT x.id, x.attempt_started_at, x.lease_owner FROM flow._commands x
+          WHERE x.id = _settle_success.command_id AND x.status = 'running'
+            AND x.lease_token = _settle_success.lease_token
+          FOR UPDATE) old
+    WHERE c.id = old.id
+    RETURNING c.run_id, c.attempts, old.attempt_started_at, old.lease_owner INTO done;
+    IF NOT FOUND THEN
+        RETURN 'expired';
+    END IF;
+    INSERT INTO flow._attempts (command_id, attempt, lease_token, owner, started_at, finished_at, outcome)
+    VALUES (command_id, done.attempts, lease_token, done.lease_owner, done.attempt_started_at, now(), 'succeeded');
+    PERFORM flow._finish_run_if_done(done.run_id);
+    PERFORM flow._wake();
+    RETURN 'succeeded';
+END $$;
+
+-- Settle a failed attempt and apply the retry policy (rules 5-6). outcome is
+-- the class: permanent, retry_after, timeout, interrupted, lease_lost, crash,
+-- retryable. Returns 'retry', 'failed', or 'expired' (lease not held: no change).
+CREATE FUNCTION flow._settle_failure(command_id uuid, lease_token uuid, outcome text, code text,
+    message text, retry_delay interval DEFAULT NULL)
+RETURNS text
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    c flow._commands;
+    d flow._definitions;
+    next_at timestamptz;
+    stop text;
+    cut text := flow._cut_message(coalesce(message, code));
+BEGIN
+    PERFORM flow._lock_run_of(command_id);
+    SELECT * INTO c FROM flow._commands x
+    WHERE x.id = _settle_failure.command_id AND x.status = 'running' AND x.lease_token = _settle_failure.lease_token
+    FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN 'expired';
+    END IF;
+    SELECT * INTO d FROM flow._definitions x WHERE x.name = c.name AND x.version = c.version;
+
+    IF outcome = 'permanent' THEN
+        stop := 'permanent';
+    ELSIF c.attempts >= d.max_attempts THEN
+        stop := 'attempt_limit';
+    ELSE
+        next_at := now() + CASE WHEN outcome = 'retry_after' AND retry_delay > interval '0' THEN retry_delay
+                                ELSE flow._backoff(d.backoff, d.backoff_max, c.attempts) END;
+        IF d.max_elapsed IS NOT NULL AND next_at > c.budget_started_at + d.max_elapsed THEN
+            stop := 'elapsed_limit';
+        ELSIF c.deadline IS NOT NULL AND next_at >= c.deadline THEN
+            stop := 'deadline_before_next_attempt';
+        END IF;
+    END IF;
+
+    INSERT INTO flow._attempts (command_id, attempt, lease_token, owner, started_at, finished_at,
+        outcome, error_code, error_message)
+    VALUES (c.id, c.attempts, c.lease_token, c.lease_owner, c.attempt_started_at, now(), outcome, code, cut);
+    UPDATE flow._commands x SET
+        status = CASE WHEN stop IS NULL THEN 'pending' ELSE 'failed' END::flow.command_status,
+        next_run_at = coalesce(next_at, x.next_run_at),
+        finished_at = CASE WHEN stop IS NULL THEN NULL ELSE now() END,
+        stop_reason = stop, last_error_code = code, last_error_message = cut,
+        lease_token = NULL, lease_owner = NULL, lease_pid = NULL, lease_backend_start = NULL,
+        lease_expires_at = NULL, attempt_started_at = NULL, attempt_deadline = NULL
+    WHERE x.id = c.id;
+
+    IF stop IS NOT NULL THEN
+        -- A terminal failure fails the run and cancels its other commands (rule 7).
+        UPDATE flow._runs r SET status = 'failed', finished_at = now(),
+            error = jsonb_build_object('command_id', c.id, 'command_key', c.key, 'name', c.name,
+                                       'code', code, 'message', cut, 'stop_reason', stop)
+        WHERE r.id = c.run_id AND r.status = 'running';
+        PERFORM flow._close_open_commands(c.run_id, 'run_failed');
+    END IF;
+    PERFORM flow._wake();
+    RETURN CASE WHEN stop IS NULL THEN 'retry' ELSE 'failed' END;
+END $$;
+
+-- Conclude attempts whose owner is provably gone (rule 8): an in-database
+-- worker whose (pid, backend start) no longer exists, or an external lease
+-- past its expiry by the database clock. Returns how many were concluded.
+CREATE FUNCTION flow._recover() RETURNS integer
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    lost record;
+    concluded integer := 0;
+BEGIN
+    FOR lost IN
+        SELECT c.id, c.lease_token, c.lease_pid IS NULL AS external
+        FROM flow._commands c                                       -- index _commands_running
+        WHERE c.status = 'running'
+          AND CASE WHEN c.lease_pid IS NULL THEN c.lease_expires_at < now()
+                   ELSE NOT EXISTS (SELECT 1 FROM pg_stat_activity a
+                                    WHERE a.pid = c.lease_pid AND a.backend_start = c.lease_backend_start) END
+    LOOP
+        IF flow._settle_failure(lost.id, lost.lease_token,
+               CASE WHEN lost.external THEN 'lease_lost' ELSE 'interrupted' END,
+               CASE WHEN lost.external THEN 'lease_lost' ELSE 'owner_died' END,
+               CASE WHEN lost.external THEN 'the lease expired before the command was settled'
+                    ELSE 'the worker running this attempt exited before settling it' END) <> 'expired' THEN
+            concluded := concluded + 1;
+        END IF;
+    END LOOP;
+    RETURN concluded;
+END $$;
+
+-- ---------------------------------------------------------------- run control, events, children
+
+CREATE FUNCTION flow._cancel(caller oid, run_id uuid) RETURNS boolean
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    r flow._runs;
+BEGIN
+    SELECT * INTO r FROM flow._runs x WHERE x.id = run_id FOR UPDATE;
+    PERFORM flow._require_member(caller, r.owner, 'run', run_id);
+    IF r.status <> 'running' THEN
+        RETURN false;
+    END IF;
+    UPDATE flow._runs x SET status = 'cancelled', finished_at = now() WHERE x.id = run_id;
+    PERFORM flow._close_open_commands(run_id, 'cancelled');
+    RETURN true;
+END $$;
+
+CREATE TYPE flow.run_outcome AS (status flow.run_status, result jsonb, error jsonb);
+
+-- Block until the run is terminal or the timeout passes (then status is
+-- 'running'). Polls with a growing pause (1 ms → 50 ms); each poll is a new
+-- snapshot, so call it outside a REPEATABLE READ transaction.
+CREATE FUNCTION flow._await(caller oid, run_id uuid, timeout interval) RETURNS flow.run_outcome
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    r flow._runs;
+    give_up timestamptz := clock_timestamp() + coalesce(timeout, interval '0');
+    pause double precision := 0.001;
+BEGIN
+    IF timeout < interval '0' THEN
+        RAISE EXCEPTION 'flow: await timeout must not be negative, got %', timeout USING ERRCODE = 'FL005';
+    END IF;
+    LOOP
+        SELECT * INTO r FROM flow._runs x WHERE x.id = run_id;
+        PERFORM flow._require_member(caller, r.owner, 'run', run_id);
+        EXIT WHEN r.status <> 'running' OR clock_timestamp() >= give_up;
+        PERFORM pg_sleep(least(pause, extract(epoch FROM give_up - clock_timestamp())));
+        pause := least(pause * 2, 0.05);
+    END LOOP;
+    RETURN ROW(r.status, r.result, r.error)::flow.run_outcome;
+END $$;
+
+-- Commands waiting on (name, key) events and journal reads of them serialize
+-- on this lock, so a wait created while the event is being emitted is never
+-- missed by both sides.
+CREATE FUNCTION flow._lock_event_key(name text, key text) RETURNS void
+LANGUAGE sql SET search_path = pg_catalog, pg_temp AS $$
+    SELECT pg_advisory_xact_lock(hashtextextended('flow.event:' || name || ':' || key, 0))
+$$;
+
+-- Mark the open waits of one command satisfied by the newest journal entries
+-- and make it due when none is left open.
+CREATE FUNCTION flow._promote_if_satisfied(command_id uuid) RETURNS void
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    UPDATE flow._commands c SET status = 'pending', next_run_at = greatest(c.not_before, now())
+    WHERE c.id = command_id AND c.status = 'waiting'
+      AND NOT EXISTS (SELECT 1 FROM flow._waits w WHERE w.command_id = c.id AND w.event_position IS NULL);
+END $$;
+
+CREATE FUNCTION flow._emit(caller oid, name text, key text, payload jsonb) RETURNS bigint
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    emitter uuid := flow._current_command();
+    pos bigint;
+    waiting uuid;
+BEGIN
+    PERFORM flow._require_name('event name', name);
+    IF key IS NULL THEN
+        RAISE EXCEPTION 'flow: event key must not be NULL' USING ERRCODE = 'FL002';
+    END IF;
+    PERFORM flow._require_payload('event payload', payload, false);
+    PERFORM flow._lock_event_key(name, key);
+    -- Inside a handler the event rides in the handler's transaction: it is
+    -- journaled only if the attempt settles successfully.
+    INSERT INTO flow._events (id, name, key, payload, owner, run_id, command_id)
+    VALUES (flow._new_id(), name, key, payload, caller,
+            (SELECT c.run_id FROM flow._commands c WHERE c.id = emitter), emitter)
+    RETURNING position INTO pos;
+    FOR waiting IN
+        UPDATE flow._waits w SET event_position = pos, satisfied_at = now()
+        WHERE w.name = _emit.name AND w.key = _emit.key AND w.event_position IS NULL   -- index _waits_open
+        RETURNING w.command_id
+    LOOP
+        PERFORM flow._promote_if_satisfied(waiting);
+    END LOOP;
+    PERFORM flow._wake();
+    RETURN pos;
+END $$;
+
+CREATE FUNCTION flow._spawn(caller oid, name text, args jsonb, key text, start_after interval,
+    waits flow.wait_spec[], within interval, version integer, queue text)
+RETURNS uuid
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    parent flow._commands;
+    d flow._definitions;
+    due timestamptz := flow._first_due(start_after, NULL);
+    lane text;
+    spec flow.wait_spec;
+    declared jsonb;
+    child uuid := flow._new_id();
+    existing flow._commands;
+    journaled bigint;
+BEGIN
+    SELECT * INTO parent FROM flow._commands c WHERE c.id = flow._current_command();
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'flow: spawn is only possible inside a running handler' USING ERRCODE = 'FL012',
+            HINT = 'Use flow.enqueue to start a new run.';
+    END IF;
+    d := flow._definition(name, version);
+    lane := coalesce(queue, d.queue);
+    PERFORM flow._require_name('queue', lane);
+    PERFORM flow._require_name('key', key);
+    PERFORM flow._require_payload('args', args);
+    IF within <= interval '0' THEN
+        RAISE EXCEPTION 'flow: within must be positive, got %', within USING ERRCODE = 'FL005';
+    END IF;
+    FOREACH spec IN ARRAY coalesce(waits, '{}') LOOP
+        PERFORM flow._require_name('wait name', spec.name);
+        IF spec.key IS NULL THEN
+            RAISE EXCEPTION 'flow: wait key must not be NULL' USING ERRCODE = 'FL002';
+        END IF;
+    END LOOP;
+    declared := jsonb_build_object('name', d.name, 'version', d.version, 'args', args, 'queue', lane,
+        'start_after', start_after, 'within', within,
+        'waits', (SELECT coalesce(jsonb_agg(DISTINCT jsonb_build_object('name', w.name, 'key', w.key)), '[]')
+                  FROM unnest(waits) w));
+    INSERT INTO flow._queues (name) VALUES (lane) ON CONFLICT DO NOTHING;
+
+    INSERT INTO flow._commands (id, run_id, parent_id, key, name, version, queue, args, declaration, status,
+        next_run_at, not_before, budget_started_at, deadline)
+    VALUES (child, parent.run_id, parent.id, key, d.name, d.version, lane, args, declared,
+        CASE WHEN cardinality(waits) > 0 THEN 'waiting' ELSE 'pending' END::flow.command_status,
+        CASE WHEN cardinality(waits) > 0 THEN coalesce(greatest(now() + within, due), 'infinity') ELSE due END,
+        due, due, parent.deadline)
+    ON CONFLICT ON CONSTRAINT _commands_run_id_key_key DO NOTHING;
+    IF NOT FOUND THEN
+        -- Keys are unique within a run: the same declaration again is a no-op
+        -- (a retried attempt re-spawns safely), another one is an invalid decision.
+        SELECT * INTO existing FROM flow._commands c WHERE c.run_id = parent.run_id AND c.key = _spawn.key;
+        IF existing.declaration IS DISTINCT FROM declared THEN
+            PERFORM flow._decide('permanent', 'invalid_decision',
+                format('flow: child key %s was already spawned with another declaration', key), NULL);
+            RAISE EXCEPTION 'flow: child key % was already spawned with another declaration', key
+                USING ERRCODE = 'FL016';
+        END IF;
+        RETURN existing.id;
+    END IF;
+
+    FOR spec IN SELECT DISTINCT w.name, w.key FROM unnest(waits) w ORDER BY 1, 2 LOOP
+        PERFORM flow._lock_event_key(spec.name, spec.key);
+        -- An event emitted before the wait existed satisfies it from the journal.
+        SELECT max(e.position) INTO journaled FROM flow._events e      -- index _events_name_key
+        WHERE e.name = spec.name AND e.key = spec.key;
+        INSERT INTO flow._waits (command_id, name, key, event_position, satisfied_at)
+        VALUES (child, spec.name, spec.key, journaled, CASE WHEN journaled IS NOT NULL THEN now() END);
+    END LOOP;
+    PERFORM flow._promote_if_satisfied(child);
+    PERFORM flow._wake();
+    RETURN child;
+END $$;

@@ -1,0 +1,212 @@
+-- flow's schema: tables, types, indexes and the engine's SQL.
+--
+-- Everything here runs as the extension owner (a superuser). Ordinary roles get
+-- no privileges on the tables; they act through the functions below, which are
+-- SECURITY DEFINER with a pinned search_path, and read through views that show
+-- each role only its own rows.
+--
+-- Error codes (SQLSTATE class FL, see README "Errors"):
+--   FL001 unknown definition or version       FL010 run key reused with another declaration
+--   FL002 NULL or empty name                  FL011 not the owner
+--   FL003 args/payload not a JSON object      FL012 needs a running handler
+--   FL004 payload over flow.max_result_bytes  FL013 lease lost or token wrong
+--   FL005 negative or zero delay              FL014 unknown run or command
+--   FL006 run_at together with start_after    FL015 invalid retry policy
+--   FL007 deadline already passed             FL016 invalid decision (conflicting spawn)
+--   FL008 handler has the wrong signature     FL020 flow.fail(): permanent failure
+--   FL009 queue concurrency below 1           FL021 flow.retry_after(): retry later
+
+-- ---------------------------------------------------------------- types
+
+CREATE TYPE flow.run_status AS ENUM ('running', 'succeeded', 'failed', 'cancelled');
+
+CREATE TYPE flow.command_status AS ENUM
+    ('pending', 'waiting', 'running', 'succeeded', 'failed', 'cancelled', 'expired');
+
+-- What a handler receives as its optional second argument.
+CREATE TYPE flow.context AS (
+    run_id          uuid,
+    run_key         text,
+    command_id      uuid,
+    command_key     text,
+    name            text,
+    version         integer,
+    queue           text,
+    attempt         integer,
+    deadline        timestamptz,    -- when this attempt is cut off
+    inputs          jsonb,          -- {"event_name/key": payload, ...} of satisfied waits
+    wait_timed_out  boolean,        -- true when `within` passed before every wait was met
+    missing         jsonb           -- [{"name":..,"key":..}] waits that never arrived
+);
+
+-- An event a spawned command waits for; built by flow.wait(name, key).
+CREATE TYPE flow.wait_spec AS (name text, key text);
+
+-- One due command handed to a worker (in-database or external) by flow._claim.
+CREATE TYPE flow.claimed_command AS (
+    command_id        uuid,
+    run_id            uuid,
+    name              text,
+    version           integer,
+    queue             text,
+    args              jsonb,
+    attempt           integer,
+    lease_token       uuid,
+    lease_expires_at  timestamptz,
+    deadline          timestamptz,
+    handler           oid,
+    handler_owner     oid,
+    context           flow.context
+);
+
+-- ---------------------------------------------------------------- tables
+
+CREATE TABLE flow._queues (
+    name         text PRIMARY KEY CHECK (name <> ''),
+    concurrency  integer CHECK (concurrency >= 1),   -- NULL: no limit of its own
+    paused       boolean NOT NULL DEFAULT false,
+    updated_at   timestamptz NOT NULL DEFAULT now()
+);
+INSERT INTO flow._queues (name) VALUES ('default');
+
+CREATE TABLE flow._definitions (
+    name           text NOT NULL CHECK (name <> ''),
+    version        integer NOT NULL CHECK (version >= 1),
+    handler        regprocedure,                      -- NULL: external workers resolve it
+    takes_context  boolean NOT NULL DEFAULT false,
+    owner          oid NOT NULL,
+    queue          text NOT NULL REFERENCES flow._queues (name),
+    max_attempts   integer NOT NULL CHECK (max_attempts >= 1),
+    backoff        interval NOT NULL CHECK (backoff > interval '0'),
+    backoff_max    interval NOT NULL,
+    max_elapsed    interval CHECK (max_elapsed > interval '0'),
+    timeout        interval CHECK (timeout > interval '0'),
+    created_at     timestamptz NOT NULL DEFAULT now(),
+    updated_at     timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (name, version),
+    CHECK (backoff_max >= backoff),
+    CHECK (handler IS NOT NULL OR NOT takes_context)
+);
+
+CREATE TABLE flow._runs (
+    id           uuid PRIMARY KEY,
+    key          text CHECK (key <> ''),
+    owner        oid NOT NULL,
+    name         text NOT NULL,
+    version      integer NOT NULL,
+    queue        text NOT NULL,
+    args         jsonb NOT NULL,
+    status       flow.run_status NOT NULL DEFAULT 'running',
+    result       jsonb,
+    error        jsonb,                  -- {"command":..,"code":..,"message":..} when failed
+    deadline     timestamptz,
+    created_at   timestamptz NOT NULL DEFAULT now(),
+    finished_at  timestamptz,
+    FOREIGN KEY (name, version) REFERENCES flow._definitions (name, version),
+    UNIQUE (owner, key),
+    CHECK ((status = 'running') = (finished_at IS NULL)),
+    CHECK (status = 'succeeded' OR result IS NULL)
+);
+
+CREATE TABLE flow._commands (
+    id                uuid PRIMARY KEY,
+    run_id            uuid NOT NULL REFERENCES flow._runs (id) ON DELETE CASCADE,
+    parent_id         uuid REFERENCES flow._commands (id) ON DELETE CASCADE,
+    key               text NOT NULL CHECK (key <> ''),
+    name              text NOT NULL,
+    version           integer NOT NULL,
+    queue             text NOT NULL REFERENCES flow._queues (name),
+    args              jsonb NOT NULL,
+    declaration       jsonb NOT NULL,     -- what a re-spawn of the same key must match
+    status            flow.command_status NOT NULL,
+    next_run_at       timestamptz NOT NULL,  -- pending: due time; waiting: end of `within`
+    not_before        timestamptz NOT NULL,  -- start_after, kept while waiting
+    budget_started_at timestamptz NOT NULL,  -- max_elapsed counts from here
+    deadline          timestamptz,           -- the run's deadline, copied for the claim path
+    attempts          integer NOT NULL DEFAULT 0 CHECK (attempts >= 0),
+    -- the live lease (status = 'running' only)
+    attempt_started_at timestamptz,
+    lease_token       uuid,
+    lease_owner       text,
+    lease_pid         integer,              -- set for in-database workers
+    lease_backend_start timestamptz,        -- with lease_pid, proves the owner is alive
+    lease_expires_at  timestamptz,
+    attempt_deadline  timestamptz,
+    -- outcome
+    result            jsonb,
+    last_error_code   text,
+    last_error_message text,
+    stop_reason       text CHECK (stop_reason IN ('permanent', 'attempt_limit', 'elapsed_limit',
+                                   'deadline_before_next_attempt', 'cancelled', 'run_failed')),
+    wait_timed_out    boolean NOT NULL DEFAULT false,
+    created_at        timestamptz NOT NULL DEFAULT now(),
+    finished_at       timestamptz,
+    FOREIGN KEY (name, version) REFERENCES flow._definitions (name, version),
+    UNIQUE (run_id, key),
+    CHECK ((status = 'running') = (lease_token IS NOT NULL)),
+    CHECK ((status = 'running') = (lease_expires_at IS NOT NULL)),
+    CHECK ((status = 'running') = (attempt_started_at IS NOT NULL)),
+    CHECK (lease_pid IS NULL OR status = 'running'),
+    CHECK ((status IN ('succeeded', 'failed', 'cancelled', 'expired')) = (finished_at IS NOT NULL)),
+    CHECK (status = 'succeeded' OR result IS NULL),
+    CHECK (status <> 'running' OR attempts >= 1)
+);
+-- The claim path: due commands of one queue in (next_run_at, id) order.
+CREATE INDEX _commands_due ON flow._commands (queue, next_run_at, id)
+    WHERE status IN ('pending', 'waiting');
+-- Concurrency accounting and recovery of dead owners.
+CREATE INDEX _commands_running ON flow._commands (queue) WHERE status = 'running';
+CREATE INDEX _commands_parent ON flow._commands (parent_id) WHERE parent_id IS NOT NULL;
+
+-- One row per finished attempt (the live one is on the command row).
+CREATE TABLE flow._attempts (
+    command_id   uuid NOT NULL REFERENCES flow._commands (id) ON DELETE CASCADE,
+    attempt      integer NOT NULL CHECK (attempt >= 1),
+    lease_token  uuid NOT NULL,
+    owner        text NOT NULL,
+    started_at   timestamptz NOT NULL,
+    finished_at  timestamptz NOT NULL,
+    outcome      text NOT NULL CHECK (outcome IN ('succeeded', 'permanent', 'retry_after', 'timeout',
+                     'interrupted', 'lease_lost', 'crash', 'retryable', 'cancelled', 'expired')),
+    error_code   text,
+    error_message text CHECK (octet_length(error_message) <= 1024),
+    PRIMARY KEY (command_id, attempt),
+    CHECK (finished_at >= started_at)
+);
+
+-- The append-only event journal.
+CREATE TABLE flow._events (
+    position    bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    id          uuid NOT NULL UNIQUE,
+    name        text NOT NULL CHECK (name <> ''),
+    key         text NOT NULL,
+    payload     jsonb NOT NULL,
+    owner       oid NOT NULL,
+    run_id      uuid,           -- set when a handler emitted it
+    command_id  uuid,
+    emitted_at  timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX _events_name_key ON flow._events (name, key, position);
+
+CREATE TABLE flow._waits (
+    command_id      uuid NOT NULL REFERENCES flow._commands (id) ON DELETE CASCADE,
+    name            text NOT NULL,
+    key             text NOT NULL,
+    event_position  bigint REFERENCES flow._events (position),
+    satisfied_at    timestamptz,
+    PRIMARY KEY (command_id, name, key),
+    CHECK ((event_position IS NULL) = (satisfied_at IS NULL))
+);
+CREATE INDEX _waits_open ON flow._waits (name, key) WHERE event_position IS NULL;
+
+-- The journal is append-only, even for the extension owner's own code paths.
+CREATE FUNCTION flow._journal_is_append_only() RETURNS trigger
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    RAISE EXCEPTION 'flow: the event journal is append-only' USING ERRCODE = '55000';
+END $$;
+CREATE TRIGGER _events_append_only BEFORE UPDATE OR DELETE ON flow._events
+    FOR EACH ROW EXECUTE FUNCTION flow._journal_is_append_only();
+
+REVOKE ALL ON ALL TABLES IN SCHEMA flow FROM PUBLIC;
+GRANT USAGE ON SCHEMA flow TO PUBLIC;

@@ -1,0 +1,129 @@
+//! The Rust half of flow's SQL surface: small internal functions the SQL API
+//! (sql/*.sql) is built on. Public functions live in SQL; these are `flow._*`.
+
+use crate::{executor, gucs, shmem};
+use pgrx::prelude::*;
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+
+thread_local! {
+    /// Tickets handed out by `_ticket()` and not yet redeemed: ticket → role.
+    static TICKETS: RefCell<HashMap<i64, pg_sys::Oid>> = RefCell::new(HashMap::new());
+}
+
+/// Remember the current role under a random one-shot ticket. Called in the
+/// default expression of a public SECURITY DEFINER function, this runs in the
+/// caller's security context; `_redeem` then tells the function who called it.
+/// A role can only ever make tickets for itself.
+#[pg_extern(volatile, parallel_unsafe)]
+fn _ticket() -> i64 {
+    let ticket: i64 = rand::random();
+    let role = unsafe { pg_sys::GetUserId() };
+    TICKETS.with(|t| {
+        let mut t = t.borrow_mut();
+        // Tickets of calls that failed before redeeming are never used again.
+        if t.len() > 1024 {
+            t.clear();
+        }
+        t.insert(ticket, role);
+    });
+    ticket
+}
+
+/// Exchange a ticket for the role that made it. Each ticket works once.
+#[pg_extern(volatile, parallel_unsafe)]
+fn _redeem(ticket: Option<i64>) -> pg_sys::Oid {
+    let role = ticket.and_then(|ticket| TICKETS.with(|t| t.borrow_mut().remove(&ticket)));
+    match role {
+        Some(role) => role,
+        None => raise("42501", "flow: caller_ticket is not a ticket of this session; leave it to its default"),
+    }
+}
+
+/// Raise an ERROR with a SQLSTATE of flow's own class (pgrx's ereport only knows the standard ones).
+pub fn raise(sqlstate: &str, message: &str) -> ! {
+    Spi::run_with_args(
+        "SELECT flow._raise($1, $2)",
+        &[sqlstate.into(), message.into()],
+    )
+    .expect("flow._raise raises");
+    unreachable!("flow._raise returned")
+}
+
+/// Wake the idle workers when the current transaction commits.
+#[pg_extern(volatile, parallel_unsafe)]
+fn _wake() {
+    shmem::wake_at_commit();
+}
+
+/// A new time-ordered id (UUIDv7).
+#[pg_extern(volatile, parallel_safe)]
+fn _new_id() -> pgrx::Uuid {
+    pgrx::Uuid::from_bytes(*uuid::Uuid::now_v7().as_bytes())
+}
+
+/// flow.max_result_bytes, in bytes, for the SQL side's payload checks.
+#[pg_extern(stable, parallel_safe)]
+fn _max_payload_bytes() -> i32 {
+    gucs::max_result_bytes()
+}
+
+/// The command whose handler is running in this backend, NULL outside a handler.
+#[pg_extern(volatile, parallel_unsafe)]
+fn _current_command() -> Option<pgrx::Uuid> {
+    executor::current_command().map(pgrx::Uuid::from_bytes)
+}
+
+/// One row per configured worker, from shared memory.
+#[pg_extern(volatile, parallel_safe)]
+fn _worker_states() -> TableIterator<
+    'static,
+    (
+        name!(worker, i32),
+        name!(pid, Option<i32>),
+        name!(state, String),
+        name!(command_id, Option<pgrx::Uuid>),
+        name!(since, Option<TimestampWithTimeZone>),
+        name!(handled, i64),
+    ),
+> {
+    let table = *shmem::WORKERS.share();
+    let rows: Vec<_> = (0..gucs::workers())
+        .map(|i| {
+            let slot = table.slots[i];
+            let alive = slot.procno >= 0;
+            let state = match (alive, slot.busy) {
+                (false, _) => "stopped",
+                (true, false) => "idle",
+                (true, true) => "busy",
+            };
+            let command = (slot.command != [0; 16]).then(|| pgrx::Uuid::from_bytes(slot.command));
+            let since = alive.then(|| timestamp_from_pg(slot.since)).flatten();
+            (i as i32, alive.then_some(slot.pid), state.to_string(), command, since, slot.handled as i64)
+        })
+        .collect();
+    TableIterator::new(rows)
+}
+
+pub fn timestamp_from_pg(micros: i64) -> Option<TimestampWithTimeZone> {
+    unsafe { TimestampWithTimeZone::from_datum(pg_sys::Datum::from(micros), false) }
+}
+
+/// The engine's counters, one row each.
+#[pg_extern(volatile, parallel_safe)]
+fn _counters() -> TableIterator<'static, (name!(name, String), name!(value, i64))> {
+    let c = shmem::counters();
+    let rows = [
+        ("probes", &c.probes),
+        ("claimed", &c.claimed),
+        ("succeeded", &c.succeeded),
+        ("retried", &c.retried),
+        ("failed", &c.failed),
+        ("expired", &c.expired),
+        ("recovered", &c.recovered),
+        ("handler_us", &c.handler_us),
+    ]
+    .map(|(name, v)| (name.to_string(), v.load(Ordering::Relaxed) as i64));
+    TableIterator::new(rows)
+}

@@ -1,0 +1,384 @@
+//! Execute and settle claimed commands (engine rules 4–7).
+//!
+//! Each command runs in its own subtransaction inside the worker's batch
+//! transaction: the handler runs as its definition's owner with a pinned
+//! `search_path`, under the attempt deadline enforced by PostgreSQL's own
+//! statement-timeout timer. On success the settlement is written inside the
+//! same subtransaction, so the handler's writes, its events and children and
+//! the settlement commit together or not at all. When the lease is gone (the
+//! run was cancelled or failed meanwhile) the subtransaction is rolled back:
+//! the handler's writes never commit without their settlement.
+
+use crate::{gucs, shmem};
+use pgrx::datum::DatumWithOid;
+use pgrx::pg_sys::{self, PgBuiltInOids, PgOid};
+use pgrx::prelude::*;
+use pgrx::spi::OwnedPreparedStatement;
+use pgrx::{JsonB, PgTryBuilder};
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::ffi::c_int;
+
+/// A command claimed by this worker, as `flow._claim` handed it out.
+pub struct Claimed {
+    pub command_id: pgrx::Uuid,
+    pub run_id: pgrx::Uuid,
+    pub lease_token: pgrx::Uuid,
+    /// End of the attempt (PostgreSQL TimestampTz, µs), if any bound applies.
+    pub deadline: Option<i64>,
+    pub handler: pg_sys::Oid,
+    pub owner: pg_sys::Oid,
+    pub args: JsonB,
+    pub context: JsonB,
+}
+
+/// How an attempt ended.
+#[derive(Debug, PartialEq)]
+pub enum Settled {
+    Succeeded,
+    /// The lease was no longer ours: nothing was written.
+    Expired,
+    /// Settled as a failure; `retry` tells whether another attempt is scheduled.
+    Failed { retry: bool },
+}
+
+/// A failure's class (see `flow._settle_failure`), code and message.
+#[derive(Debug)]
+pub struct Failure {
+    pub class: &'static str,
+    pub code: String,
+    pub message: String,
+    pub delay_us: Option<i64>,
+}
+
+/// A decision a handler announced just before raising (flow.fail,
+/// flow.retry_after, an invalid spawn). pgrx reports flow's own SQLSTATEs as
+/// XX000, so the class travels beside the error; it only counts when the
+/// caught error carries the same message.
+#[derive(Clone)]
+struct Decision {
+    class: &'static str,
+    code: String,
+    message: String,
+    delay_us: Option<i64>,
+}
+
+thread_local! {
+    static CURRENT_COMMAND: Cell<Option<[u8; 16]>> = const { Cell::new(None) };
+    static DECISION: RefCell<Option<Decision>> = const { RefCell::new(None) };
+    static HANDLER_PLANS: RefCell<HashMap<u32, OwnedPreparedStatement>> = RefCell::new(HashMap::new());
+    static ENGINE_PLANS: RefCell<HashMap<&'static str, OwnedPreparedStatement>> = RefCell::new(HashMap::new());
+}
+
+/// The `search_path` every handler starts with, whatever the worker's own is.
+const PINNED_SEARCH_PATH: &std::ffi::CStr = c"\"$user\", public";
+
+// utils/timeout.h is not in pgrx-pg-sys 0.18.1. STATEMENT_TIMEOUT is 3 in
+// PostgreSQL 15's TimeoutId enum (re-check on a new major version).
+const STATEMENT_TIMEOUT: u32 = 3;
+unsafe extern "C-unwind" {
+    fn enable_timeout_after(id: u32, delay_ms: c_int);
+    fn disable_timeout(id: u32, keep_indicator: bool);
+    fn get_timeout_indicator(id: u32, reset_indicator: bool) -> bool;
+}
+
+pub fn current_command() -> Option<[u8; 16]> {
+    CURRENT_COMMAND.with(|c| c.get())
+}
+
+/// Called by flow.fail / flow.retry_after / a conflicting spawn before they raise.
+#[pg_extern(volatile, parallel_unsafe)]
+fn _decide(class: &str, code: &str, message: &str, delay_us: Option<i64>) {
+    decide(class, code, message, delay_us)
+}
+
+pub fn decide(class: &str, code: &str, message: &str, delay_us: Option<i64>) {
+    let class = match class {
+        "permanent" => "permanent",
+        "retry_after" => "retry_after",
+        _ => "retryable",
+    };
+    DECISION.with(|d| {
+        *d.borrow_mut() =
+            Some(Decision { class, code: code.to_string(), message: message.to_string(), delay_us })
+    });
+}
+
+/// Forget every cached plan: after an error outside a handler, or when the
+/// extension was dropped or upgraded under the worker.
+pub fn forget_plans() {
+    HANDLER_PLANS.with(|p| p.borrow_mut().clear());
+    ENGINE_PLANS.with(|p| p.borrow_mut().clear());
+}
+
+/// Run one of the engine's own statements through a plan kept across calls.
+pub fn engine_query<R>(
+    sql: &'static str,
+    types: &[PgOid],
+    args: &[DatumWithOid],
+    read: impl FnOnce(pgrx::spi::SpiTupleTable) -> R,
+) -> R {
+    Spi::connect_mut(|client| {
+        ENGINE_PLANS.with(|plans| {
+            let mut plans = plans.borrow_mut();
+            if !plans.contains_key(sql) {
+                let plan = client.prepare_mut(sql, types).unwrap_or_else(|e| error!("flow: {e}")).keep();
+                plans.insert(sql, plan);
+            }
+            let table = client.update(&plans[sql], None, args).unwrap_or_else(|e| error!("flow: {e}"));
+            read(table)
+        })
+    })
+}
+
+const UUID: PgOid = PgOid::BuiltIn(PgBuiltInOids::UUIDOID);
+const TEXT: PgOid = PgOid::BuiltIn(PgBuiltInOids::TEXTOID);
+const JSONB: PgOid = PgOid::BuiltIn(PgBuiltInOids::JSONBOID);
+const INT8: PgOid = PgOid::BuiltIn(PgBuiltInOids::INT8OID);
+
+/// Execute and settle one claimed command. The caller is in a transaction.
+pub fn execute(command: &Claimed) -> Settled {
+    let remaining_ms = command.deadline.map(|d| (d - unsafe { pg_sys::GetCurrentTimestamp() }) / 1000);
+    if let Some(ms) = remaining_ms.filter(|ms| *ms <= 0) {
+        return settle_failure(command, &timeout_failure(ms));
+    }
+
+    let (outer_context, outer_owner) = unsafe { (pg_sys::CurrentMemoryContext, pg_sys::CurrentResourceOwner) };
+    unsafe {
+        pg_sys::BeginInternalSubTransaction(std::ptr::null());
+        pg_sys::MemoryContextSwitchTo(outer_context);
+    }
+    DECISION.with(|d| d.borrow_mut().take());
+    let started = std::time::Instant::now();
+    let attempt = PgTryBuilder::new(|| {
+        CURRENT_COMMAND.with(|c| c.set(Some(*command.command_id.as_bytes())));
+        let result = as_owner(command.owner, || with_deadline(remaining_ms, || call_handler(command)));
+        CURRENT_COMMAND.with(|c| c.set(None));
+        if gucs::fault_point("before_settle") {
+            // Test-only: die with the handler's writes done and nothing settled.
+            unsafe { pg_sys::proc_exit(1) };
+        }
+        let size = result.as_ref().map(|r| serde_json::to_string(&r.0).map(|s| s.len()).unwrap_or(usize::MAX));
+        if let Some(size) = size.filter(|s| *s > gucs::max_result_bytes() as usize) {
+            return Err(Failure {
+                class: "permanent",
+                code: "result_too_large".into(),
+                message: format!("handler result is {size} bytes, over flow.max_result_bytes ({})", gucs::max_result_bytes()),
+                delay_us: None,
+            });
+        }
+        Ok(settle_success(command, result))
+    })
+    .catch_others(|caught| Err(classify(caught, command.deadline)))
+    .execute();
+    CURRENT_COMMAND.with(|c| c.set(None));
+    stop_deadline_timer();
+    shmem::bump(&shmem::counters().handler_us, started.elapsed().as_micros() as u64);
+
+    let keep = matches!(attempt, Ok(Settled::Succeeded));
+    unsafe {
+        if keep {
+            pg_sys::ReleaseCurrentSubTransaction();
+        } else {
+            pg_sys::RollbackAndReleaseCurrentSubTransaction();
+        }
+        pg_sys::MemoryContextSwitchTo(outer_context);
+        pg_sys::CurrentResourceOwner = outer_owner;
+    }
+    match attempt {
+        Ok(settled) => settled,
+        Err(failure) => settle_failure(command, &failure),
+    }
+}
+
+/// Run `f` as `owner` with the pinned search_path. On an ERROR the enclosing
+/// subtransaction's abort restores the user and the settings.
+fn as_owner<R>(owner: pg_sys::Oid, f: impl FnOnce() -> R) -> R {
+    unsafe {
+        let (mut saved_user, mut saved_context) = (pg_sys::InvalidOid, 0);
+        pg_sys::GetUserIdAndSecContext(&mut saved_user, &mut saved_context);
+        // SECURITY_LOCAL_USERID_CHANGE: the handler cannot SET ROLE / SET SESSION
+        // AUTHORIZATION its way back to the worker's superuser.
+        pg_sys::SetUserIdAndSecContext(owner, saved_context | pg_sys::SECURITY_LOCAL_USERID_CHANGE as c_int);
+        let nest = pg_sys::NewGUCNestLevel();
+        pg_sys::set_config_option(
+            c"search_path".as_ptr(),
+            PINNED_SEARCH_PATH.as_ptr(),
+            pg_sys::GucContext::PGC_USERSET,
+            pg_sys::GucSource::PGC_S_SESSION,
+            pg_sys::GucAction::GUC_ACTION_SAVE,
+            true,
+            0,
+            false,
+        );
+        let result = f();
+        // false even on success: a handler's own SET must not leak into the engine's SQL.
+        pg_sys::AtEOXact_GUC(false, nest);
+        pg_sys::SetUserIdAndSecContext(saved_user, saved_context);
+        result
+    }
+}
+
+fn with_deadline<R>(remaining_ms: Option<i64>, f: impl FnOnce() -> R) -> R {
+    if let Some(ms) = remaining_ms {
+        unsafe { enable_timeout_after(STATEMENT_TIMEOUT, ms.clamp(1, i32::MAX as i64) as c_int) };
+    }
+    let result = f();
+    stop_deadline_timer();
+    result
+}
+
+/// Disarm the attempt timer and drop a cancel it may have requested too late
+/// to hit the handler, so it cannot hit the engine's own SQL.
+fn stop_deadline_timer() {
+    unsafe {
+        disable_timeout(STATEMENT_TIMEOUT, false);
+        if get_timeout_indicator(STATEMENT_TIMEOUT, true) {
+            pg_sys::QueryCancelPending = 0;
+        }
+    }
+}
+
+/// Call the handler through a plan kept per handler function. SPI inlines SQL
+/// handlers and re-validates the plan when the function is replaced.
+fn call_handler(command: &Claimed) -> Option<JsonB> {
+    let key = command.handler.to_u32();
+    let missing = HANDLER_PLANS.with(|p| !p.borrow().contains_key(&key));
+    if missing {
+        let sql: String = Spi::get_one_with_args(
+            "SELECT format('SELECT %s%I.%I($1%s)',
+                           CASE WHEN p.prorettype = 'void'::regtype THEN 'NULL::jsonb FROM ' ELSE '' END,
+                           n.nspname, p.proname,
+                           CASE WHEN p.pronargs = 2
+                                THEN ', pg_catalog.jsonb_populate_record(NULL::flow.context, $2)' ELSE '' END)
+             FROM pg_catalog.pg_proc p JOIN pg_catalog.pg_namespace n ON n.oid = p.pronamespace
+             WHERE p.oid = $1",
+            &[command.handler.into()],
+        )
+        .unwrap_or_else(|e| error!("flow: {e}"))
+        .unwrap_or_else(|| error!("flow: handler function {} no longer exists", key));
+        let plan = Spi::connect_mut(|client| {
+            client.prepare_mut(sql.as_str(), &[JSONB, JSONB]).unwrap_or_else(|e| error!("flow: {e}")).keep()
+        });
+        HANDLER_PLANS.with(|p| p.borrow_mut().insert(key, plan));
+    }
+    Spi::connect_mut(|client| {
+        HANDLER_PLANS.with(|plans| {
+            let plans = plans.borrow();
+            let args = [DatumWithOid::from(JsonB(command.args.0.clone())), DatumWithOid::from(JsonB(command.context.0.clone()))];
+            client
+                .update(&plans[&key], Some(1), &args)
+                .and_then(|t| t.first().get_one::<JsonB>())
+                .unwrap_or_else(|e| error!("flow: {e}"))
+        })
+    })
+}
+
+fn settle_success(command: &Claimed, result: Option<JsonB>) -> Settled {
+    let status: Option<String> = engine_query(
+        "SELECT flow._settle_success($1, $2, $3)",
+        &[UUID, UUID, JSONB],
+        &[command.command_id.into(), command.lease_token.into(), result.into()],
+        |t| t.first().get_one().unwrap_or_else(|e| error!("flow: {e}")),
+    );
+    match status.as_deref() {
+        Some("succeeded") => {
+            shmem::bump(&shmem::counters().succeeded, 1);
+            Settled::Succeeded
+        }
+        _ => {
+            shmem::bump(&shmem::counters().expired, 1);
+            Settled::Expired
+        }
+    }
+}
+
+pub fn settle_failure(command: &Claimed, failure: &Failure) -> Settled {
+    let status: Option<String> = engine_query(
+        "SELECT flow._settle_failure($1, $2, $3, $4, $5,
+                CASE WHEN $6 IS NULL THEN NULL ELSE make_interval(secs => $6 / 1000000.0) END)",
+        &[UUID, UUID, TEXT, TEXT, TEXT, INT8],
+        &[
+            command.command_id.into(),
+            command.lease_token.into(),
+            failure.class.into(),
+            failure.code.as_str().into(),
+            failure.message.as_str().into(),
+            failure.delay_us.into(),
+        ],
+        |t| t.first().get_one().unwrap_or_else(|e| error!("flow: {e}")),
+    );
+    let counters = shmem::counters();
+    match status.as_deref() {
+        Some("retry") => {
+            shmem::bump(&counters.retried, 1);
+            Settled::Failed { retry: true }
+        }
+        Some("failed") => {
+            shmem::bump(&counters.failed, 1);
+            Settled::Failed { retry: false }
+        }
+        _ => {
+            shmem::bump(&counters.expired, 1);
+            Settled::Expired
+        }
+    }
+}
+
+fn timeout_failure(over_ms: i64) -> Failure {
+    Failure {
+        class: "timeout",
+        code: "attempt_timeout".into(),
+        message: if over_ms < 0 {
+            format!("the attempt deadline passed {} ms before the handler could start", -over_ms)
+        } else {
+            "the handler ran past its attempt deadline".into()
+        },
+        delay_us: None,
+    }
+}
+
+/// Classify a caught handler error (rule 5).
+fn classify(caught: pg_sys::panic::CaughtError, deadline: Option<i64>) -> Failure {
+    use pg_sys::panic::CaughtError;
+    let report = match &caught {
+        CaughtError::PostgresError(r) | CaughtError::ErrorReport(r) => r,
+        CaughtError::RustPanic { ereport, .. } => {
+            return Failure {
+                class: "crash",
+                code: "panic".into(),
+                message: ereport.message().to_string(),
+                delay_us: None,
+            }
+        }
+    };
+    let message = report.message().to_string();
+    if let Some(decision) = DECISION.with(|d| d.borrow_mut().take()).filter(|d| d.message == message) {
+        return Failure {
+            class: decision.class,
+            code: decision.code,
+            message: decision.message,
+            delay_us: decision.delay_us,
+        };
+    }
+    let code = report.sql_error_code();
+    if code == PgSqlErrorCode::ERRCODE_QUERY_CANCELED {
+        let now = unsafe { pg_sys::GetCurrentTimestamp() };
+        if message.contains("statement timeout") || deadline.is_some_and(|d| now >= d) {
+            return timeout_failure(0);
+        }
+        return Failure { class: "interrupted", code: "cancelled".into(), message, delay_us: None };
+    }
+    Failure { class: "retryable", code: sqlstate(code), message, delay_us: None }
+}
+
+/// The five-character SQLSTATE of an error code.
+fn sqlstate(code: PgSqlErrorCode) -> String {
+    let packed = code as i32;
+    (0..5).map(|i| ((((packed >> (6 * i)) & 0x3F) as u8) + b'0') as char).collect()
+}
+
+/// Ask for a log line at `flow.log_level`.
+pub fn log(message: &str) {
+    pgrx::ereport!(gucs::log_level(), PgSqlErrorCode::ERRCODE_SUCCESSFUL_COMPLETION, message.to_string());
+}

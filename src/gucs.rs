@@ -1,0 +1,157 @@
+//! flow's settings (postgresql.conf GUCs): one private static each, one `init()`
+//! that registers them, and typed accessors. Contexts are chosen on purpose:
+//! what sizes shared memory or the worker count needs a restart (Postmaster),
+//! what the workers read each turn reloads on SIGHUP, and the payload limit is
+//! per session so a superuser can raise it for one bulk load.
+
+use pgrx::{GucContext, GucFlags, GucRegistry, GucSetting};
+use std::ffi::CString;
+use std::time::Duration;
+
+/// The most workers a server can be configured with; sizes the shared worker table.
+pub const MAX_WORKERS: usize = 64;
+
+static DATABASE_NAME: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(c"postgres"));
+static WORKERS: GucSetting<i32> = GucSetting::<i32>::new(2);
+static ENABLED: GucSetting<bool> = GucSetting::<bool>::new(true);
+static POLL_INTERVAL_MS: GucSetting<i32> = GucSetting::<i32>::new(1000);
+static BATCH_SIZE: GucSetting<i32> = GucSetting::<i32>::new(100);
+static LEASE_DURATION_S: GucSetting<i32> = GucSetting::<i32>::new(300);
+static MAX_RESULT_BYTES: GucSetting<i32> = GucSetting::<i32>::new(256 * 1024);
+static LOG_LEVEL: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(c"debug1"));
+static FAULT_POINTS: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
+
+pub fn init() {
+    GucRegistry::define_string_guc(
+        c"flow.database_name",
+        c"Database the flow workers connect to.",
+        c"The database where CREATE EXTENSION flow was run. Workers wait calmly while the extension is missing.",
+        &DATABASE_NAME,
+        GucContext::Postmaster,
+        GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"flow.workers",
+        c"Number of flow background worker processes.",
+        c"Each worker runs one handler at a time; counts against max_worker_processes. 0 disables the in-database workers.",
+        &WORKERS,
+        0,
+        MAX_WORKERS as i32,
+        GucContext::Postmaster,
+        GucFlags::default(),
+    );
+    GucRegistry::define_bool_guc(
+        c"flow.enabled",
+        c"Whether flow workers claim and run work.",
+        c"off pauses every in-database worker without a restart; running handlers finish.",
+        &ENABLED,
+        GucContext::Sighup,
+        GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"flow.poll_interval",
+        c"Longest time an idle worker sleeps before looking for work again.",
+        c"Workers are woken at commit by enqueue, emit and settlement and sleep exactly until the next due command; this only bounds the sleep.",
+        &POLL_INTERVAL_MS,
+        10,
+        3_600_000,
+        GucContext::Sighup,
+        GucFlags::UNIT_MS,
+    );
+    GucRegistry::define_int_guc(
+        c"flow.batch_size",
+        c"Commands a worker claims per claim transaction.",
+        c"Larger batches pay fewer commits per command; each claimed command counts against its queue's concurrency until it settles.",
+        &BATCH_SIZE,
+        1,
+        10_000,
+        GucContext::Sighup,
+        GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"flow.lease_duration",
+        c"Default lease for external workers that do not pass one.",
+        c"An external lease expires by the database clock and its command is retried as lease_lost.",
+        &LEASE_DURATION_S,
+        1,
+        86_400,
+        GucContext::Sighup,
+        GucFlags::UNIT_S,
+    );
+    GucRegistry::define_int_guc(
+        c"flow.max_result_bytes",
+        c"Largest args, result or event payload flow stores, in bytes of JSON text.",
+        c"A handler result over the limit fails its command permanently; oversized args or payloads are rejected.",
+        &MAX_RESULT_BYTES,
+        1024,
+        1 << 30,
+        GucContext::Suset,
+        GucFlags::UNIT_BYTE,
+    );
+    GucRegistry::define_string_guc(
+        c"flow.log_level",
+        c"Server log level of flow's per-batch engine messages (debug1..log).",
+        c"Claims, settlements and recoveries are logged at this level.",
+        &LOG_LEVEL,
+        GucContext::Sighup,
+        GucFlags::default(),
+    );
+    GucRegistry::define_string_guc(
+        c"flow.fault_points",
+        c"Test-only fault injection: comma-separated fault point names.",
+        c"before_settle: the worker exits after running a handler and before settling it.",
+        &FAULT_POINTS,
+        GucContext::Suset,
+        GucFlags::default(),
+    );
+}
+
+pub fn database_name() -> String {
+    DATABASE_NAME
+        .get()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "postgres".into())
+}
+
+pub fn workers() -> usize {
+    WORKERS.get().max(0) as usize
+}
+
+pub fn enabled() -> bool {
+    ENABLED.get()
+}
+
+pub fn poll_interval() -> Duration {
+    Duration::from_millis(POLL_INTERVAL_MS.get() as u64)
+}
+
+pub fn batch_size() -> i32 {
+    BATCH_SIZE.get()
+}
+
+pub fn lease_duration() -> Duration {
+    Duration::from_secs(LEASE_DURATION_S.get() as u64)
+}
+
+pub fn max_result_bytes() -> i32 {
+    MAX_RESULT_BYTES.get()
+}
+
+/// The elog level for engine messages, from `flow.log_level`.
+pub fn log_level() -> pgrx::PgLogLevel {
+    let level = LOG_LEVEL.get().map(|s| s.to_string_lossy().to_ascii_lowercase());
+    match level.as_deref() {
+        Some("log") => pgrx::PgLogLevel::LOG,
+        Some("info") => pgrx::PgLogLevel::INFO,
+        Some("debug2") => pgrx::PgLogLevel::DEBUG2,
+        Some("debug3") | Some("debug4") | Some("debug5") => pgrx::PgLogLevel::DEBUG3,
+        _ => pgrx::PgLogLevel::DEBUG1,
+    }
+}
+
+pub fn fault_point(name: &str) -> bool {
+    FAULT_POINTS
+        .get()
+        .map(|s| s.to_string_lossy().split(',').any(|p| p.trim() == name))
+        .unwrap_or(false)
+}

@@ -1,0 +1,30 @@
+//! Built-in handlers compiled into the extension. A Rust handler is an ordinary
+//! `#[pg_extern]` function with a handler's signature, so `flow.define` takes it
+//! like any SQL function and the worker calls it the same way: this module is
+//! the registry. Add a handler here and define it with `flow.define`.
+
+use crate::api::raise;
+use pgrx::prelude::*;
+use pgrx::JsonB;
+
+/// Does nothing and returns NULL: for benchmarks and smoke tests.
+#[pg_extern(immutable, parallel_safe)]
+fn noop(_args: JsonB) -> Option<JsonB> {
+    None
+}
+
+/// Runs `args->>'sql'` as the definition's owner (the worker switches to the
+/// owner before calling any handler), pg_cron style. Returns
+/// `{"rows": <rows affected or returned>}`.
+#[pg_extern(volatile, parallel_unsafe)]
+fn run_sql(args: JsonB) -> JsonB {
+    let Some(sql) = args.0.get("sql").and_then(|v| v.as_str()) else {
+        let message = "flow.run_sql: args must be {\"sql\": \"<statement>\"}";
+        // Retrying cannot fix the args: fail permanently.
+        crate::executor::decide("permanent", "permanent", message, None);
+        raise("FL020", message);
+    };
+    let rows = Spi::connect_mut(|client| client.update(sql, None, &[]).map(|t| t.len()))
+        .unwrap_or_else(|e| pgrx::error!("flow.run_sql: {e}"));
+    JsonB(serde_json::json!({ "rows": rows }))
+}

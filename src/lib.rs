@@ -1,0 +1,75 @@
+//! flow: a durable job and workflow engine inside PostgreSQL.
+//!
+//! Layout: `gucs` (settings), `shmem` (worker table, counters, wake-ups),
+//! `api` (internal SQL functions the public SQL API in `sql/` stands on),
+//! `handlers` (built-in Rust handlers), `executor` (run and settle one
+//! claimed command), `worker` (the background worker loop).
+
+use pgrx::prelude::*;
+
+mod api;
+mod executor;
+mod gucs;
+mod handlers;
+mod shmem;
+mod worker;
+
+::pgrx::pg_module_magic!(name, version);
+
+extension_sql_file!("../sql/schema.sql", name = "schema", bootstrap);
+extension_sql_file!("../sql/engine.sql", name = "engine", requires = ["schema"]);
+extension_sql_file!("../sql/api.sql", name = "api", finalize);
+
+#[pg_guard]
+pub extern "C-unwind" fn _PG_init() {
+    // Shared memory and background workers exist only for preloaded libraries.
+    if !unsafe { pg_sys::process_shared_preload_libraries_in_progress } {
+        pgrx::error!(
+            "flow must be loaded via shared_preload_libraries: add shared_preload_libraries = 'flow' to postgresql.conf and restart"
+        );
+    }
+    gucs::init();
+    shmem::init();
+    worker::register();
+}
+
+#[cfg(any(test, feature = "pg_test"))]
+#[pg_schema]
+mod tests {
+    use pgrx::prelude::*;
+
+    #[pg_test]
+    fn ticket_names_the_calling_role() {
+        let me = Spi::get_one::<bool>("SELECT flow._redeem(flow._ticket()) = (SELECT oid FROM pg_roles WHERE rolname = current_user)");
+        assert_eq!(me, Ok(Some(true)));
+    }
+
+    #[pg_test]
+    fn a_ticket_works_once() {
+        let again = Spi::get_one::<pg_sys::Oid>("WITH t AS (SELECT flow._ticket() AS t) SELECT flow._redeem(t) FROM t");
+        assert!(again.is_ok());
+        let forged = std::panic::catch_unwind(|| Spi::get_one::<pg_sys::Oid>("SELECT flow._redeem(42)"));
+        assert!(forged.is_err());
+    }
+
+    #[pg_test]
+    fn ids_are_time_ordered_v7() {
+        let ordered = Spi::get_one::<bool>(
+            "SELECT bool_and(a < b) FROM (SELECT flow._new_id() a, flow._new_id() b FROM generate_series(1, 100)) x",
+        );
+        assert_eq!(ordered, Ok(Some(true)));
+        let version = Spi::get_one::<String>("SELECT substr(flow._new_id()::text, 15, 1)");
+        assert_eq!(version, Ok(Some("7".to_string())));
+    }
+}
+
+/// Required by `cargo pgrx test`.
+#[cfg(test)]
+pub mod pg_test {
+    pub fn setup(_options: Vec<&str>) {}
+
+    #[must_use]
+    pub fn postgresql_conf_options() -> Vec<&'static str> {
+        vec!["shared_preload_libraries = 'flow'", "flow.database_name = 'pgrx_tests'", "flow.workers = 1"]
+    }
+}

@@ -1,0 +1,153 @@
+//! Shared memory: the table of worker slots (who is idle, what each runs) and
+//! the engine's counters, plus the commit-time wake-up of idle workers.
+//!
+//! Waking: enqueue, emit and settlement call `flow._wake()`, which only sets a
+//! backend-local flag; a transaction callback registered once in `_PG_init`
+//! sets every worker's latch when that transaction commits. Nothing is woken
+//! for work that rolled back, and a transaction that enqueues 10,000 runs
+//! wakes the workers once.
+
+use crate::gucs::MAX_WORKERS;
+use pgrx::prelude::*;
+use pgrx::{pg_shmem_init, PGRXSharedMemory, PgAtomic, PgLwLock};
+use std::cell::Cell;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// What one worker process is doing, for the `flow.workers` view and wake-ups.
+#[derive(Copy, Clone)]
+pub struct WorkerSlot {
+    /// PGPROC number of the worker's backend, -1 while the slot is empty.
+    pub procno: i32,
+    pub pid: i32,
+    /// true while running a batch, false while idle on its latch.
+    pub busy: bool,
+    /// The command whose handler runs right now (all zero when none).
+    pub command: [u8; 16],
+    /// When the worker entered its current state (TimestampTz, µs).
+    pub since: i64,
+    /// Handlers this process has run since it started.
+    pub handled: u64,
+}
+
+impl Default for WorkerSlot {
+    fn default() -> Self {
+        WorkerSlot { procno: -1, pid: 0, busy: false, command: [0; 16], since: 0, handled: 0 }
+    }
+}
+
+#[derive(Copy, Clone)]
+pub struct WorkerTable {
+    pub slots: [WorkerSlot; MAX_WORKERS],
+}
+
+impl Default for WorkerTable {
+    fn default() -> Self {
+        WorkerTable { slots: [WorkerSlot::default(); MAX_WORKERS] }
+    }
+}
+
+unsafe impl PGRXSharedMemory for WorkerTable {}
+
+/// Engine counters since the server started (reset by a crash restart).
+#[derive(Default)]
+pub struct Counters {
+    pub probes: AtomicU64,
+    pub claimed: AtomicU64,
+    pub succeeded: AtomicU64,
+    pub retried: AtomicU64,
+    pub failed: AtomicU64,
+    pub expired: AtomicU64,
+    pub recovered: AtomicU64,
+    pub handler_us: AtomicU64,
+}
+
+unsafe impl PGRXSharedMemory for Counters {}
+
+pub static WORKERS: PgLwLock<WorkerTable> = unsafe { PgLwLock::new(c"flow_workers") };
+pub static COUNTERS: PgAtomic<Counters> = unsafe { PgAtomic::new(c"flow_counters") };
+
+thread_local! {
+    static WAKE_AT_COMMIT: Cell<bool> = const { Cell::new(false) };
+}
+
+pub fn init() {
+    pg_shmem_init!(WORKERS);
+    pg_shmem_init!(COUNTERS);
+    unsafe { pg_sys::RegisterXactCallback(Some(on_xact_event), std::ptr::null_mut()) };
+}
+
+pub fn counters() -> &'static Counters {
+    COUNTERS.get()
+}
+
+pub fn bump(counter: &AtomicU64, by: u64) {
+    counter.fetch_add(by, Ordering::Relaxed);
+}
+
+/// Ask for the workers to be woken when the current transaction commits.
+pub fn wake_at_commit() {
+    WAKE_AT_COMMIT.with(|w| w.set(true));
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn on_xact_event(event: pg_sys::XactEvent::Type, _arg: *mut std::ffi::c_void) {
+    match event {
+        pg_sys::XactEvent::XACT_EVENT_COMMIT | pg_sys::XactEvent::XACT_EVENT_PARALLEL_COMMIT => {
+            if WAKE_AT_COMMIT.with(|w| w.replace(false)) {
+                wake_idle_workers();
+            }
+        }
+        pg_sys::XactEvent::XACT_EVENT_ABORT | pg_sys::XactEvent::XACT_EVENT_PARALLEL_ABORT => {
+            WAKE_AT_COMMIT.with(|w| w.set(false));
+        }
+        _ => {}
+    }
+}
+
+/// Set the latch of every idle worker. Post-commit: must not raise.
+pub fn wake_idle_workers() {
+    let table = WORKERS.share();
+    for slot in table.slots.iter() {
+        if slot.procno >= 0 && !slot.busy && slot.pid != unsafe { pg_sys::MyProcPid } {
+            unsafe {
+                let proc_ = (*pg_sys::ProcGlobal).allProcs.add(slot.procno as usize);
+                pg_sys::SetLatch(&mut (*proc_).procLatch);
+            }
+        }
+    }
+}
+
+/// Claim the slot for worker number `index` in this process.
+pub fn register_worker(index: usize) {
+    let mut table = WORKERS.exclusive();
+    let slot = &mut table.slots[index];
+    unsafe {
+        slot.procno = (*pg_sys::MyProc).pgprocno;
+        slot.pid = pg_sys::MyProcPid;
+        slot.since = pg_sys::GetCurrentTimestamp();
+    }
+    slot.busy = false;
+    slot.command = [0; 16];
+    slot.handled = 0;
+}
+
+/// Called at process exit so a dead worker is never woken or shown.
+pub fn unregister_worker(index: usize) {
+    let mut table = WORKERS.exclusive();
+    let slot = &mut table.slots[index];
+    if slot.pid == unsafe { pg_sys::MyProcPid } {
+        *slot = WorkerSlot::default();
+    }
+}
+
+/// Record what worker `index` is doing now.
+pub fn set_worker_state(index: usize, busy: bool, command: Option<[u8; 16]>, handled: u64) {
+    let mut table = WORKERS.exclusive();
+    let slot = &mut table.slots[index];
+    if slot.busy != busy || slot.command != command.unwrap_or([0; 16]) {
+        slot.since = unsafe { pg_sys::GetCurrentTimestamp() };
+    }
+    slot.busy = busy;
+    slot.command = command.unwrap_or([0; 16]);
+    slot.handled += handled;
+}

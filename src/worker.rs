@@ -1,0 +1,275 @@
+//! The in-database worker: `flow.workers` background processes, each running
+//! probe → claim → execute → settle (engine rules 1–9).
+//!
+//! Skeleton (after pg_cron): signals first, connect, register in shared
+//! memory, recover what dead owners left, then loop: reload settings if
+//! flagged, one bounded unit of work per transaction, wait on the latch until
+//! the next due time. Errors outside a handler are caught per transaction and
+//! never kill the worker; a handler's own errors never leave its
+//! subtransaction (see executor.rs).
+
+use crate::executor::{self, Claimed};
+use crate::{api, gucs, shmem};
+use pgrx::bgworkers::{BackgroundWorker, BackgroundWorkerBuilder, SignalWakeFlags};
+use pgrx::prelude::*;
+use pgrx::{JsonB, PgTryBuilder};
+use std::ffi::{c_int, CString};
+use std::time::{Duration, Instant};
+
+/// How often an idle worker looks for attempts whose owner died or whose
+/// external lease expired. Recovery is one index scan of running commands.
+const RECOVERY_INTERVAL: Duration = Duration::from_secs(1);
+
+unsafe extern "C-unwind" {
+    /// PostgreSQL's SIGTERM handler for backends: a fast shutdown cancels a
+    /// running handler at its next interrupt check (pgrx's only sets a flag).
+    fn die(signal: c_int);
+}
+
+/// Register the workers; called from `_PG_init` while preloading.
+pub fn register() {
+    for index in 0..gucs::workers() {
+        BackgroundWorkerBuilder::new(&format!("flow worker {index}"))
+            .set_type("flow worker")
+            .set_library("flow")
+            .set_function("flow_worker_main")
+            .set_argument(Some(pg_sys::Datum::from(index)))
+            .enable_spi_access()
+            .set_restart_time(Some(Duration::from_secs(1)))
+            .load();
+    }
+}
+
+#[pg_guard]
+#[unsafe(no_mangle)]
+pub extern "C-unwind" fn flow_worker_main(arg: pg_sys::Datum) {
+    let index = arg.value();
+    BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
+    unsafe {
+        pg_sys::pqsignal(pg_sys::SIGTERM as c_int, Some(die));
+    }
+    BackgroundWorker::connect_worker_to_spi(Some(&gucs::database_name()), None);
+    shmem::register_worker(index);
+    unsafe { pg_sys::before_shmem_exit(Some(on_exit), pg_sys::Datum::from(index)) };
+    report_activity("flow: starting");
+
+    let mut worker = Worker::new(index);
+    loop {
+        if BackgroundWorker::sighup_received() {
+            unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
+        }
+        let sleep = worker.turn();
+        if !sleep.is_zero() {
+            shmem::set_worker_state(index, false, None, 0);
+            report_activity("flow: idle");
+            wait_on_latch(sleep);
+        }
+    }
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn on_exit(_code: c_int, arg: pg_sys::Datum) {
+    shmem::unregister_worker(arg.value());
+}
+
+struct Worker {
+    index: usize,
+    name: String,
+    backend_start: Option<TimestampWithTimeZone>,
+    /// Rotates which queue is offered first (rule 2).
+    turn: i32,
+    /// The extension was found installed by the last check.
+    ready: bool,
+    last_recovery: Option<Instant>,
+}
+
+impl Worker {
+    fn new(index: usize) -> Self {
+        Worker {
+            index,
+            name: format!("{}:{}", gucs::database_name(), unsafe { pg_sys::MyProcPid }),
+            backend_start: api::timestamp_from_pg(unsafe { pg_sys::MyStartTimestamp }),
+            turn: index as i32,
+            ready: false,
+            last_recovery: None,
+        }
+    }
+
+    /// One unit of work; returns how long to sleep (zero: go on at once).
+    fn turn(&mut self) -> Duration {
+        let idle = gucs::poll_interval();
+        if !gucs::enabled() {
+            return idle;
+        }
+        if !self.ready {
+            self.ready = transaction(extension_installed).unwrap_or(false);
+            if !self.ready {
+                return idle;
+            }
+        }
+        if self.last_recovery.is_none_or(|at| at.elapsed() >= RECOVERY_INTERVAL) {
+            self.last_recovery = Some(Instant::now());
+            match transaction(recover) {
+                Some(0) => {}
+                Some(n) => executor::log(&format!("flow: concluded {n} attempts whose owner was gone")),
+                None => return self.failed_turn(),
+            }
+        }
+
+        self.turn = self.turn.wrapping_add(1);
+        let claimed = match transaction(|| self.claim()) {
+            Some(claimed) => claimed,
+            None => return self.failed_turn(),
+        };
+        if claimed.is_empty() {
+            return match transaction(next_due_ms) {
+                Some(Some(ms)) if ms > 0 => idle.min(Duration::from_millis(ms as u64)),
+                // Due now but not claimable (queue full or paused): a settlement wakes us.
+                Some(_) => idle,
+                None => self.failed_turn(),
+            };
+        }
+
+        let count = claimed.len() as u64;
+        shmem::bump(&shmem::counters().claimed, count);
+        report_activity(&format!("flow: running a batch of {count} commands"));
+        let index = self.index;
+        let batch = transaction(move || {
+            for command in &claimed {
+                shmem::set_worker_state(index, true, Some(*command.command_id.as_bytes()), 1);
+                executor::execute(command);
+            }
+        });
+        shmem::set_worker_state(self.index, true, None, 0);
+        if batch.is_none() {
+            // The batch's transaction failed outside any handler: its claims
+            // stay 'running' under this live process. Exit so recovery (in the
+            // restarted worker) concludes them as interrupted and retries them.
+            pgrx::warning!("flow: a batch failed outside its handlers; restarting the worker to recover it");
+            unsafe { pg_sys::proc_exit(1) };
+        }
+        Duration::ZERO
+    }
+
+    fn failed_turn(&mut self) -> Duration {
+        self.ready = false;
+        executor::forget_plans();
+        gucs::poll_interval()
+    }
+
+    fn claim(&self) -> Vec<Claimed> {
+        shmem::bump(&shmem::counters().probes, 1);
+        Spi::connect_mut(|client| {
+            let rows = client
+                .update(
+                    "SELECT command_id, run_id, lease_token,
+                            (extract(epoch FROM deadline) * 1000000)::bigint - 946684800000000,
+                            handler, handler_owner, args, to_jsonb(context)
+                     FROM flow._claim($1, $2, $3, $4, NULL, NULL, $5)
+                     ORDER BY run_id, command_id",
+                    None,
+                    &[
+                        self.name.as_str().into(),
+                        unsafe { pg_sys::MyProcPid }.into(),
+                        self.backend_start.into(),
+                        gucs::batch_size().into(),
+                        self.turn.into(),
+                    ],
+                )
+                .unwrap_or_else(|e| error!("flow: {e}"));
+            rows.map(|row| Claimed {
+                command_id: row.get(1).ok().flatten().expect("command_id"),
+                run_id: row.get(2).ok().flatten().expect("run_id"),
+                lease_token: row.get(3).ok().flatten().expect("lease_token"),
+                deadline: row.get(4).ok().flatten(),
+                handler: row.get(5).ok().flatten().expect("handler"),
+                owner: row.get(6).ok().flatten().expect("handler_owner"),
+                args: row.get::<JsonB>(7).ok().flatten().expect("args"),
+                context: row.get::<JsonB>(8).ok().flatten().expect("context"),
+            })
+            .collect()
+        })
+    }
+}
+
+fn extension_installed() -> bool {
+    // Waits calmly while the extension is missing or being created, dropped or updated.
+    Spi::get_one::<bool>(
+        "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_extension WHERE extname = 'flow')
+            AND to_regprocedure('flow._claim(text,integer,timestamp with time zone,integer,interval,text[],integer)') IS NOT NULL",
+    )
+    .ok()
+    .flatten()
+    .unwrap_or(false)
+}
+
+fn recover() -> i32 {
+    let n = Spi::get_one::<i32>("SELECT flow._recover()").ok().flatten().unwrap_or(0);
+    shmem::bump(&shmem::counters().recovered, n.max(0) as u64);
+    n
+}
+
+fn next_due_ms() -> Option<i64> {
+    Spi::get_one::<i64>("SELECT flow._next_due_ms()").ok().flatten()
+}
+
+/// Run `body` in its own transaction. An ERROR rolls the transaction back and
+/// returns None (logged as a WARNING); the worker lives on.
+fn transaction<R>(body: impl FnOnce() -> R) -> Option<R> {
+    unsafe {
+        pg_sys::SetCurrentStatementStartTimestamp();
+        pg_sys::StartTransactionCommand();
+        pg_sys::PushActiveSnapshot(pg_sys::GetTransactionSnapshot());
+    }
+    let outcome = PgTryBuilder::new(std::panic::AssertUnwindSafe(|| Some(body())))
+        .catch_others(|caught| {
+            let message = match &caught {
+                pg_sys::panic::CaughtError::PostgresError(r)
+                | pg_sys::panic::CaughtError::ErrorReport(r)
+                | pg_sys::panic::CaughtError::RustPanic { ereport: r, .. } => r.message().to_string(),
+            };
+            pgrx::warning!("flow worker: {message}");
+            None
+        })
+        .execute();
+    unsafe {
+        match outcome {
+            Some(_) => {
+                pg_sys::PopActiveSnapshot();
+                pg_sys::CommitTransactionCommand();
+            }
+            None => {
+                pg_sys::QueryCancelPending = 0;
+                pg_sys::AbortCurrentTransaction();
+            }
+        }
+        pg_sys::pgstat_report_stat(false);
+    }
+    outcome
+}
+
+/// Sleep on the latch; settlements, enqueues and emits elsewhere set it.
+fn wait_on_latch(timeout: Duration) {
+    unsafe {
+        pg_sys::WaitLatch(
+            pg_sys::MyLatch,
+            (pg_sys::WL_LATCH_SET | pg_sys::WL_TIMEOUT | pg_sys::WL_EXIT_ON_PM_DEATH) as c_int,
+            timeout.as_millis().min(i32::MAX as u128) as libc_long,
+            pg_sys::PG_WAIT_EXTENSION,
+        );
+        pg_sys::ResetLatch(pg_sys::MyLatch);
+        // A cancel that arrived while idle has nothing to cancel; a pending
+        // `die` is still served by the interrupt check below.
+        pg_sys::QueryCancelPending = 0;
+    }
+    pgrx::check_for_interrupts!();
+}
+
+#[allow(non_camel_case_types)]
+type libc_long = std::ffi::c_long;
+
+fn report_activity(text: &str) {
+    if let Ok(text) = CString::new(text) {
+        unsafe { pg_sys::pgstat_report_activity(pg_sys::BackendState::STATE_RUNNING, text.as_ptr()) };
+    }
+}

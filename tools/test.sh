@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The whole test suite: #[pg_test] unit tests in a pgrx-managed server, then
+# the integration tier (pytest, pg_test/) against a real cluster with
+# shared_preload_libraries = 'flow', including crash and fault tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+tools/setup.sh
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-/var/tmp/flow-target}
+VENV=${FLOW_VENV:-/var/tmp/flow-venv}
+
+echo "== cargo pgrx test (as postgres)"
+rm -rf /tmp/flow-pgrx-test
+cargo pgrx test pg15 --runas postgres --pgdata /tmp/flow-pgrx-test
+
+echo "== integration tests (pg_test/)"
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider pg_test "$@"
