@@ -226,11 +226,26 @@ def test_run_key_with_another_declaration_conflicts(app):
 
 def test_run_keys_belong_to_their_role(app):
     name = unique("shared")
-    app.one(f"SELECT flow.define('{name}', NULL)")
+    app.one(f"SELECT flow.define('{name}', 'app.ok'::regproc)")
+    app.one("SELECT flow.set_queue('default', paused => true)")
     key = unique("k")
     a = app.one(f"SELECT flow.enqueue('{name}', key => '{key}')", user="alice")
     b = app.one(f"SELECT flow.enqueue('{name}', key => '{key}')", user="bob")
     assert a != b
+    app.one("SELECT flow.set_queue('default', paused => false)")
+
+
+def test_starting_a_definition_needs_execute_on_its_handler(app):
+    name = unique("private")
+    app.one("CREATE OR REPLACE FUNCTION app.private(args jsonb) RETURNS jsonb LANGUAGE sql AS 'SELECT args'")
+    app.one("REVOKE EXECUTE ON FUNCTION app.private(jsonb) FROM PUBLIC")
+    app.one(f"SELECT flow.define('{name}', 'app.private'::regproc)")
+    ext = external(app)
+    before = counts(app)
+    assert app.sqlstate(f"SELECT flow.enqueue('{name}')", user="bob") == "42501"
+    assert app.sqlstate(f"SELECT flow.enqueue_many('{name}', array['{{}}'::jsonb])", user="bob") == "42501"
+    assert app.sqlstate(f"SELECT flow.enqueue('{ext}')", user="bob") == "42501"
+    assert counts(app) == before
 
 
 def test_concurrent_same_key_enqueues_return_one_run(app):

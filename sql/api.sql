@@ -110,6 +110,8 @@ RETURNS void
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     IF delay IS NULL OR delay <= interval '0' THEN
+        PERFORM flow._decide('permanent', 'invalid_retry_after',
+            format('flow: retry_after delay must be positive, got %s', delay), NULL);
         RAISE EXCEPTION 'flow: retry_after delay must be positive, got %', delay USING ERRCODE = 'FL005';
     END IF;
     PERFORM flow._decide('retry_after', 'retry_after', coalesce(message, 'retry requested by its handler'),

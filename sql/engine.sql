@@ -160,6 +160,20 @@ BEGIN
     RETURN d;
 END $$;
 
+-- Who may start commands of a definition: like a SECURITY DEFINER function,
+-- whoever may EXECUTE its handler (the owner controls that with GRANT/REVOKE);
+-- an external definition only its owner's members.
+CREATE FUNCTION flow._require_use(caller oid, d flow._definitions) RETURNS void
+LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF NOT (CASE WHEN d.handler IS NULL THEN pg_has_role(caller, d.owner, 'MEMBER')
+                 ELSE has_function_privilege(caller, d.handler, 'EXECUTE') END) THEN
+        RAISE EXCEPTION 'flow: role % may not start commands of definition %', caller::regrole, d.name
+            USING ERRCODE = '42501',
+                  HINT = 'Its owner grants EXECUTE on the handler function (or role membership for external definitions).';
+    END IF;
+END $$;
+
 -- When a new command is first due, from start_after or run_at.
 CREATE FUNCTION flow._first_due(start_after interval, run_at timestamptz) RETURNS timestamptz
 LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
@@ -194,6 +208,7 @@ DECLARE
     run_id uuid := flow._new_id();
     existing flow._runs;
 BEGIN
+    PERFORM flow._require_use(caller, d);
     PERFORM flow._require_payload('args', args);
     IF key IS NOT NULL AND btrim(key) = '' THEN
         RAISE EXCEPTION 'flow: key must not be empty (NULL for none)' USING ERRCODE = 'FL002';
@@ -244,6 +259,7 @@ DECLARE
     bad record;
     ids uuid[];
 BEGIN
+    PERFORM flow._require_use(caller, d);
     IF args_array IS NULL THEN
         RAISE EXCEPTION 'flow: args_array must not be NULL' USING ERRCODE = 'FL003';
     END IF;
@@ -432,10 +448,10 @@ LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     INSERT INTO flow._attempts (command_id, attempt, lease_token, owner, started_at, finished_at,
         outcome, error_code, error_message)
-    SELECT c.id, c.attempts, c.lease_token, c.lease_owner, c.attempt_started_at, now(), 'cancelled',
+    SELECT c.id, c.attempts, c.lease_token, c.lease_owner, c.attempt_started_at, clock_timestamp(), 'cancelled',
            reason, 'the run ended while this attempt ran'
     FROM flow._commands c WHERE c.run_id = _close_open_commands.run_id AND c.status = 'running';
-    UPDATE flow._commands c SET status = 'cancelled', stop_reason = reason, finished_at = now(),
+    UPDATE flow._commands c SET status = 'cancelled', stop_reason = reason, finished_at = clock_timestamp(),
         lease_token = NULL, lease_owner = NULL, lease_pid = NULL, lease_backend_start = NULL,
         lease_expires_at = NULL, attempt_started_at = NULL, attempt_deadline = NULL
     WHERE c.run_id = _close_open_commands.run_id AND c.finished_at IS NULL;
@@ -446,7 +462,7 @@ LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     IF NOT EXISTS (SELECT 1 FROM flow._commands c
                    WHERE c.run_id = _finish_run_if_done.run_id AND c.finished_at IS NULL) THEN
-        UPDATE flow._runs r SET status = 'succeeded', finished_at = now(),
+        UPDATE flow._runs r SET status = 'succeeded', finished_at = clock_timestamp(),
             result = (SELECT c.result FROM flow._commands c WHERE c.run_id = r.id AND c.parent_id IS NULL)
         WHERE r.id = _finish_run_if_done.run_id AND r.status = 'running';
     END IF;
@@ -460,7 +476,7 @@ DECLARE
     done record;
 BEGIN
     PERFORM flow._lock_run_of(command_id);
-    UPDATE flow._commands c SET status = 'succeeded', result = _settle_success.result, finished_at = now(),
+    UPDATE flow._commands c SET status = 'succeeded', result = _settle_success.result, finished_at = clock_timestamp(),
         lease_token = NULL, lease_owner = NULL, lease_pid = NULL, lease_backend_start = NULL,
         lease_expires_at = NULL, attempt_started_at = NULL, attempt_deadline = NULL
     FROM (SELECT x.id, x.attempt_started_at, x.lease_owner FROM flow._commands x
@@ -473,7 +489,7 @@ BEGIN
         RETURN 'expired';
     END IF;
     INSERT INTO flow._attempts (command_id, attempt, lease_token, owner, started_at, finished_at, outcome)
-    VALUES (command_id, done.attempts, lease_token, done.lease_owner, done.attempt_started_at, now(), 'succeeded');
+    VALUES (command_id, done.attempts, lease_token, done.lease_owner, done.attempt_started_at, clock_timestamp(), 'succeeded');
     PERFORM flow._finish_run_if_done(done.run_id);
     PERFORM flow._wake();
     RETURN 'succeeded';
@@ -507,7 +523,7 @@ BEGIN
     ELSIF c.attempts >= d.max_attempts THEN
         stop := 'attempt_limit';
     ELSE
-        next_at := now() + CASE WHEN outcome = 'retry_after' AND retry_delay > interval '0' THEN retry_delay
+        next_at := clock_timestamp() + CASE WHEN outcome = 'retry_after' AND retry_delay > interval '0' THEN retry_delay
                                 ELSE flow._backoff(d.backoff, d.backoff_max, c.attempts) END;
         IF d.max_elapsed IS NOT NULL AND next_at > c.budget_started_at + d.max_elapsed THEN
             stop := 'elapsed_limit';
@@ -518,11 +534,11 @@ BEGIN
 
     INSERT INTO flow._attempts (command_id, attempt, lease_token, owner, started_at, finished_at,
         outcome, error_code, error_message)
-    VALUES (c.id, c.attempts, c.lease_token, c.lease_owner, c.attempt_started_at, now(), outcome, code, cut);
+    VALUES (c.id, c.attempts, c.lease_token, c.lease_owner, c.attempt_started_at, clock_timestamp(), outcome, code, cut);
     UPDATE flow._commands x SET
         status = CASE WHEN stop IS NULL THEN 'pending' ELSE 'failed' END::flow.command_status,
         next_run_at = coalesce(next_at, x.next_run_at),
-        finished_at = CASE WHEN stop IS NULL THEN NULL ELSE now() END,
+        finished_at = CASE WHEN stop IS NULL THEN NULL ELSE clock_timestamp() END,
         stop_reason = stop, last_error_code = code, last_error_message = cut,
         lease_token = NULL, lease_owner = NULL, lease_pid = NULL, lease_backend_start = NULL,
         lease_expires_at = NULL, attempt_started_at = NULL, attempt_deadline = NULL
@@ -530,7 +546,7 @@ BEGIN
 
     IF stop IS NOT NULL THEN
         -- A terminal failure fails the run and cancels its other commands (rule 7).
-        UPDATE flow._runs r SET status = 'failed', finished_at = now(),
+        UPDATE flow._runs r SET status = 'failed', finished_at = clock_timestamp(),
             error = jsonb_build_object('command_id', c.id, 'command_key', c.key, 'name', c.name,
                                        'code', code, 'message', cut, 'stop_reason', stop)
         WHERE r.id = c.run_id AND r.status = 'running';
@@ -679,6 +695,7 @@ BEGIN
             HINT = 'Use flow.enqueue to start a new run.';
     END IF;
     d := flow._definition(name, version);
+    PERFORM flow._require_use(caller, d);
     lane := coalesce(queue, d.queue);
     PERFORM flow._require_name('queue', lane);
     PERFORM flow._require_name('key', key);

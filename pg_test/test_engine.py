@@ -1,0 +1,416 @@
+"""The in-database engine: workers claim, execute, classify, retry and settle."""
+import threading
+import time
+
+import pytest
+
+from conftest import unique
+
+
+@pytest.fixture(scope="module")
+def app(pg):
+    with pg.connect() as c:
+        c.execute("""
+            CREATE SCHEMA app;
+            CREATE TABLE app.effects (run_key text, attempt int, at timestamptz DEFAULT clock_timestamp(),
+                                      who text DEFAULT current_user, q text);
+            GRANT USAGE ON SCHEMA app TO PUBLIC;
+            GRANT ALL ON app.effects TO PUBLIC;
+
+            CREATE FUNCTION app.hello(args jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
+            BEGIN
+                RETURN jsonb_build_object('hello', args->>'who', 'user', current_user,
+                                          'search_path', current_setting('search_path'));
+            END $$;
+
+            CREATE FUNCTION app.always_fails(args jsonb, ctx flow.context) RETURNS jsonb LANGUAGE plpgsql AS $$
+            BEGIN
+                INSERT INTO app.effects (run_key, attempt) VALUES (args->>'tag', ctx.attempt);
+                RETURN (1 / 0)::text::jsonb;
+            END $$;
+
+            CREATE FUNCTION app.decides(args jsonb, ctx flow.context) RETURNS jsonb LANGUAGE plpgsql AS $$
+            BEGIN
+                INSERT INTO app.effects (run_key, attempt) VALUES (args->>'tag', ctx.attempt);
+                CASE args->>'do'
+                    WHEN 'fail' THEN PERFORM flow.fail('card declined');
+                    WHEN 'retry_after' THEN
+                        IF ctx.attempt = 1 THEN PERFORM flow.retry_after('400 ms', 'rate limited'); END IF;
+                    WHEN 'bad_retry' THEN PERFORM flow.retry_after('-1 s');
+                    WHEN 'sleep' THEN PERFORM pg_sleep((args->>'seconds')::float);
+                    WHEN 'sleep_first' THEN
+                        IF ctx.attempt = 1 THEN PERFORM pg_sleep((args->>'seconds')::float); END IF;
+                    WHEN 'big' THEN RETURN jsonb_build_object('big', repeat('x', 300000));
+                    WHEN 'die' THEN PERFORM pg_terminate_backend(pg_backend_pid()); PERFORM pg_sleep(5);
+                    WHEN 'catch_fail' THEN
+                        BEGIN PERFORM flow.fail('caught'); EXCEPTION WHEN OTHERS THEN NULL; END;
+                        RAISE EXCEPTION 'plain error';
+                    ELSE NULL;
+                END CASE;
+                RETURN jsonb_build_object('attempt', ctx.attempt, 'deadline_set', ctx.deadline IS NOT NULL);
+            END $$;
+
+            CREATE FUNCTION app.record(args jsonb) RETURNS void LANGUAGE plpgsql AS $$
+            BEGIN
+                INSERT INTO app.effects (run_key, q, at) VALUES (args->>'tag', args->>'q', clock_timestamp());
+                IF args ? 'sleep' THEN PERFORM pg_sleep((args->>'sleep')::float); END IF;
+                INSERT INTO app.effects (run_key, q, at) VALUES (args->>'tag', 'end:' || (args->>'q'), clock_timestamp());
+            END $$;
+        """)
+    return pg
+
+
+def define(pg, handler, user="postgres", **kw):
+    name = unique("d")
+    params = "".join(f", {k} => {v}" for k, v in kw.items())
+    pg.one(f"SELECT flow.define('{name}', '{handler}'::regproc{params})", user=user)
+    return name
+
+
+def enqueue(pg, name, args="{}", user="postgres", **kw):
+    params = "".join(f", {k} => {v}" for k, v in kw.items())
+    return pg.one(f"SELECT flow.enqueue('{name}', '{args}'{params})", user=user)
+
+
+def attempts(pg, run):
+    return pg.all("SELECT attempt, outcome, error_code, error_message, started_at FROM flow.attempts"
+                  " WHERE run_id = %s ORDER BY attempt", run)
+
+
+def command(pg, run):
+    return pg.all("SELECT status, attempts, stop_reason, last_error_code, last_error_message"
+                  " FROM flow.commands WHERE run_id = %s AND key = 'root'", run)[0]
+
+
+# ---------------------------------------------------------------- end to end
+
+def test_plpgsql_handler_end_to_end(app):
+    name = define(app, "app.hello")
+    run = enqueue(app, name, '{"who": "world"}')
+    status, result, error = app.await_run(run, "10s")
+    assert status == "succeeded" and error is None
+    assert result["hello"] == "world"
+    assert result["search_path"] == '"$user", public'
+    assert command(app, run)[:2] == ("succeeded", 1)
+    assert [a[1] for a in attempts(app, run)] == ["succeeded"]
+
+
+def test_rust_handlers_end_to_end(app):
+    noop = define(app, "flow.noop")
+    assert app.await_run(enqueue(app, noop), "10s") == ("succeeded", None, None)
+    sql = define(app, "flow.run_sql")
+    run = app.one(f"SELECT flow.enqueue('{sql}', jsonb_build_object('sql',"
+                  " 'INSERT INTO app.effects (run_key) VALUES (''from_run_sql'')'))")
+    assert app.await_run(run, "10s") == ("succeeded", {"rows": 1}, None)
+    assert app.one("SELECT count(*) FROM app.effects WHERE run_key = 'from_run_sql'") == 1
+
+
+def test_run_sql_without_sql_fails_permanently(app):
+    sql = define(app, "flow.run_sql")
+    run = enqueue(app, sql, '{"nope": 1}')
+    assert app.await_run(run, "10s")[0] == "failed"
+    assert command(app, run)[:4] == ("failed", 1, "permanent", "permanent")
+
+
+# ---------------------------------------------------------------- classification and retry
+
+def test_retries_until_attempt_limit_with_backoff(app):
+    name = define(app, "app.always_fails", max_attempts=4, backoff="'200 ms'", backoff_max="'2 s'")
+    run = enqueue(app, name, '{"tag": "backoff"}')
+    status, _, error = app.await_run(run, "20s")
+    assert status == "failed" and error["stop_reason"] == "attempt_limit" and error["code"] == "22012"
+    rows = attempts(app, run)
+    assert [r[1] for r in rows] == ["retryable"] * 4
+    assert all(r[2] == "22012" and r[3] == "division by zero" for r in rows)
+    gaps = [(b[4] - a[4]).total_seconds() for a, b in zip(rows, rows[1:])]
+    # backoff 200 ms doubling, jittered by ±25 %: ≥150, ≥300, ≥600 ms
+    assert gaps[0] >= 0.15 and gaps[1] >= 0.3 and gaps[2] >= 0.6, gaps
+    assert gaps[0] < 1.0 and gaps[1] < 1.5, gaps
+    assert command(app, run)[:3] == ("failed", 4, "attempt_limit")
+    # the failed attempts' writes rolled back with them
+    assert app.one("SELECT count(*) FROM app.effects WHERE run_key = 'backoff'") == 0
+
+
+def test_elapsed_limit(app):
+    name = define(app, "app.always_fails", max_attempts=10, backoff="'1 s'", max_elapsed="'500 ms'")
+    run = enqueue(app, name)
+    assert app.await_run(run, "10s")[0] == "failed"
+    assert command(app, run)[:3] == ("failed", 1, "elapsed_limit")
+
+
+def test_deadline_before_next_attempt(app):
+    name = define(app, "app.always_fails", max_attempts=10, backoff="'1 s'")
+    run = enqueue(app, name, deadline="'800 ms'")
+    assert app.await_run(run, "10s")[0] == "failed"
+    assert command(app, run)[:3] == ("failed", 1, "deadline_before_next_attempt")
+
+
+def test_flow_fail_is_permanent(app):
+    name = define(app, "app.decides")
+    run = enqueue(app, name, '{"do": "fail", "tag": "perm"}')
+    status, _, error = app.await_run(run, "10s")
+    assert status == "failed" and error["message"] == "card declined"
+    assert command(app, run) == ("failed", 1, "permanent", "permanent", "card declined")
+    assert app.one("SELECT count(*) FROM app.effects WHERE run_key = 'perm'") == 0
+
+
+def test_a_caught_flow_fail_does_not_make_a_later_error_permanent(app):
+    name = define(app, "app.decides", max_attempts=2, backoff="'10 ms'")
+    run = enqueue(app, name, '{"do": "catch_fail"}')
+    assert app.await_run(run, "10s")[0] == "failed"
+    assert command(app, run)[:3] == ("failed", 2, "attempt_limit")
+
+
+def test_retry_after(app):
+    name = define(app, "app.decides", backoff="'1 hour'", backoff_max="'2 hours'")
+    run = enqueue(app, name, '{"do": "retry_after", "tag": "ra"}')
+    status, result, _ = app.await_run(run, "10s")
+    assert status == "succeeded" and result["attempt"] == 2
+    rows = attempts(app, run)
+    assert rows[0][1:4] == ("retry_after", "retry_after", "rate limited")
+    assert rows[1][1] == "succeeded"
+    gap = (rows[1][4] - rows[0][4]).total_seconds()
+    assert 0.4 <= gap < 2.0, gap
+    # only the successful attempt's write committed
+    assert app.all("SELECT attempt FROM app.effects WHERE run_key = 'ra'") == [(2,)]
+
+
+def test_retry_after_needs_a_positive_delay(app):
+    name = define(app, "app.decides")
+    run = enqueue(app, name, '{"do": "bad_retry"}')
+    assert app.await_run(run, "10s")[0] == "failed"
+    assert command(app, run)[:4] == ("failed", 1, "permanent", "invalid_retry_after")
+
+
+def test_timeout(app):
+    name = define(app, "app.decides", timeout="'300 ms'", max_attempts=2, backoff="'10 ms'")
+    t0 = time.time()
+    run = enqueue(app, name, '{"do": "sleep", "seconds": 10}')
+    status, _, error = app.await_run(run, "20s")
+    assert status == "failed" and error["stop_reason"] == "attempt_limit"
+    assert time.time() - t0 < 5
+    rows = attempts(app, run)
+    assert [r[1] for r in rows] == ["timeout", "timeout"]
+    assert all(r[2] == "attempt_timeout" for r in rows)
+    durations = app.all("SELECT extract(epoch FROM duration) FROM flow.attempts WHERE run_id = %s", run)
+    assert all(0.25 <= float(d[0]) < 1.5 for d in durations), durations
+
+
+def test_the_run_deadline_bounds_the_attempt(app):
+    name = define(app, "app.decides", max_attempts=3)
+    run = enqueue(app, name, '{"do": "sleep", "seconds": 10}', deadline="'500 ms'")
+    assert app.await_run(run, "10s")[0] == "failed"
+    assert command(app, run)[:3] == ("failed", 1, "deadline_before_next_attempt")
+    assert attempts(app, run)[0][1] == "timeout"
+
+
+def test_result_too_large_is_permanent_and_rolls_back(app):
+    name = define(app, "app.decides")
+    run = enqueue(app, name, '{"do": "big", "tag": "big"}')
+    assert app.await_run(run, "10s")[0] == "failed"
+    assert command(app, run)[:4] == ("failed", 1, "permanent", "result_too_large")
+    assert app.one("SELECT count(*) FROM app.effects WHERE run_key = 'big'") == 0
+
+
+def test_a_handler_that_kills_its_backend_stops_at_the_attempt_limit(app):
+    name = define(app, "app.decides", max_attempts=2, backoff="'10 ms'")
+    run = enqueue(app, name, '{"do": "die"}')
+    status, _, error = app.await_run(run, "30s")
+    assert status == "failed" and error["stop_reason"] == "attempt_limit"
+    rows = attempts(app, run)
+    assert [(r[1], r[2]) for r in rows] == [("interrupted", "owner_died")] * 2
+    app.wait_for("SELECT count(*) = 2 FROM flow.workers WHERE pid IS NOT NULL")
+
+
+# ---------------------------------------------------------------- fairness and limits
+
+def test_fairness_across_queues(app):
+    name = define(app, "app.record")
+    app.one(f"SELECT flow.set_queue('fa', paused => true)")
+    app.one(f"SELECT flow.set_queue('fb', paused => true)")
+    app.one(f"SELECT flow.enqueue_many('{name}', array_agg(jsonb_build_object('tag', 'fair', 'q', 'A')),"
+            " queue => 'fa') FROM generate_series(1, 2000)")
+    app.one(f"SELECT flow.enqueue_many('{name}', array_agg(jsonb_build_object('tag', 'fair', 'q', 'B')),"
+            " queue => 'fb') FROM generate_series(1, 20)")
+    app.one("SELECT flow.set_queue('fa', paused => false)")
+    app.one("SELECT flow.set_queue('fb', paused => false)")
+    app.wait_for("SELECT count(*) = 2020 FROM app.effects WHERE run_key = 'fair' AND q IN ('A', 'B')", timeout=120)
+    a_before_b_done = app.one(
+        "SELECT count(*) FROM app.effects WHERE run_key = 'fair' AND q = 'A'"
+        " AND at <= (SELECT max(at) FROM app.effects WHERE run_key = 'fair' AND q = 'B')")
+    assert a_before_b_done < 1000, a_before_b_done
+
+
+def test_concurrency_one_never_runs_two_at_once(app):
+    name = define(app, "app.record", queue="'single'")
+    app.one("SELECT flow.set_queue('single', concurrency => 1)")
+    runs = app.one(f"SELECT flow.enqueue_many('{name}', array_agg(jsonb_build_object('tag', 'c1', 'q', i::text,"
+                   " 'sleep', 0.02))) FROM generate_series(1, 30) i")
+    for run in runs:
+        assert app.await_run(run, "30s")[0] == "succeeded"
+    spans = app.all("SELECT s.at, e.at FROM app.effects s JOIN app.effects e ON e.q = 'end:' || s.q"
+                    " AND e.run_key = s.run_key WHERE s.run_key = 'c1' AND s.q NOT LIKE 'end:%' ORDER BY s.at")
+    assert len(spans) == 30
+    for (s1, e1), (s2, _) in zip(spans, spans[1:]):
+        assert s2 >= e1, "two handlers of a concurrency-1 queue overlapped"
+
+
+def test_paused_queue_is_skipped(app):
+    name = define(app, "app.hello", queue="'paused_q'")
+    app.one("SELECT flow.set_queue('paused_q', paused => true)")
+    run = enqueue(app, name)
+    time.sleep(0.5)
+    assert command(app, run)[0] == "pending"
+    app.one("SELECT flow.set_queue('paused_q', paused => false)")
+    assert app.await_run(run, "10s")[0] == "succeeded"
+
+
+def test_future_work_runs_on_time(app):
+    name = define(app, "app.hello")
+    run = enqueue(app, name, start_after="'700 ms'")
+    time.sleep(0.4)
+    assert command(app, run)[0] == "pending"
+    assert app.await_run(run, "10s")[0] == "succeeded"
+    late = app.one("SELECT extract(epoch FROM a.started_at - c.created_at) FROM flow.attempts a"
+                   " JOIN flow.commands c ON c.id = a.command_id WHERE a.run_id = %s", run)
+    assert 0.69 <= float(late) < 1.5, late
+
+
+# ---------------------------------------------------------------- wake-up
+
+def test_pickup_is_fast(app):
+    name = define(app, "app.record")
+    time.sleep(1.5)  # idle workers, asleep on their latches
+    delays = []
+    with app.connect() as c:
+        for i in range(20):
+            t0 = c.execute("SELECT extract(epoch FROM clock_timestamp())").fetchone()[0]
+            c.execute(f"SELECT flow.enqueue('{name}', jsonb_build_object('tag', 'pickup', 'q', %s::text))", (str(i),))
+            app.wait_for("SELECT count(*) > 0 FROM app.effects WHERE run_key = 'pickup' AND q = %s", str(i))
+            started = c.execute("SELECT extract(epoch FROM at) FROM app.effects WHERE run_key = 'pickup'"
+                                " AND q = %s", (str(i),)).fetchone()[0]
+            delays.append(float(started - t0))
+            time.sleep(0.05)
+    delays.sort()
+    assert delays[len(delays) // 2] < 0.1, delays  # generous: the benchmark reports the real figure
+
+
+# ---------------------------------------------------------------- run control
+
+def test_cancel_a_running_command_discards_its_writes(app):
+    name = define(app, "app.decides")
+    run = enqueue(app, name, '{"do": "sleep", "seconds": 1.5, "tag": "cancelme"}')
+    app.wait_for("SELECT status = 'running' FROM flow.commands WHERE run_id = %s", run)
+    assert app.one("SELECT flow.cancel(%s)", run) is True
+    assert app.one("SELECT flow.cancel(%s)", run) is False
+    assert app.await_run(run, "1s")[0] == "cancelled"
+    time.sleep(2.0)
+    assert command(app, run)[0] == "cancelled"
+    assert app.one("SELECT count(*) FROM app.effects WHERE run_key = 'cancelme'") == 0
+    assert app.one("SELECT status FROM flow.runs WHERE id = %s", run) == "cancelled"
+
+
+def test_cancel_a_pending_run(app):
+    name = define(app, "app.hello")
+    run = enqueue(app, name, start_after="'1 hour'")
+    assert app.one("SELECT flow.cancel(%s)", run) is True
+    assert command(app, run)[0] == "cancelled"
+
+
+def test_await_times_out_on_a_running_run(app):
+    name = define(app, "app.hello")
+    run = enqueue(app, name, start_after="'1 hour'")
+    t0 = time.time()
+    assert app.await_run(run, "300 ms")[0] == "running"
+    assert 0.25 < time.time() - t0 < 2
+
+
+def test_unknown_run(app):
+    assert app.sqlstate("SELECT flow.cancel('00000000-0000-0000-0000-000000000000')") == "FL014"
+    assert app.sqlstate("SELECT * FROM flow.await('00000000-0000-0000-0000-000000000000', '1s')") == "FL014"
+
+
+# ---------------------------------------------------------------- security
+
+def test_handlers_run_as_their_definer_and_runs_are_private(app):
+    app.all("DO $$ BEGIN CREATE ROLE alice LOGIN; CREATE ROLE bob LOGIN;"
+            " EXCEPTION WHEN duplicate_object THEN NULL; END $$")
+    app.all("CREATE FUNCTION app.whoami(args jsonb) RETURNS jsonb LANGUAGE sql AS"
+            " $$ SELECT jsonb_build_object('current', current_user::text, 'session', session_user::text) $$")
+    app.all("ALTER FUNCTION app.whoami(jsonb) OWNER TO alice")
+    name = define(app, "app.whoami", user="alice")
+    run = enqueue(app, name, user="bob")
+    status, result, _ = app.await_run(run, "10s", user="bob")
+    assert status == "succeeded" and result["current"] == "alice"
+    # bob's run is invisible to alice, who cannot cancel or await it either
+    assert app.one("SELECT count(*) FROM flow.runs WHERE id = %s", run, user="alice") == 0
+    assert app.one("SELECT count(*) FROM flow.commands WHERE run_id = %s", run, user="alice") == 0
+    assert app.one("SELECT count(*) FROM flow.attempts WHERE run_id = %s", run, user="alice") == 0
+    assert app.sqlstate("SELECT flow.cancel(%s)", run, user="alice") == "FL014"
+    assert app.sqlstate("SELECT * FROM flow.await(%s, '1s')", run, user="alice") == "FL014"
+    assert app.one("SELECT count(*) FROM flow.runs WHERE id = %s", run, user="bob") == 1
+
+
+def test_a_handler_cannot_take_the_workers_superuser_rights(app):
+    app.all("CREATE FUNCTION app.escalate(args jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$"
+            " BEGIN SET SESSION AUTHORIZATION postgres; RETURN '{}'; END $$")
+    app.all("ALTER FUNCTION app.escalate(jsonb) OWNER TO alice")
+    name = define(app, "app.escalate", user="alice", max_attempts=1)
+    run = enqueue(app, name, user="alice")
+    assert app.await_run(run, "10s", user="alice")[0] == "failed"
+    assert app.one("SELECT last_error_code FROM flow.commands WHERE run_id = %s", run) == "42501"
+
+
+def test_a_handler_without_rights_fails_and_the_worker_goes_on(app):
+    app.all("CREATE TABLE app.private (x int)")
+    app.all("CREATE FUNCTION app.write_private(args jsonb) RETURNS void LANGUAGE sql AS"
+            " $$ INSERT INTO app.private VALUES (1) $$")
+    app.all("ALTER FUNCTION app.write_private(jsonb) OWNER TO alice")
+    name = define(app, "app.write_private", user="alice", max_attempts=1)
+    run = enqueue(app, name, user="alice")
+    assert app.await_run(run, "10s", user="alice")[0] == "failed"
+    assert app.one("SELECT last_error_code FROM flow.commands WHERE run_id = %s", run) == "42501"
+    assert app.await_run(enqueue(app, define(app, "app.hello")), "10s")[0] == "succeeded"
+
+
+# ---------------------------------------------------------------- observe and operate
+
+def test_observability_views(app):
+    name = define(app, "app.decides", queue="'observed'")
+    run = enqueue(app, name, '{"do": "sleep", "seconds": 1}')
+    app.wait_for("SELECT count(*) = 1 FROM flow.workers WHERE state = 'busy' AND command_id IS NOT NULL")
+    assert app.one("SELECT running FROM flow.queues WHERE name = 'observed'") == 1
+    assert "flow" in app.one("SELECT query FROM pg_stat_activity WHERE backend_type = 'flow worker'"
+                             " AND query LIKE 'flow: running%' LIMIT 1")
+    assert app.one("SELECT outcome FROM flow.attempts WHERE run_id = %s", run) == "running"
+    app.await_run(run, "10s")
+    assert app.one("SELECT succeeded FROM flow.queues WHERE name = 'observed'") == 1
+    stats = dict(app.all("SELECT name, value FROM flow.stats"))
+    assert stats["claimed"] > 0 and stats["succeeded"] > 0 and stats["probes"] > 0
+    assert app.one("SELECT sum(attempts) FROM flow.recent_attempts") > 0
+
+
+def test_enabled_off_pauses_all_work(app):
+    name = define(app, "app.hello")
+    app.all("ALTER SYSTEM SET flow.enabled = off")
+    app.all("SELECT pg_reload_conf()")
+    time.sleep(1.5)
+    run = enqueue(app, name)
+    time.sleep(1.0)
+    assert command(app, run)[0] == "pending"
+    app.all("ALTER SYSTEM RESET flow.enabled")
+    app.all("SELECT pg_reload_conf()")
+    assert app.await_run(run, "10s")[0] == "succeeded"
+
+
+def test_workers_wait_calmly_without_the_extension(app):
+    app.all("DROP EXTENSION flow CASCADE")
+    time.sleep(2.5)
+    assert app.one("SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'flow worker'") == 2
+    app.all("CREATE EXTENSION flow")
+    app.all("CREATE OR REPLACE FUNCTION app.hello2(args jsonb) RETURNS jsonb LANGUAGE sql AS $$ SELECT args $$")
+    name = define(app, "app.hello2")
+    run = enqueue(app, name, '{"back": true}')
+    assert app.await_run(run, "15s") == ("succeeded", {"back": True}, None)
+    # no error loop in the log while the extension was missing
+    assert app.log().count("flow worker:") < 5
