@@ -1,0 +1,149 @@
+"""Crash, shutdown and fault tests: workers die at random moments and the
+engine still commits every handler's effects exactly once."""
+import os
+import random
+import signal
+import threading
+import time
+
+import psycopg
+import pytest
+
+from conftest import fresh_cluster, unique
+
+
+@pytest.fixture(scope="module")
+def pg():
+    cluster = fresh_cluster("flow.workers = 2", "flow.batch_size = 10", "restart_after_crash = on")
+    with cluster.connect() as c:
+        c.execute("""
+            CREATE SCHEMA app;
+            CREATE TABLE app.effects (run_id uuid, attempt int);
+            CREATE FUNCTION app.effect(args jsonb, ctx flow.context) RETURNS jsonb LANGUAGE plpgsql AS $$
+            BEGIN
+                INSERT INTO app.effects VALUES (ctx.run_id, ctx.attempt);
+                IF (args->>'sleep') IS NOT NULL AND ctx.attempt <= coalesce((args->>'sleep_attempts')::int, 1000) THEN
+                    PERFORM pg_sleep((args->>'sleep')::float);
+                END IF;
+                RETURN jsonb_build_object('attempt', ctx.attempt);
+            END $$;
+        """)
+    yield cluster
+    cluster.stop()
+
+
+def define(pg, **kw):
+    name = unique("crash")
+    params = "".join(f", {k} => {v}" for k, v in kw.items())
+    pg.one(f"SELECT flow.define('{name}', 'app.effect'::regproc{params})")
+    return name
+
+
+def settled(pg, runs):
+    return pg.one("SELECT count(*) FROM flow.runs WHERE id = ANY(%s) AND status <> 'running'", runs)
+
+
+def assert_exactly_once(pg, runs):
+    rows = pg.all("""
+        SELECT r.status, count(e.run_id)
+        FROM flow.runs r LEFT JOIN app.effects e ON e.run_id = r.id
+        WHERE r.id = ANY(%s) GROUP BY r.id, r.status""", runs)
+    assert len(rows) == len(runs)
+    for status, effects in rows:
+        assert status in ("succeeded", "failed"), status
+        assert effects == (1 if status == "succeeded" else 0), (status, effects)
+    # every command ended in exactly one terminal state, with one attempt row per attempt
+    assert pg.one("SELECT count(*) FROM flow.commands WHERE run_id = ANY(%s) AND finished_at IS NULL", runs) == 0
+    assert pg.one("""SELECT count(*) FROM flow.commands c WHERE c.run_id = ANY(%s)
+                     AND c.attempts <> (SELECT count(*) FROM flow.attempts a WHERE a.command_id = c.id)""", runs) == 0
+
+
+def test_exactly_once_with_workers_killed_at_random(pg):
+    name = define(pg, max_attempts=30, backoff="'10 ms'", backoff_max="'100 ms'")
+    runs = pg.one(f"SELECT flow.enqueue_many('{name}', array_agg(jsonb_build_object('sleep', 0.03)))"
+                  " FROM generate_series(1, 400)")
+    rng = random.Random(7)
+    kills = {"terminate": 0, "sigkill": 0}
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        try:
+            if settled(pg, runs) == len(runs):
+                break
+            pids = pg.worker_pids()
+            if pids and kills["terminate"] + kills["sigkill"] < 20:
+                pid = rng.choice(pids)
+                if kills["terminate"] in (4, 12) and kills["sigkill"] < kills["terminate"] // 4:
+                    os.kill(pid, signal.SIGKILL)  # the postmaster restarts the whole server
+                    kills["sigkill"] += 1
+                    time.sleep(1.0)
+                    pg.wait_ready()
+                else:
+                    pg.all("SELECT pg_terminate_backend(%s)", pid)
+                    kills["terminate"] += 1
+            time.sleep(rng.uniform(0.05, 0.3))
+        except (psycopg.OperationalError, ProcessLookupError):
+            time.sleep(0.5)
+            pg.wait_ready()
+    assert kills["terminate"] >= 3 and kills["sigkill"] >= 1, kills
+    pg.wait_for("SELECT count(*) = %s FROM flow.runs WHERE id = ANY(%s) AND status <> 'running'",
+                len(runs), runs, timeout=120)
+    assert_exactly_once(pg, runs)
+    assert pg.one("SELECT count(*) FROM flow.runs WHERE id = ANY(%s) AND status = 'succeeded'", runs) == len(runs)
+    interrupted = pg.one("SELECT count(*) FROM flow.attempts WHERE run_id = ANY(%s) AND outcome = 'interrupted'", runs)
+    assert interrupted >= 1
+
+
+def test_fast_shutdown_during_a_handler_then_retry(pg):
+    name = define(pg, max_attempts=5, backoff="'10 ms'")
+    run = pg.one(f"SELECT flow.enqueue('{name}', '{{\"sleep\": 30, \"sleep_attempts\": 1}}')")
+    pg.wait_for("SELECT status = 'running' FROM flow.commands WHERE run_id = %s", run)
+    time.sleep(0.3)
+    t0 = time.time()
+    pg.pg_ctl("-m", "fast", "-w", "-t", "60", "stop")
+    stopped_in = time.time() - t0
+    assert stopped_in < 5, stopped_in
+    pg.pg_ctl("-w", "-t", "60", "start")
+    pg.wait_ready()
+    status, result, _ = pg.await_run(run, "30s")
+    assert status == "succeeded" and result == {"attempt": 2}
+    assert pg.all("SELECT attempt, outcome, error_code FROM flow.attempts WHERE run_id = %s ORDER BY attempt",
+                  run) == [(1, "interrupted", "owner_died"), (2, "succeeded", None)]
+    assert pg.all("SELECT attempt FROM app.effects WHERE run_id = %s", run) == [(2,)]
+
+
+def test_immediate_shutdown_during_a_handler_then_retry(pg):
+    name = define(pg, max_attempts=5, backoff="'10 ms'")
+    run = pg.one(f"SELECT flow.enqueue('{name}', '{{\"sleep\": 30, \"sleep_attempts\": 1}}')")
+    pg.wait_for("SELECT status = 'running' FROM flow.commands WHERE run_id = %s", run)
+    pg.pg_ctl("-m", "immediate", "-w", "-t", "60", "stop")
+    pg.pg_ctl("-w", "-t", "60", "start")
+    pg.wait_ready()
+    assert pg.await_run(run, "30s")[:2] == ("succeeded", {"attempt": 2})
+    assert pg.all("SELECT attempt FROM app.effects WHERE run_id = %s", run) == [(2,)]
+
+
+def test_death_between_handler_and_settlement_commits_nothing(pg):
+    name = define(pg, max_attempts=2, backoff="'10 ms'")
+    pg.all("ALTER SYSTEM SET flow.fault_points = 'before_settle'")
+    pg.all("SELECT pg_reload_conf()")
+    time.sleep(0.5)
+    try:
+        run = pg.one(f"SELECT flow.enqueue('{name}')")
+        status, _, error = pg.await_run(run, "30s")
+    finally:
+        pg.all("ALTER SYSTEM RESET flow.fault_points")
+        pg.all("SELECT pg_reload_conf()")
+    assert status == "failed" and error["stop_reason"] == "attempt_limit"
+    assert pg.all("SELECT outcome FROM flow.attempts WHERE run_id = %s ORDER BY attempt", run) == \
+        [("interrupted",), ("interrupted",)]
+    assert pg.one("SELECT count(*) FROM app.effects WHERE run_id = %s", run) == 0
+
+
+def test_workers_come_back_after_a_crash(pg):
+    pid = pg.worker_pids()[0]
+    os.kill(pid, signal.SIGKILL)
+    time.sleep(1.0)
+    pg.wait_ready()
+    pg.wait_for("SELECT count(*) = 2 FROM pg_stat_activity WHERE backend_type = 'flow worker'")
+    name = define(pg)
+    assert pg.await_run(pg.one(f"SELECT flow.enqueue('{name}')"), "20s")[0] == "succeeded"
