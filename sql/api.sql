@@ -74,7 +74,7 @@ CREATE FUNCTION flow.emit(name text, key text, payload jsonb DEFAULT '{}',
     caller_ticket bigint DEFAULT flow._ticket())
 RETURNS bigint
 LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
-    SELECT flow._emit(flow._redeem(caller_ticket), name, key, payload)
+    SELECT flow._emit(flow._redeem(caller_ticket), flow._current_command(), name, key, payload)
 $$;
 
 -- A wait on the event (name, key), for flow.spawn(waits => ...).
@@ -89,7 +89,15 @@ CREATE FUNCTION flow.spawn(name text, args jsonb DEFAULT '{}', key text DEFAULT 
     version integer DEFAULT NULL, queue text DEFAULT NULL, caller_ticket bigint DEFAULT flow._ticket())
 RETURNS uuid
 LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
-    SELECT flow._spawn(flow._redeem(caller_ticket), name, args, key, start_after, waits, within, version, queue)
+    SELECT flow._spawn(flow._redeem(caller_ticket), flow._current_command(), name, args, key, start_after, waits,
+                       within, version, queue)
+$$;
+
+-- The run's commands, parent links, waits and events as text to render: 'dot' or 'mermaid'.
+CREATE FUNCTION flow.run_graph(run_id uuid, format text DEFAULT 'dot', caller_ticket bigint DEFAULT flow._ticket())
+RETURNS text
+LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT flow._run_graph(flow._redeem(caller_ticket), run_id, format)
 $$;
 
 -- ---------------------------------------------------------------- decisions inside a handler
@@ -118,6 +126,50 @@ BEGIN
                          (extract(epoch FROM delay) * 1000000)::bigint);
     RAISE EXCEPTION USING ERRCODE = 'FL021', MESSAGE = coalesce(message, 'retry requested by its handler');
 END $$;
+
+-- ---------------------------------------------------------------- external workers
+-- A definition with handler => NULL is resolved by programs outside the
+-- server. Its owner's role (and members of it) may claim and settle it.
+
+-- Take up to `max` due commands of these definitions under a lease.
+CREATE FUNCTION flow.claim(names text[], worker text, max integer DEFAULT 1, lease interval DEFAULT NULL,
+    caller_ticket bigint DEFAULT flow._ticket())
+RETURNS TABLE (command_id uuid, run_id uuid, name text, version integer, queue text, args jsonb,
+               attempt integer, lease_token uuid, lease_expires_at timestamptz, deadline timestamptz,
+               context flow.context)
+LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT c.command_id, c.run_id, c.name, c.version, c.queue, c.args, c.attempt, c.lease_token,
+           c.lease_expires_at, c.deadline, c.context
+    FROM flow._claim_external(flow._redeem(caller_ticket), names, worker, max,
+                              coalesce(lease, make_interval(secs => flow._lease_duration_s()))) c
+$$;
+
+-- Extend a lease (by `extend`, default: its original length); cancelled = true means stop.
+CREATE FUNCTION flow.heartbeat(command_id uuid, lease_token uuid, extend interval DEFAULT NULL,
+    caller_ticket bigint DEFAULT flow._ticket())
+RETURNS TABLE (lease_expires_at timestamptz, cancelled boolean)
+LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT * FROM flow._heartbeat(flow._redeem(caller_ticket), command_id, lease_token, extend)
+$$;
+
+-- Settle success, with events [{name, key, payload}] and children
+-- [{name, args, key, start_after, waits: [{name, key}], within, version, queue}].
+CREATE FUNCTION flow.complete(command_id uuid, lease_token uuid, result jsonb DEFAULT NULL,
+    events jsonb DEFAULT NULL, children jsonb DEFAULT NULL, caller_ticket bigint DEFAULT flow._ticket())
+RETURNS text
+LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT flow._complete(flow._redeem(caller_ticket), command_id, lease_token, result, events, children)
+$$;
+
+-- Settle failure: retried per the definition's policy, after retry_after when
+-- given, or never when permanent. Returns 'retry' or 'failed'.
+CREATE FUNCTION flow.fail(command_id uuid, lease_token uuid, message text, retry_after interval DEFAULT NULL,
+    permanent boolean DEFAULT false, code text DEFAULT NULL, caller_ticket bigint DEFAULT flow._ticket())
+RETURNS text
+LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT flow._fail_external(flow._redeem(caller_ticket), command_id, lease_token, message, retry_after,
+                               permanent, code)
+$$;
 
 -- ---------------------------------------------------------------- views
 

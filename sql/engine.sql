@@ -644,10 +644,10 @@ BEGIN
       AND NOT EXISTS (SELECT 1 FROM flow._waits w WHERE w.command_id = c.id AND w.event_position IS NULL);
 END $$;
 
-CREATE FUNCTION flow._emit(caller oid, name text, key text, payload jsonb) RETURNS bigint
+-- emitter: the command whose handler (or external worker) emits, NULL from outside.
+CREATE FUNCTION flow._emit(caller oid, emitter uuid, name text, key text, payload jsonb) RETURNS bigint
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
-    emitter uuid := flow._current_command();
     pos bigint;
     waiting uuid;
 BEGIN
@@ -674,7 +674,8 @@ BEGIN
     RETURN pos;
 END $$;
 
-CREATE FUNCTION flow._spawn(caller oid, name text, args jsonb, key text, start_after interval,
+-- parent_id: the command whose handler (or external worker) spawns; NULL is an error.
+CREATE FUNCTION flow._spawn(caller oid, parent_id uuid, name text, args jsonb, key text, start_after interval,
     waits flow.wait_spec[], within interval, version integer, queue text)
 RETURNS uuid
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
@@ -689,7 +690,7 @@ DECLARE
     existing flow._commands;
     journaled bigint;
 BEGIN
-    SELECT * INTO parent FROM flow._commands c WHERE c.id = flow._current_command();
+    SELECT * INTO parent FROM flow._commands c WHERE c.id = _spawn.parent_id AND c.status = 'running';
     IF NOT FOUND THEN
         RAISE EXCEPTION 'flow: spawn is only possible inside a running handler' USING ERRCODE = 'FL012',
             HINT = 'Use flow.enqueue to start a new run.';
@@ -746,4 +747,226 @@ BEGIN
     PERFORM flow._promote_if_satisfied(child);
     PERFORM flow._wake();
     RETURN child;
+END $$;
+
+-- ---------------------------------------------------------------- external workers
+
+-- The running command behind an external lease, locked, after checking the
+-- caller may resolve it. A wrong or stale token is FL013; a command already
+-- settled under this very token is FL017 (double completion).
+CREATE FUNCTION flow._leased(caller oid, command_id uuid, lease_token uuid) RETURNS flow._commands
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    c flow._commands;
+    owner_ oid;
+BEGIN
+    IF command_id IS NULL OR lease_token IS NULL THEN
+        RAISE EXCEPTION 'flow: command_id and lease_token must not be NULL' USING ERRCODE = 'FL002';
+    END IF;
+    PERFORM flow._lock_run_of(command_id);
+    SELECT x.* INTO c FROM flow._commands x WHERE x.id = command_id FOR UPDATE;
+    SELECT d.owner INTO owner_ FROM flow._definitions d WHERE d.name = c.name AND d.version = c.version;
+    IF NOT FOUND OR NOT pg_has_role(caller, owner_, 'MEMBER') THEN
+        RAISE EXCEPTION 'flow: no command with id %', command_id USING ERRCODE = 'FL014';
+    END IF;
+    IF c.status = 'running' AND c.lease_token = _leased.lease_token AND c.lease_pid IS NULL THEN
+        IF c.lease_expires_at < now() THEN
+            RAISE EXCEPTION 'flow: the lease on command % expired at %', command_id, c.lease_expires_at
+                USING ERRCODE = 'FL013';
+        END IF;
+        RETURN c;
+    END IF;
+    IF EXISTS (SELECT 1 FROM flow._attempts a WHERE a.command_id = _leased.command_id
+               AND a.lease_token = _leased.lease_token AND a.outcome = 'succeeded') THEN
+        RAISE EXCEPTION 'flow: command % was already completed under this lease', command_id
+            USING ERRCODE = 'FL017';
+    END IF;
+    RAISE EXCEPTION 'flow: lease token % does not hold command % (it is %)', lease_token, command_id, c.status
+        USING ERRCODE = 'FL013', HINT = 'The lease expired or was never yours; claim the command again.';
+END $$;
+
+CREATE FUNCTION flow._claim_external(caller oid, names text[], worker text, max_count integer, lease interval)
+RETURNS SETOF flow.claimed_command
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    wanted text;
+    expired record;
+BEGIN
+    PERFORM flow._require_name('worker', worker);
+    IF names IS NULL OR cardinality(names) = 0 THEN
+        RAISE EXCEPTION 'flow: names must list at least one definition' USING ERRCODE = 'FL002';
+    END IF;
+    IF max_count IS NULL OR max_count < 1 OR max_count > 10000 THEN
+        RAISE EXCEPTION 'flow: max must be between 1 and 10000, got %', max_count USING ERRCODE = 'FL015';
+    END IF;
+    IF lease IS NULL OR lease <= interval '0' THEN
+        RAISE EXCEPTION 'flow: lease must be positive, got %', lease USING ERRCODE = 'FL005';
+    END IF;
+    FOREACH wanted IN ARRAY names LOOP
+        IF NOT EXISTS (SELECT 1 FROM flow._definitions d WHERE d.name = wanted AND d.handler IS NULL) THEN
+            RAISE EXCEPTION 'flow: no external definition named %', wanted USING ERRCODE = 'FL001';
+        END IF;
+        IF EXISTS (SELECT 1 FROM flow._definitions d WHERE d.name = wanted AND d.handler IS NULL
+                   AND NOT pg_has_role(caller, d.owner, 'MEMBER')) THEN
+            RAISE EXCEPTION 'flow: role % may not resolve commands of %', caller::regrole, wanted
+                USING ERRCODE = '42501';
+        END IF;
+    END LOOP;
+    -- Expired external leases of these definitions are concluded first, so a
+    -- server without in-database workers still retries them.
+    FOR expired IN
+        SELECT c.id, c.lease_token FROM flow._commands c                -- index _commands_running
+        WHERE c.status = 'running' AND c.lease_pid IS NULL AND c.lease_expires_at < now() AND c.name = ANY (names)
+    LOOP
+        PERFORM flow._settle_failure(expired.id, expired.lease_token, 'lease_lost', 'lease_lost',
+                                     'the lease expired before the command was settled');
+    END LOOP;
+    RETURN QUERY SELECT * FROM flow._claim(worker, NULL, NULL, max_count, lease, names,
+                                           (random() * 1000)::integer);
+END $$;
+
+CREATE FUNCTION flow._heartbeat(caller oid, command_id uuid, lease_token uuid, extend interval)
+RETURNS TABLE (lease_expires_at timestamptz, cancelled boolean)
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    c flow._commands;
+BEGIN
+    IF extend <= interval '0' THEN
+        RAISE EXCEPTION 'flow: extend must be positive, got %', extend USING ERRCODE = 'FL005';
+    END IF;
+    -- A run cancelled (or failed) under a live lease: tell the worker to stop.
+    IF EXISTS (SELECT 1 FROM flow._attempts a JOIN flow._commands x ON x.id = a.command_id
+               WHERE a.command_id = _heartbeat.command_id AND a.lease_token = _heartbeat.lease_token
+                 AND a.outcome = 'cancelled' AND pg_has_role(caller, (SELECT r.owner FROM flow._runs r
+                                                                      WHERE r.id = x.run_id), 'MEMBER')) THEN
+        RETURN QUERY SELECT NULL::timestamptz, true;
+        RETURN;
+    END IF;
+    c := flow._leased(caller, command_id, lease_token);
+    UPDATE flow._commands x SET lease_expires_at = now() + coalesce(extend, x.lease_expires_at - x.attempt_started_at)
+    WHERE x.id = c.id
+    RETURNING x.lease_expires_at INTO c.lease_expires_at;
+    RETURN QUERY SELECT c.lease_expires_at, false;
+END $$;
+
+-- Settle an external success with its events and children, all in the caller's transaction.
+CREATE FUNCTION flow._complete(caller oid, command_id uuid, lease_token uuid, result jsonb, events jsonb,
+    children jsonb)
+RETURNS text
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    c flow._commands := flow._leased(caller, command_id, lease_token);
+    item jsonb;
+BEGIN
+    IF result IS NOT NULL THEN
+        PERFORM flow._require_payload('result', result, false);
+    END IF;
+    IF events IS NOT NULL AND jsonb_typeof(events) <> 'array' OR children IS NOT NULL AND jsonb_typeof(children) <> 'array' THEN
+        RAISE EXCEPTION 'flow: events and children must be JSON arrays' USING ERRCODE = 'FL003';
+    END IF;
+    FOR item IN SELECT * FROM jsonb_array_elements(coalesce(events, '[]')) LOOP
+        PERFORM flow._emit(caller, c.id, item->>'name', item->>'key', coalesce(item->'payload', '{}'));
+    END LOOP;
+    FOR item IN SELECT * FROM jsonb_array_elements(coalesce(children, '[]')) LOOP
+        PERFORM flow._spawn(caller, c.id, item->>'name', coalesce(item->'args', '{}'), item->>'key',
+            (item->>'start_after')::interval,
+            (SELECT coalesce(array_agg(ROW(w->>'name', w->>'key')::flow.wait_spec), '{}')
+             FROM jsonb_array_elements(coalesce(item->'waits', '[]')) w),
+            (item->>'within')::interval, (item->>'version')::integer, item->>'queue');
+    END LOOP;
+    RETURN flow._settle_success(c.id, c.lease_token, result);
+END $$;
+
+CREATE FUNCTION flow._fail_external(caller oid, command_id uuid, lease_token uuid, message text,
+    retry_after interval, permanent boolean, code text)
+RETURNS text
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    c flow._commands;
+BEGIN
+    IF retry_after <= interval '0' THEN
+        RAISE EXCEPTION 'flow: retry_after must be positive, got %', retry_after USING ERRCODE = 'FL005';
+    END IF;
+    c := flow._leased(caller, command_id, lease_token);
+    RETURN flow._settle_failure(c.id, c.lease_token,
+        CASE WHEN permanent THEN 'permanent' WHEN retry_after IS NOT NULL THEN 'retry_after' ELSE 'retryable' END,
+        coalesce(code, CASE WHEN permanent THEN 'permanent' ELSE 'worker_error' END),
+        coalesce(message, 'failed by its external worker'), retry_after);
+END $$;
+
+-- ---------------------------------------------------------------- run graph
+
+-- A run's commands, parent links, waits and events as Graphviz DOT or Mermaid.
+CREATE FUNCTION flow._run_graph(caller oid, run_id uuid, format text) RETURNS text
+LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    r flow._runs;
+    dot boolean := lower(coalesce(format, 'dot')) = 'dot';
+    lines text[] := '{}';
+    item record;
+BEGIN
+    IF lower(coalesce(format, 'dot')) NOT IN ('dot', 'mermaid') THEN
+        RAISE EXCEPTION 'flow: run_graph format must be dot or mermaid, got %', format USING ERRCODE = 'FL003';
+    END IF;
+    SELECT * INTO r FROM flow._runs x WHERE x.id = run_id;
+    PERFORM flow._require_member(caller, r.owner, 'run', run_id);
+    -- commands
+    FOR item IN
+        SELECT 'c' || replace(c.id::text, '-', '') AS node, c.parent_id,
+               translate(format('%s: %s v%s\n%s%s', c.key, c.name, c.version, c.status,
+                   CASE WHEN c.attempts > 1 THEN format(' after %s attempts', c.attempts) ELSE '' END),
+                   '"[]{}<>|', '''()()()/') AS label,
+               CASE c.status WHEN 'succeeded' THEN 'palegreen' WHEN 'failed' THEN 'salmon'
+                             WHEN 'running' THEN 'lightblue' WHEN 'waiting' THEN 'khaki'
+                             WHEN 'cancelled' THEN 'lightgrey' ELSE 'white' END AS colour
+        FROM flow._commands c WHERE c.run_id = _run_graph.run_id ORDER BY c.created_at, c.id
+    LOOP
+        lines := lines || CASE WHEN dot
+            THEN format('  %s [label="%s", fillcolor=%s];', item.node, item.label, item.colour)
+            ELSE format('  %s["%s"]', item.node, replace(item.label, '\n', '<br/>')) END;
+        IF item.parent_id IS NOT NULL THEN
+            lines := lines || format(CASE WHEN dot THEN '  %s -> %s;' ELSE '  %s --> %s' END,
+                                     'c' || replace(item.parent_id::text, '-', ''), item.node);
+        END IF;
+    END LOOP;
+    -- events emitted by this run's commands or satisfying its waits, and open waits
+    FOR item IN
+        SELECT DISTINCT 'e' || e.position AS node, e.command_id,
+               translate(format('event %s/%s', e.name, e.key), '"[]{}<>|', '''()()()/') AS label
+        FROM flow._events e
+        WHERE e.run_id = _run_graph.run_id
+           OR e.position IN (SELECT w.event_position FROM flow._waits w JOIN flow._commands c ON c.id = w.command_id
+                             WHERE c.run_id = _run_graph.run_id)
+    LOOP
+        lines := lines || CASE WHEN dot THEN format('  %s [shape=ellipse, label="%s"];', item.node, item.label)
+                               ELSE format('  %s(["%s"])', item.node, item.label) END;
+        IF item.command_id IS NOT NULL AND EXISTS (SELECT 1 FROM flow._commands c WHERE c.id = item.command_id
+                                                   AND c.run_id = _run_graph.run_id) THEN
+            lines := lines || format(CASE WHEN dot THEN '  %s -> %s [label="emits"];' ELSE '  %s -- emits --> %s' END,
+                                     'c' || replace(item.command_id::text, '-', ''), item.node);
+        END IF;
+    END LOOP;
+    FOR item IN
+        SELECT w.event_position, 'c' || replace(w.command_id::text, '-', '') AS waiter,
+               'w' || md5(w.command_id::text || w.name || w.key) AS open_node,
+               translate(format('waiting for %s/%s', w.name, w.key), '"[]{}<>|', '''()()()/') AS label
+        FROM flow._waits w JOIN flow._commands c ON c.id = w.command_id
+        WHERE c.run_id = _run_graph.run_id ORDER BY w.name, w.key
+    LOOP
+        IF item.event_position IS NOT NULL THEN
+            lines := lines || format(CASE WHEN dot THEN '  %s -> %s [style=dashed, label="satisfies"];'
+                                          ELSE '  %s -. satisfies .-> %s' END, 'e' || item.event_position, item.waiter);
+        ELSE
+            lines := lines || CASE WHEN dot
+                THEN format('  %s [shape=ellipse, style=dashed, label="%s"];', item.open_node, item.label)
+                ELSE format('  %s(["%s"])', item.open_node, item.label) END;
+            lines := lines || format(CASE WHEN dot THEN '  %s -> %s [style=dashed];' ELSE '  %s -.-> %s' END,
+                                     item.open_node, item.waiter);
+        END IF;
+    END LOOP;
+    IF dot THEN
+        RETURN format(E'digraph "run %s" {\n  rankdir=LR;\n  label="run %s: %s";\n  node [shape=box, style="rounded,filled", fontname="Helvetica"];\n%s\n}\n',
+                      r.id, r.id, r.status, array_to_string(lines, E'\n'));
+    END IF;
+    RETURN format(E'flowchart LR\n%s\n', array_to_string(lines, E'\n'));
 END $$;

@@ -15,6 +15,7 @@
 --   FL007 deadline already passed             FL016 invalid decision (conflicting spawn)
 --   FL008 handler has the wrong signature     FL020 flow.fail(): permanent failure
 --   FL009 queue concurrency below 1           FL021 flow.retry_after(): retry later
+--   FL017 settled already under this lease (double completion)
 
 -- ---------------------------------------------------------------- types
 

@@ -69,6 +69,12 @@ fn _max_payload_bytes() -> i32 {
     gucs::max_result_bytes()
 }
 
+/// flow.lease_duration in seconds: the default lease of external claims.
+#[pg_extern(stable, parallel_safe)]
+fn _lease_duration_s() -> i32 {
+    gucs::lease_duration().as_secs() as i32
+}
+
 /// The command whose handler is running in this backend, NULL outside a handler.
 #[pg_extern(volatile, parallel_unsafe)]
 fn _current_command() -> Option<pgrx::Uuid> {
