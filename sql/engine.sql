@@ -639,9 +639,16 @@ $$;
 CREATE FUNCTION flow._promote_if_satisfied(command_id uuid) RETURNS void
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
-    UPDATE flow._commands c SET status = 'pending', next_run_at = greatest(c.not_before, now())
-    WHERE c.id = command_id AND c.status = 'waiting'
-      AND NOT EXISTS (SELECT 1 FROM flow._waits w WHERE w.command_id = c.id AND w.event_position IS NULL);
+    -- Lock first, check in the next statement: its fresh snapshot sees every
+    -- wait satisfied by emitters that committed while we waited for the lock.
+    -- (A single UPDATE would re-check its NOT EXISTS with the old snapshot, and
+    -- two concurrent emitters could each leave the command waiting forever.)
+    PERFORM 1 FROM flow._commands c WHERE c.id = command_id AND c.status = 'waiting' FOR UPDATE;
+    IF FOUND THEN
+        UPDATE flow._commands c SET status = 'pending', next_run_at = greatest(c.not_before, now())
+        WHERE c.id = command_id AND c.status = 'waiting'
+          AND NOT EXISTS (SELECT 1 FROM flow._waits w WHERE w.command_id = c.id AND w.event_position IS NULL);
+    END IF;
 END $$;
 
 -- emitter: the command whose handler (or external worker) emits, NULL from outside.
@@ -720,7 +727,8 @@ BEGIN
         next_run_at, not_before, budget_started_at, deadline)
     VALUES (child, parent.run_id, parent.id, key, d.name, d.version, lane, args, declared,
         CASE WHEN cardinality(waits) > 0 THEN 'waiting' ELSE 'pending' END::flow.command_status,
-        CASE WHEN cardinality(waits) > 0 THEN coalesce(greatest(now() + within, due), 'infinity') ELSE due END,
+        CASE WHEN cardinality(waits) = 0 THEN due WHEN within IS NULL THEN 'infinity'
+             ELSE greatest(now() + within, due) END,
         due, due, parent.deadline)
     ON CONFLICT ON CONSTRAINT _commands_run_id_key_key DO NOTHING;
     IF NOT FOUND THEN
