@@ -1,0 +1,224 @@
+"""External workers: claim and resolve commands from outside the server under a lease."""
+import threading
+import time
+
+import psycopg
+import pytest
+
+from conftest import fresh_cluster, unique
+
+
+@pytest.fixture(scope="module")
+def pg():
+    cluster = fresh_cluster("flow.workers = 1")
+    with cluster.connect() as c:
+        c.execute("""
+            DO $$ BEGIN CREATE ROLE alice LOGIN; CREATE ROLE bob LOGIN;
+            EXCEPTION WHEN duplicate_object THEN NULL; END $$;
+            CREATE SCHEMA app;
+            CREATE TABLE app.effects (run_id uuid, key text);
+            CREATE FUNCTION app.after_external(args jsonb, ctx flow.context) RETURNS jsonb LANGUAGE plpgsql AS $$
+            BEGIN
+                INSERT INTO app.effects VALUES (ctx.run_id, ctx.command_key);
+                RETURN jsonb_build_object('inputs', ctx.inputs);
+            END $$;
+            SELECT flow.define('in_db_child', 'app.after_external'::regproc);
+        """)
+    yield cluster
+    cluster.stop()
+
+
+def external(pg, user="postgres", **kw):
+    name = unique("ext")
+    params = "".join(f", {k} => {v}" for k, v in kw.items())
+    pg.one(f"SELECT flow.define('{name}', NULL{params})", user=user)
+    return name
+
+
+def claim(conn, name, worker="w", max_=1, lease="30 s"):
+    return conn.execute("SELECT command_id, lease_token, args, attempt, context FROM flow.claim(%s, %s, %s, %s)",
+                        ([name], worker, max_, lease)).fetchall()
+
+
+def test_in_database_workers_never_run_external_definitions(pg):
+    name = external(pg)
+    run = pg.one(f"SELECT flow.enqueue('{name}')")
+    time.sleep(0.5)
+    assert pg.one("SELECT status FROM flow.commands WHERE run_id = %s", run) == "pending"
+
+
+def test_claim_complete_round_trip(pg):
+    name = external(pg)
+    run = pg.one(f"SELECT flow.enqueue('{name}', '{{\"x\": 1}}')")
+    with pg.connect() as c:
+        [(cmd, token, args, attempt, context)] = claim(c, name)
+        assert args == {"x": 1} and attempt == 1
+        assert pg.one("SELECT status FROM flow.commands WHERE id = %s", cmd) == "running"
+        expires, cancelled = c.execute("SELECT * FROM flow.heartbeat(%s, %s, '1 minute')", (cmd, token)).fetchone()
+        assert cancelled is False
+        assert c.execute("SELECT %s > now() + interval '50 s'", (expires,)).fetchone()[0]
+        assert c.execute("SELECT flow.complete(%s, %s, '{\"done\": true}')", (cmd, token)).fetchone()[0] == "succeeded"
+    assert pg.await_run(run, "5s") == ("succeeded", {"done": True}, None)
+
+
+def test_ten_claimers_five_thousand_commands_exactly_once(pg):
+    name = external(pg)
+    pg.one(f"SELECT flow.enqueue_many('{name}', array_agg(jsonb_build_object('i', i)))"
+           " FROM generate_series(1, 5000) i")
+    seen, errors = [], []
+    lock = threading.Lock()
+
+    def work(n):
+        try:
+            with pg.connect() as c:
+                while True:
+                    rows = claim(c, name, worker=f"w{n}", max_=25)
+                    if not rows:
+                        break
+                    with c.transaction():
+                        for cmd, token, args, _, _ in rows:
+                            c.execute("SELECT flow.complete(%s, %s, %s)", (cmd, token, psycopg.types.json.Jsonb(args)))
+                    with lock:
+                        seen.extend(r[0] for r in rows)
+        except Exception as e:  # pragma: no cover
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(10)]
+    [t.start() for t in threads]
+    [t.join(300) for t in threads]
+    assert not errors, errors[:3]
+    assert len(seen) == 5000 and len(set(seen)) == 5000
+    assert pg.one("SELECT count(*) FROM flow.commands WHERE name = %s AND status = 'succeeded' AND attempts = 1",
+                  name) == 5000
+
+
+def test_a_lost_lease_is_retried_and_the_stale_complete_changes_nothing(pg):
+    name = external(pg, max_attempts=3, backoff="'10 ms'")
+    run = pg.one(f"SELECT flow.enqueue('{name}')")
+    with pg.connect() as c:
+        [(cmd, stale, *_)] = claim(c, name, worker="slow", lease="300 ms")
+        time.sleep(0.6)
+        # the lease expired by the database clock: it is concluded as lease_lost
+        # and retried after its backoff (10 ms)
+        for _ in range(40):
+            rows = claim(c, name, worker="fast")
+            if rows:
+                break
+            time.sleep(0.05)
+        [(cmd2, fresh, _, attempt, _)] = rows
+        assert cmd2 == cmd and attempt == 2 and fresh != stale
+        with pytest.raises(psycopg.Error) as caught:
+            c.execute("SELECT flow.complete(%s, %s, '{\"late\": true}')", (cmd, stale))
+        assert caught.value.sqlstate == "FL013"
+        assert c.execute("SELECT flow.complete(%s, %s, '{\"fresh\": true}')", (cmd, fresh)).fetchone()[0] == "succeeded"
+    assert pg.await_run(run, "5s") == ("succeeded", {"fresh": True}, None)
+    assert pg.all("SELECT attempt, outcome, owner FROM flow.attempts WHERE run_id = %s ORDER BY attempt", run) == \
+        [(1, "lease_lost", "slow"), (2, "succeeded", "fast")]
+
+
+def test_expired_leases_are_recovered_by_the_workers_too(pg):
+    name = external(pg, max_attempts=1)
+    run = pg.one(f"SELECT flow.enqueue('{name}')")
+    with pg.connect() as c:
+        claim(c, name, lease="200 ms")
+    status, _, error = pg.await_run(run, "10s")
+    assert status == "failed" and error["code"] == "lease_lost" and error["stop_reason"] == "attempt_limit"
+
+
+def test_complete_with_events_and_children_drives_a_workflow(pg):
+    name = external(pg)
+    key = unique("order")
+    run = pg.one(f"SELECT flow.enqueue('{name}')")
+    with pg.connect() as c:
+        [(cmd, token, *_)] = claim(c, name)
+        children = psycopg.types.json.Jsonb([
+            {"name": "in_db_child", "key": "after", "waits": [{"name": "paid", "key": key}], "within": "1 minute"},
+            {"name": "in_db_child", "key": "now", "args": {"a": 1}},
+        ])
+        events = psycopg.types.json.Jsonb([{"name": "paid", "key": key, "payload": {"amount": 5}}])
+        c.execute("SELECT flow.complete(%s, %s, '{\"root\": 1}', %s, %s)", (cmd, token, events, children))
+    assert pg.await_run(run, "10s") == ("succeeded", {"root": 1}, None)
+    after = pg.one("SELECT result FROM flow.commands WHERE run_id = %s AND key = 'after'", run)
+    assert after["inputs"][0]["payload"] == {"amount": 5}
+    assert sorted(r[0] for r in pg.all("SELECT key FROM app.effects WHERE run_id = %s", run)) == ["after", "now"]
+
+
+def test_fail_applies_the_retry_policy(pg):
+    name = external(pg, max_attempts=3, backoff="'1 hour'", backoff_max="'2 hours'")
+    run = pg.one(f"SELECT flow.enqueue('{name}')")
+    with pg.connect() as c:
+        [(cmd, token, *_)] = claim(c, name)
+        assert c.execute("SELECT flow.fail(%s, %s, 'rate limited', retry_after => '200 ms')",
+                         (cmd, token)).fetchone()[0] == "retry"
+        assert claim(c, name) == []
+        time.sleep(0.3)
+        [(cmd, token, _, attempt, _)] = claim(c, name)
+        assert attempt == 2
+        assert c.execute("SELECT flow.fail(%s, %s, 'bad card', permanent => true)", (cmd, token)).fetchone()[0] == "failed"
+    status, _, error = pg.await_run(run, "5s")
+    assert status == "failed" and error["message"] == "bad card" and error["stop_reason"] == "permanent"
+
+
+def test_heartbeat_says_when_the_run_was_cancelled(pg):
+    name = external(pg)
+    run = pg.one(f"SELECT flow.enqueue('{name}')")
+    with pg.connect() as c:
+        [(cmd, token, *_)] = claim(c, name)
+        pg.one("SELECT flow.cancel(%s)", run)
+        assert c.execute("SELECT cancelled FROM flow.heartbeat(%s, %s)", (cmd, token)).fetchone()[0] is True
+        with pytest.raises(psycopg.Error) as caught:
+            c.execute("SELECT flow.complete(%s, %s)", (cmd, token))
+        assert caught.value.sqlstate == "FL013"
+    assert pg.one("SELECT status FROM flow.runs WHERE id = %s", run) == "cancelled"
+
+
+def state(pg):
+    return pg.all("SELECT (SELECT count(*) FROM flow._attempts), (SELECT count(*) FROM flow._events),"
+                  " (SELECT count(*) FROM flow._commands WHERE status = 'running')")[0]
+
+
+def test_bad_resolutions_change_nothing(pg):
+    name = external(pg)
+    pg.one(f"SELECT flow.enqueue('{name}')")
+    with pg.connect() as c:
+        [(cmd, token, *_)] = claim(c, name)
+        before = state(pg)
+        bad = [
+            ("SELECT flow.complete(%s, gen_random_uuid())", (cmd,), "FL013"),
+            ("SELECT flow.complete(gen_random_uuid(), %s)", (token,), "FL014"),
+            ("SELECT flow.fail(%s, %s, 'x', retry_after => '-1 s')", (cmd, token), "FL005"),
+            ("SELECT flow.fail(%s, %s, 'x', retry_after => '0 s')", (cmd, token), "FL005"),
+            ("SELECT flow.complete(%s, %s, jsonb_build_object('big', repeat('x', 300000)))", (cmd, token), "FL004"),
+            ("SELECT flow.complete(%s, %s, NULL, '{\"not\": \"an array\"}')", (cmd, token), "FL003"),
+            ("SELECT flow.complete(%s, %s, NULL, '[{\"name\": null, \"key\": \"k\"}]')", (cmd, token), "FL002"),
+            ("SELECT flow.heartbeat(%s, gen_random_uuid())", (cmd,), "FL013"),
+            ("SELECT flow.heartbeat(%s, %s, '-1 s')", (cmd, token), "FL005"),
+            ("SELECT * FROM flow.claim(array['no_such'], 'w')", (), "FL001"),
+            ("SELECT * FROM flow.claim(%s, 'w', 0)", ([name],), "FL015"),
+            ("SELECT * FROM flow.claim(%s, 'w', 1, '-1 s')", ([name],), "FL005"),
+            ("SELECT * FROM flow.claim(%s, '')", ([name],), "FL002"),
+        ]
+        for query, args, code in bad:
+            with pytest.raises(psycopg.Error) as caught:
+                c.execute(query, args)
+            assert caught.value.sqlstate == code, query
+            assert state(pg) == before, query
+        assert c.execute("SELECT flow.complete(%s, %s)", (cmd, token)).fetchone()[0] == "succeeded"
+        after = state(pg)
+        with pytest.raises(psycopg.Error) as caught:
+            c.execute("SELECT flow.complete(%s, %s)", (cmd, token))
+        assert caught.value.sqlstate == "FL017"  # double completion
+        assert state(pg) == after
+
+
+def test_a_role_resolves_only_its_own_definitions(pg):
+    name = external(pg, user="alice")
+    run = pg.one(f"SELECT flow.enqueue('{name}')", user="alice")
+    assert pg.sqlstate("SELECT * FROM flow.claim(%s, 'w')", [name], user="bob") == "42501"
+    with pg.connect("alice") as c:
+        [(cmd, token, *_)] = claim(c, name)
+    assert pg.sqlstate("SELECT flow.complete(%s, %s)", cmd, token, user="bob") == "FL014"
+    assert pg.sqlstate("SELECT flow.fail(%s, %s, 'x')", cmd, token, user="bob") == "FL014"
+    with pg.connect("alice") as c:
+        c.execute("SELECT flow.complete(%s, %s)", (cmd, token))
+    assert pg.await_run(run, "5s", user="alice")[0] == "succeeded"
