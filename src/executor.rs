@@ -29,7 +29,8 @@ pub struct Claimed {
     pub handler: pg_sys::Oid,
     pub owner: pg_sys::Oid,
     pub args: JsonB,
-    pub context: JsonB,
+    /// Only for handlers that take a `flow.context`.
+    pub context: Option<JsonB>,
 }
 
 /// How an attempt ended.
@@ -265,7 +266,7 @@ fn call_handler(command: &Claimed) -> Option<JsonB> {
     Spi::connect_mut(|client| {
         HANDLER_PLANS.with(|plans| {
             let plans = plans.borrow();
-            let args = [DatumWithOid::from(JsonB(command.args.0.clone())), DatumWithOid::from(JsonB(command.context.0.clone()))];
+            let args = [DatumWithOid::from(JsonB(command.args.0.clone())), DatumWithOid::from(command.context.as_ref().map(|c| JsonB(c.0.clone())))];
             client
                 .update(&plans[&key], Some(1), &args)
                 .and_then(|t| t.first().get_one::<JsonB>())

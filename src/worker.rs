@@ -185,7 +185,7 @@ impl Worker {
                 handler: row.get(5).ok().flatten().expect("handler"),
                 owner: row.get(6).ok().flatten().expect("handler_owner"),
                 args: row.get::<JsonB>(7).ok().flatten().expect("args"),
-                context: row.get::<JsonB>(8).ok().flatten().expect("context"),
+                context: row.get::<JsonB>(8).ok().flatten(),
             })
             .collect()
         })
