@@ -340,12 +340,14 @@ LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     lanes text[];
 BEGIN
-    -- index _commands_due: one probe per queue
+    -- index _commands_due: one probe per queue (LIMIT 1 keeps the planner on
+    -- the index even when statistics are stale after a bulk enqueue)
     SELECT array_agg(q.name ORDER BY q.name) INTO lanes
-    FROM flow._queues q
-    WHERE NOT q.paused AND EXISTS (
+    FROM flow._queues q CROSS JOIN LATERAL (
         SELECT 1 FROM flow._commands c
-        WHERE c.queue = q.name AND c.status IN ('pending', 'waiting') AND c.next_run_at <= now());
+        WHERE c.queue = q.name AND c.status IN ('pending', 'waiting') AND c.next_run_at <= now()
+        LIMIT 1) due
+    WHERE NOT q.paused;
     IF lanes IS NULL THEN
         RETURN;
     END IF;
@@ -501,6 +503,52 @@ BEGIN
     RETURN 'succeeded';
 END $$;
 
+-- In-database workers execute claimed commands in chunks, one transaction
+-- each: _begin_batch locks the chunk's runs (in id order: two chunks never
+-- deadlock, and cancel / run failure / external settlements of those runs
+-- wait for the chunk's commit) and returns the commands whose lease is still
+-- held; those whose run was cancelled or failed since the claim never run.
+CREATE FUNCTION flow._begin_batch(command_ids uuid[], lease_tokens uuid[]) RETURNS SETOF uuid
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    PERFORM 1 FROM flow._runs r
+    WHERE r.id IN (SELECT c.run_id FROM flow._commands c WHERE c.id = ANY (command_ids))
+    ORDER BY r.id FOR UPDATE;
+    RETURN QUERY
+        SELECT c.id FROM flow._commands c JOIN unnest(command_ids, lease_tokens) AS t(id, token) ON c.id = t.id
+        WHERE c.status = 'running' AND c.lease_token = t.token;
+END $$;
+
+-- Settle a chunk's successful attempts in three set-based statements (the
+-- caller holds their runs' locks, see _begin_batch). Returns how many settled.
+CREATE FUNCTION flow._settle_batch(command_ids uuid[], lease_tokens uuid[], results jsonb[]) RETURNS integer
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    settled integer;
+BEGIN
+    WITH old AS (
+        SELECT x.id, x.attempts, x.attempt_started_at, x.lease_owner, t.token, t.result
+        FROM flow._commands x JOIN unnest(command_ids, lease_tokens, results) AS t(id, token, result) ON x.id = t.id
+        WHERE x.status = 'running' AND x.lease_token = t.token
+    ), done AS (
+        UPDATE flow._commands c SET status = 'succeeded', result = old.result, finished_at = clock_timestamp(),
+            lease_token = NULL, lease_owner = NULL, lease_pid = NULL, lease_backend_start = NULL,
+            lease_expires_at = NULL, attempt_started_at = NULL, attempt_deadline = NULL
+        FROM old WHERE c.id = old.id
+        RETURNING old.*
+    )
+    INSERT INTO flow._attempts (command_id, attempt, lease_token, owner, started_at, finished_at, outcome)
+    SELECT done.id, done.attempts, done.token, done.lease_owner, done.attempt_started_at, clock_timestamp(), 'succeeded'
+    FROM done;
+    GET DIAGNOSTICS settled = ROW_COUNT;
+    UPDATE flow._runs r SET status = 'succeeded', finished_at = clock_timestamp(),
+        result = (SELECT c.result FROM flow._commands c WHERE c.run_id = r.id AND c.parent_id IS NULL)
+    WHERE r.id IN (SELECT c.run_id FROM flow._commands c WHERE c.id = ANY (command_ids)) AND r.status = 'running'
+      AND NOT EXISTS (SELECT 1 FROM flow._commands c WHERE c.run_id = r.id AND c.finished_at IS NULL);
+    PERFORM flow._wake();
+    RETURN settled;
+END $$;
+
 -- Settle a failed attempt and apply the retry policy (rules 5-6). outcome is
 -- the class: permanent, retry_after, timeout, interrupted, lease_lost, crash,
 -- retryable. Returns 'retry', 'failed', or 'expired' (lease not held: no change).
@@ -597,8 +645,12 @@ LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     r flow._runs;
 BEGIN
-    SELECT * INTO r FROM flow._runs x WHERE x.id = run_id FOR UPDATE;
+    SELECT * INTO r FROM flow._runs x WHERE x.id = run_id;
     PERFORM flow._require_member(caller, r.owner, 'run', run_id);
+    -- A worker chunk running this run's commands holds its lock: interrupt
+    -- the handler so the lock comes free and nothing is settled as success.
+    PERFORM flow._interrupt_run(run_id);
+    SELECT * INTO r FROM flow._runs x WHERE x.id = run_id FOR UPDATE;
     IF r.status <> 'running' THEN
         RETURN false;
     END IF;

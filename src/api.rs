@@ -57,6 +57,13 @@ fn _wake() {
     shmem::wake_at_commit();
 }
 
+/// Ask the workers to stop running handlers of `run` (flow.cancel calls this
+/// before it waits for the run's lock).
+#[pg_extern(volatile, parallel_unsafe)]
+fn _interrupt_run(run: pgrx::Uuid) {
+    shmem::interrupt_run(*run.as_bytes());
+}
+
 /// A new time-ordered id (UUIDv7).
 #[pg_extern(volatile, parallel_safe)]
 fn _new_id() -> pgrx::Uuid {

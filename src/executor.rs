@@ -1,13 +1,15 @@
 //! Execute and settle claimed commands (engine rules 4–7).
 //!
-//! Each command runs in its own subtransaction inside the worker's batch
-//! transaction: the handler runs as its definition's owner with a pinned
-//! `search_path`, under the attempt deadline enforced by PostgreSQL's own
-//! statement-timeout timer. On success the settlement is written inside the
-//! same subtransaction, so the handler's writes, its events and children and
-//! the settlement commit together or not at all. When the lease is gone (the
-//! run was cancelled or failed meanwhile) the subtransaction is rolled back:
-//! the handler's writes never commit without their settlement.
+//! Claimed commands run in chunks, one transaction per chunk. The chunk first
+//! locks the runs of its commands (flow._begin_batch), so no cancel or run
+//! failure can take a lease away while it runs, and commands that lost their
+//! lease since the claim are skipped. Each handler runs in its own
+//! subtransaction, as its definition's owner with a pinned `search_path`,
+//! under the attempt deadline enforced by PostgreSQL's statement-timeout timer.
+//! A failed handler's subtransaction is rolled back and the failure settled at
+//! once; successes are settled together at the end of the chunk in a few
+//! set-based statements (flow._settle_batch). Handlers' writes, events and
+//! children commit with their settlement in the chunk's transaction, or not at all.
 
 use crate::{gucs, shmem};
 use pgrx::datum::DatumWithOid;
@@ -16,7 +18,7 @@ use pgrx::prelude::*;
 use pgrx::spi::OwnedPreparedStatement;
 use pgrx::{JsonB, PgTryBuilder};
 use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ffi::c_int;
 
 /// A command claimed by this worker, as `flow._claim` handed it out.
@@ -33,10 +35,9 @@ pub struct Claimed {
     pub context: Option<JsonB>,
 }
 
-/// How an attempt ended.
+/// How a failed attempt was settled.
 #[derive(Debug, PartialEq)]
 pub enum Settled {
-    Succeeded,
     /// The lease was no longer ours: nothing was written.
     Expired,
     /// Settled as a failure; `retry` tells whether another attempt is scheduled.
@@ -119,7 +120,11 @@ pub fn engine_query<R>(
     args: &[DatumWithOid],
     read: impl FnOnce(pgrx::spi::SpiTupleTable) -> R,
 ) -> R {
-    Spi::connect_mut(|client| {
+    // A statement cancel meant for a handler (flow.cancel, pg_cancel_backend)
+    // must not abort the engine's own SQL: hold it off, then drop it. An ERROR
+    // resets the holdoff count (elog.c), so no guard is needed on that path.
+    unsafe { pg_sys::QueryCancelHoldoffCount += 1 };
+    let result = Spi::connect_mut(|client| {
         ENGINE_PLANS.with(|plans| {
             let mut plans = plans.borrow_mut();
             if !plans.contains_key(sql) {
@@ -129,19 +134,96 @@ pub fn engine_query<R>(
             let table = client.update(&plans[sql], None, args).unwrap_or_else(|e| error!("flow: {e}"));
             read(table)
         })
-    })
+    });
+    unsafe {
+        pg_sys::QueryCancelHoldoffCount -= 1;
+        pg_sys::QueryCancelPending = 0;
+    }
+    result
 }
 
 const UUID: PgOid = PgOid::BuiltIn(PgBuiltInOids::UUIDOID);
 const TEXT: PgOid = PgOid::BuiltIn(PgBuiltInOids::TEXTOID);
 const JSONB: PgOid = PgOid::BuiltIn(PgBuiltInOids::JSONBOID);
 const INT8: PgOid = PgOid::BuiltIn(PgBuiltInOids::INT8OID);
+const UUID_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::UUIDARRAYOID);
+const JSONB_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::JSONBARRAYOID);
 
-/// Execute and settle one claimed command. The caller is in a transaction.
-pub fn execute(command: &Claimed) -> Settled {
+/// Claimed commands executed in one transaction: `begin` locks their runs and
+/// tells which still hold their lease (flow._begin_batch); successes are
+/// settled together by `finish` (flow._settle_batch), failures one by one as
+/// they happen, after the successes before them.
+pub struct Chunk {
+    live: HashSet<[u8; 16]>,
+    /// Runs that failed in this chunk: their other commands were cancelled.
+    failed_runs: HashSet<[u8; 16]>,
+    successes: Vec<(pgrx::Uuid, pgrx::Uuid, Option<JsonB>)>,
+}
+
+impl Chunk {
+    pub fn begin(commands: &[Claimed]) -> Chunk {
+        let ids: Vec<pgrx::Uuid> = commands.iter().map(|c| c.command_id).collect();
+        let tokens: Vec<pgrx::Uuid> = commands.iter().map(|c| c.lease_token).collect();
+        let live = engine_query(
+            "SELECT flow._begin_batch($1, $2)",
+            &[UUID_ARRAY, UUID_ARRAY],
+            &[ids.into(), tokens.into()],
+            |rows| rows.filter_map(|row| row.get::<pgrx::Uuid>(1).ok().flatten()).map(|id| *id.as_bytes()).collect(),
+        );
+        Chunk { live, failed_runs: HashSet::new(), successes: Vec::new() }
+    }
+
+    /// Run one command of the chunk; commands whose lease or run is gone are skipped.
+    pub fn execute(&mut self, command: &Claimed) {
+        if !self.live.contains(command.command_id.as_bytes()) || self.failed_runs.contains(command.run_id.as_bytes()) {
+            return;
+        }
+        match attempt(command) {
+            Ok(result) => self.successes.push((command.command_id, command.lease_token, result)),
+            Err(failure) => {
+                // Successes before this failure settle first: they happened first.
+                self.settle_successes();
+                if settle_failure(command, &failure) == (Settled::Failed { retry: false }) {
+                    self.failed_runs.insert(*command.run_id.as_bytes());
+                }
+            }
+        }
+    }
+
+    pub fn finish(mut self) {
+        self.settle_successes();
+    }
+
+    fn settle_successes(&mut self) {
+        if self.successes.is_empty() {
+            return;
+        }
+        let (mut ids, mut tokens, mut results) = (Vec::new(), Vec::new(), Vec::new());
+        for (id, token, result) in self.successes.drain(..) {
+            ids.push(id);
+            tokens.push(token);
+            results.push(result);
+        }
+        let expected = ids.len() as u64;
+        let settled = engine_query(
+            "SELECT flow._settle_batch($1, $2, $3)",
+            &[UUID_ARRAY, UUID_ARRAY, JSONB_ARRAY],
+            &[ids.into(), tokens.into(), results.into()],
+            |t| t.first().get_one::<i32>().ok().flatten().unwrap_or(0),
+        ) as u64;
+        let counters = shmem::counters();
+        shmem::bump(&counters.succeeded, settled);
+        shmem::bump(&counters.expired, expected.saturating_sub(settled));
+    }
+}
+
+/// Run a command's handler in its own subtransaction. On success the
+/// subtransaction is kept (its writes commit with the chunk's settlement); on
+/// failure it is rolled back and the failure classified.
+fn attempt(command: &Claimed) -> Result<Option<JsonB>, Failure> {
     let remaining_ms = command.deadline.map(|d| (d - unsafe { pg_sys::GetCurrentTimestamp() }) / 1000);
     if let Some(ms) = remaining_ms.filter(|ms| *ms <= 0) {
-        return settle_failure(command, &timeout_failure(ms));
+        return Err(timeout_failure(ms));
     }
 
     let (outer_context, outer_owner) = unsafe { (pg_sys::CurrentMemoryContext, pg_sys::CurrentResourceOwner) };
@@ -151,7 +233,7 @@ pub fn execute(command: &Claimed) -> Settled {
     }
     DECISION.with(|d| d.borrow_mut().take());
     let started = std::time::Instant::now();
-    let attempt = PgTryBuilder::new(|| {
+    let outcome = PgTryBuilder::new(|| {
         CURRENT_COMMAND.with(|c| c.set(Some(*command.command_id.as_bytes())));
         let result = as_owner(command.owner, || with_deadline(remaining_ms, || call_handler(command)));
         CURRENT_COMMAND.with(|c| c.set(None));
@@ -168,7 +250,7 @@ pub fn execute(command: &Claimed) -> Settled {
                 delay_us: None,
             });
         }
-        Ok(settle_success(command, result))
+        Ok(result)
     })
     .catch_others(|caught| Err(classify(caught, command.deadline)))
     .execute();
@@ -176,9 +258,8 @@ pub fn execute(command: &Claimed) -> Settled {
     stop_deadline_timer();
     shmem::bump(&shmem::counters().handler_us, started.elapsed().as_micros() as u64);
 
-    let keep = matches!(attempt, Ok(Settled::Succeeded));
     unsafe {
-        if keep {
+        if outcome.is_ok() {
             pg_sys::ReleaseCurrentSubTransaction();
         } else {
             pg_sys::RollbackAndReleaseCurrentSubTransaction();
@@ -186,10 +267,7 @@ pub fn execute(command: &Claimed) -> Settled {
         pg_sys::MemoryContextSwitchTo(outer_context);
         pg_sys::CurrentResourceOwner = outer_owner;
     }
-    match attempt {
-        Ok(settled) => settled,
-        Err(failure) => settle_failure(command, &failure),
-    }
+    outcome
 }
 
 /// Run `f` as `owner` with the pinned search_path. On an ERROR the enclosing
@@ -275,26 +353,7 @@ fn call_handler(command: &Claimed) -> Option<JsonB> {
     })
 }
 
-fn settle_success(command: &Claimed, result: Option<JsonB>) -> Settled {
-    let status: Option<String> = engine_query(
-        "SELECT flow._settle_success($1, $2, $3)",
-        &[UUID, UUID, JSONB],
-        &[command.command_id.into(), command.lease_token.into(), result.into()],
-        |t| t.first().get_one().unwrap_or_else(|e| error!("flow: {e}")),
-    );
-    match status.as_deref() {
-        Some("succeeded") => {
-            shmem::bump(&shmem::counters().succeeded, 1);
-            Settled::Succeeded
-        }
-        _ => {
-            shmem::bump(&shmem::counters().expired, 1);
-            Settled::Expired
-        }
-    }
-}
-
-pub fn settle_failure(command: &Claimed, failure: &Failure) -> Settled {
+fn settle_failure(command: &Claimed, failure: &Failure) -> Settled {
     let status: Option<String> = engine_query(
         "SELECT flow._settle_failure($1, $2, $3, $4, $5,
                 CASE WHEN $6 IS NULL THEN NULL ELSE make_interval(secs => $6 / 1000000.0) END)",

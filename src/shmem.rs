@@ -21,8 +21,11 @@ pub struct WorkerSlot {
     pub pid: i32,
     /// true while running a batch, false while idle on its latch.
     pub busy: bool,
-    /// The command whose handler runs right now (all zero when none).
+    /// The command whose handler runs right now, and its run (all zero when none).
     pub command: [u8; 16],
+    pub run: [u8; 16],
+    /// A run flow.cancel asked this worker to stop working on (see `interrupt_run`).
+    pub cancel_run: [u8; 16],
     /// When the worker entered its current state (TimestampTz, µs).
     pub since: i64,
     /// Handlers this process has run since it started.
@@ -31,7 +34,16 @@ pub struct WorkerSlot {
 
 impl Default for WorkerSlot {
     fn default() -> Self {
-        WorkerSlot { procno: -1, pid: 0, busy: false, command: [0; 16], since: 0, handled: 0 }
+        WorkerSlot {
+            procno: -1,
+            pid: 0,
+            busy: false,
+            command: [0; 16],
+            run: [0; 16],
+            cancel_run: [0; 16],
+            since: 0,
+            handled: 0,
+        }
     }
 }
 
@@ -140,14 +152,46 @@ pub fn unregister_worker(index: usize) {
     }
 }
 
-/// Record what worker `index` is doing now.
-pub fn set_worker_state(index: usize, busy: bool, command: Option<[u8; 16]>, handled: u64) {
+/// Record what worker `index` is doing now: the command (and its run) it is
+/// about to run, or none.
+pub fn set_worker_state(index: usize, busy: bool, command: Option<([u8; 16], [u8; 16])>, handled: u64) {
+    let (command, run) = command.unwrap_or(([0; 16], [0; 16]));
     let mut table = WORKERS.exclusive();
     let slot = &mut table.slots[index];
-    if slot.busy != busy || slot.command != command.unwrap_or([0; 16]) {
+    if slot.busy != busy || slot.command != command {
         slot.since = unsafe { pg_sys::GetCurrentTimestamp() };
     }
     slot.busy = busy;
-    slot.command = command.unwrap_or([0; 16]);
+    slot.command = command;
+    slot.run = run;
     slot.handled += handled;
+}
+
+/// flow.cancel: every worker is told not to start commands of `run`, and the
+/// one running a handler of it gets a statement cancel (SIGINT), so the run's
+/// lock is released soon and no handler of it is settled as a success.
+pub fn interrupt_run(run: [u8; 16]) {
+    let mut table = WORKERS.exclusive();
+    for slot in table.slots.iter_mut().filter(|s| s.procno >= 0) {
+        slot.cancel_run = run;
+        if slot.busy && slot.run == run {
+            unsafe { libc_kill(slot.pid, SIGINT) };
+        }
+    }
+}
+
+/// Whether flow.cancel asked worker `index` to leave `run` alone.
+pub fn cancel_requested(index: usize, run: &[u8; 16]) -> bool {
+    WORKERS.share().slots[index].cancel_run == *run
+}
+
+/// A chunk committed: its runs' cancels (if any) can now take their locks.
+pub fn clear_cancel(index: usize) {
+    WORKERS.exclusive().slots[index].cancel_run = [0; 16];
+}
+
+const SIGINT: std::ffi::c_int = 2;
+unsafe extern "C" {
+    #[link_name = "kill"]
+    fn libc_kill(pid: i32, signal: std::ffi::c_int) -> std::ffi::c_int;
 }

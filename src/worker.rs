@@ -20,6 +20,10 @@ use std::time::{Duration, Instant};
 /// external lease expired. Recovery is one index scan of running commands.
 const RECOVERY_INTERVAL: Duration = Duration::from_secs(1);
 
+/// A chunk of claimed commands commits once this much time has been spent on
+/// it (its handlers' results become visible together at commit).
+const CHUNK_BUDGET: Duration = Duration::from_millis(50);
+
 unsafe extern "C-unwind" {
     /// PostgreSQL's SIGTERM handler for backends: a fast shutdown cancels a
     /// running handler at its next interrupt check (pgrx's only sets a flag).
@@ -133,21 +137,45 @@ impl Worker {
         let count = claimed.len() as u64;
         shmem::bump(&shmem::counters().claimed, count);
         report_activity(&format!("flow: running a batch of {count} commands"));
-        let index = self.index;
-        let batch = transaction(move || {
-            for command in &claimed {
-                shmem::set_worker_state(index, true, Some(*command.command_id.as_bytes()), 1);
-                executor::execute(command);
+        // Chunks commit at least every CHUNK_BUDGET, so a slow handler does not
+        // hold back the results of the fast ones claimed with it.
+        let mut rest: &[Claimed] = &claimed;
+        while !rest.is_empty() {
+            let index = self.index;
+            let ran = transaction(|| {
+                let mut chunk = executor::Chunk::begin(rest);
+                let started = Instant::now();
+                let mut ran = 0;
+                for command in rest {
+                    let (id, run) = (*command.command_id.as_bytes(), *command.run_id.as_bytes());
+                    shmem::set_worker_state(index, true, Some((id, run)), 1);
+                    // Order matters: a cancel sets its flag before it signals, so
+                    // either we see the flag here or its SIGINT reaches the handler.
+                    unsafe { pg_sys::QueryCancelPending = 0 };
+                    if !shmem::cancel_requested(index, &run) {
+                        chunk.execute(command);
+                    }
+                    ran += 1;
+                    if started.elapsed() >= CHUNK_BUDGET {
+                        break;
+                    }
+                }
+                chunk.finish();
+                ran
+            });
+            shmem::clear_cancel(self.index);
+            match ran {
+                Some(ran) => rest = &rest[ran..],
+                None => {
+                    // The chunk failed outside any handler: its claims stay
+                    // 'running' under this live process. Exit so recovery (in the
+                    // restarted worker) concludes them as interrupted and retries them.
+                    pgrx::warning!("flow: a batch failed outside its handlers; restarting the worker to recover it");
+                    unsafe { pg_sys::proc_exit(1) };
+                }
             }
-        });
-        shmem::set_worker_state(self.index, true, None, 0);
-        if batch.is_none() {
-            // The batch's transaction failed outside any handler: its claims
-            // stay 'running' under this live process. Exit so recovery (in the
-            // restarted worker) concludes them as interrupted and retries them.
-            pgrx::warning!("flow: a batch failed outside its handlers; restarting the worker to recover it");
-            unsafe { pg_sys::proc_exit(1) };
         }
+        shmem::set_worker_state(self.index, true, None, 0);
         Duration::ZERO
     }
 
