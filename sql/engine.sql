@@ -196,38 +196,62 @@ BEGIN
     RETURN now() + deadline;
 END $$;
 
-CREATE FUNCTION flow._enqueue(caller oid, name text, args jsonb, key text, version integer, queue text,
-    start_after interval, run_at timestamptz, deadline interval)
-RETURNS uuid
+-- What enqueue and enqueue_many share: resolve and check the definition, the
+-- queue and the schedule.
+CREATE FUNCTION flow._plan_enqueue(caller oid, name text, version integer, queue text, start_after interval,
+    run_at timestamptz, deadline interval,
+    OUT d flow._definitions, OUT lane text, OUT due timestamptz, OUT ends timestamptz)
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
-DECLARE
-    d flow._definitions := flow._definition(name, version);
-    due timestamptz := flow._first_due(start_after, run_at);
-    ends timestamptz := flow._deadline(deadline);
-    lane text := coalesce(queue, d.queue);
-    run_id uuid := flow._new_id();
-    existing flow._runs;
 BEGIN
+    d := flow._definition(name, version);
+    due := flow._first_due(start_after, run_at);
+    ends := flow._deadline(deadline);
+    lane := coalesce(queue, d.queue);
     PERFORM flow._require_use(caller, d);
-    PERFORM flow._require_payload('args', args);
-    IF key IS NOT NULL AND btrim(key) = '' THEN
-        RAISE EXCEPTION 'flow: key must not be empty (NULL for none)' USING ERRCODE = 'FL002';
-    END IF;
     PERFORM flow._require_name('queue', lane);
     IF ends IS NOT NULL AND ends <= due THEN
         RAISE EXCEPTION 'flow: deadline % passes before the run is due at %', ends, due USING ERRCODE = 'FL007';
     END IF;
     INSERT INTO flow._queues (name) VALUES (lane) ON CONFLICT DO NOTHING;
+END $$;
 
+-- The root commands of new runs (run_ids[i] gets args[i]), and the wake-up.
+CREATE FUNCTION flow._insert_roots(d flow._definitions, lane text, due timestamptz, ends timestamptz,
+    run_ids uuid[], args jsonb[])
+RETURNS void
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    INSERT INTO flow._commands (id, run_id, key, name, version, queue, args, declaration, status,
+        next_run_at, not_before, budget_started_at, deadline)
+    SELECT flow._new_id(), t.run_id, 'root', d.name, d.version, lane, t.args,
+        jsonb_build_object('name', d.name, 'version', d.version, 'args', t.args, 'queue', lane),
+        'pending', due, due, due, ends
+    FROM unnest(run_ids, args) AS t(run_id, args);
+    PERFORM flow._wake();
+END $$;
+
+CREATE FUNCTION flow._enqueue(caller oid, name text, args jsonb, key text, version integer, queue text,
+    start_after interval, run_at timestamptz, deadline interval)
+RETURNS uuid
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    p record := flow._plan_enqueue(caller, name, version, queue, start_after, run_at, deadline);
+    run_id uuid := flow._new_id();
+    existing flow._runs;
+BEGIN
+    PERFORM flow._require_payload('args', args);
+    IF key IS NOT NULL AND btrim(key) = '' THEN
+        RAISE EXCEPTION 'flow: key must not be empty (NULL for none)' USING ERRCODE = 'FL002';
+    END IF;
     -- The run key makes enqueue idempotent: a concurrent insert of the same key
     -- waits for the first to commit, then finds its row.
     INSERT INTO flow._runs (id, key, owner, name, version, queue, args, deadline)
-    VALUES (run_id, key, caller, d.name, d.version, lane, args, ends)
+    VALUES (run_id, key, caller, (p.d).name, (p.d).version, p.lane, args, p.ends)
     ON CONFLICT ON CONSTRAINT _runs_owner_key_key DO NOTHING;
     IF NOT FOUND THEN
         SELECT * INTO existing FROM flow._runs r WHERE r.owner = caller AND r.key = _enqueue.key;
-        IF existing.name IS DISTINCT FROM d.name OR existing.version IS DISTINCT FROM d.version
-           OR existing.args IS DISTINCT FROM args OR existing.queue IS DISTINCT FROM lane THEN
+        IF existing.name IS DISTINCT FROM (p.d).name OR existing.version IS DISTINCT FROM (p.d).version
+           OR existing.args IS DISTINCT FROM args OR existing.queue IS DISTINCT FROM p.lane THEN
             RAISE EXCEPTION 'flow: run key % was already used for another declaration', key
                 USING ERRCODE = 'FL010',
                       DETAIL = format('existing run %s is %s v%s on queue %s', existing.id, existing.name,
@@ -235,13 +259,7 @@ BEGIN
         END IF;
         RETURN existing.id;
     END IF;
-
-    INSERT INTO flow._commands (id, run_id, key, name, version, queue, args, declaration, status,
-        next_run_at, not_before, budget_started_at, deadline)
-    VALUES (flow._new_id(), run_id, 'root', d.name, d.version, lane, args,
-        jsonb_build_object('name', d.name, 'version', d.version, 'args', args, 'queue', lane),
-        'pending', due, due, due, ends);
-    PERFORM flow._wake();
+    PERFORM flow._insert_roots(p.d, p.lane, p.due, p.ends, ARRAY[run_id], ARRAY[args]);
     RETURN run_id;
 END $$;
 
@@ -251,21 +269,13 @@ CREATE FUNCTION flow._enqueue_many(caller oid, name text, args_array jsonb[], ve
 RETURNS uuid[]
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
-    d flow._definitions := flow._definition(name, version);
-    due timestamptz := flow._first_due(start_after, run_at);
-    ends timestamptz := flow._deadline(deadline);
-    lane text := coalesce(queue, d.queue);
+    p record := flow._plan_enqueue(caller, name, version, queue, start_after, run_at, deadline);
     limit_bytes integer := flow._max_payload_bytes();
     bad record;
     ids uuid[];
 BEGIN
-    PERFORM flow._require_use(caller, d);
     IF args_array IS NULL THEN
         RAISE EXCEPTION 'flow: args_array must not be NULL' USING ERRCODE = 'FL003';
-    END IF;
-    PERFORM flow._require_name('queue', lane);
-    IF ends IS NOT NULL AND ends <= due THEN
-        RAISE EXCEPTION 'flow: deadline % passes before the runs are due at %', ends, due USING ERRCODE = 'FL007';
     END IF;
     SELECT i, a INTO bad FROM unnest(args_array) WITH ORDINALITY AS t(a, i)
     WHERE a IS NULL OR jsonb_typeof(a) <> 'object' OR octet_length(a::text) > limit_bytes
@@ -277,25 +287,12 @@ BEGIN
         RAISE EXCEPTION 'flow: args_array[%] is over flow.max_result_bytes (% bytes)', bad.i, limit_bytes
             USING ERRCODE = 'FL004';
     END IF;
-    INSERT INTO flow._queues (name) VALUES (lane) ON CONFLICT DO NOTHING;
-
-    WITH items AS (
-        SELECT flow._new_id() AS run_id, flow._new_id() AS command_id, a AS args, i
-        FROM unnest(args_array) WITH ORDINALITY AS t(a, i)
-    ), runs AS (
-        INSERT INTO flow._runs (id, owner, name, version, queue, args, deadline)
-        SELECT run_id, caller, d.name, d.version, lane, args, ends FROM items
-    ), commands AS (
-        INSERT INTO flow._commands (id, run_id, key, name, version, queue, args, declaration, status,
-            next_run_at, not_before, budget_started_at, deadline)
-        SELECT command_id, run_id, 'root', d.name, d.version, lane, args,
-            jsonb_build_object('name', d.name, 'version', d.version, 'args', args, 'queue', lane),
-            'pending', due, due, due, ends
-        FROM items
-    )
-    SELECT array_agg(run_id ORDER BY i) INTO ids FROM items;
-    PERFORM flow._wake();
-    RETURN coalesce(ids, '{}');
+    SELECT coalesce(array_agg(flow._new_id()), '{}') INTO ids FROM unnest(args_array);
+    INSERT INTO flow._runs (id, owner, name, version, queue, args, deadline)
+    SELECT t.id, caller, (p.d).name, (p.d).version, p.lane, t.args, p.ends
+    FROM unnest(ids, args_array) AS t(id, args);
+    PERFORM flow._insert_roots(p.d, p.lane, p.due, p.ends, ids, args_array);
+    RETURN ids;
 END $$;
 
 -- ---------------------------------------------------------------- claim

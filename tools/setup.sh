@@ -8,7 +8,7 @@ export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-/var/tmp/flow-target}
 VENV=${FLOW_VENV:-/var/tmp/flow-venv}
 step() { printf '== %s\n' "$*"; }
 
-PKGS="postgresql-15 postgresql-server-dev-15 libclang-dev clang sudo build-essential pkg-config graphviz"
+PKGS="postgresql-15 postgresql-server-dev-15 libclang-dev clang sudo build-essential pkg-config graphviz python3-venv"
 missing=$(for p in $PKGS; do dpkg -s "$p" >/dev/null 2>&1 || echo "$p"; done)
 if [ -n "$missing" ]; then
   step "apt-get install" $missing
@@ -33,7 +33,9 @@ if ! "$VENV/bin/python" -c 'import psycopg, pytest' 2>/dev/null; then
 fi
 
 step "build and install flow"
-# Never replace the library under a running test cluster.
-tools/cluster.sh stop
+# Never replace the library under a running cluster of ours: it is mapped in.
+for dir in /tmp/flow-it /tmp/flow-demo /tmp/flow-bench /tmp/flow-bare; do
+  FLOW_PGDIR=$dir tools/cluster.sh stop
+done
 cargo pgrx install --pg-config /usr/lib/postgresql/15/bin/pg_config 2>&1 | grep -E "error|warning: unused" || true
 test -f /usr/lib/postgresql/15/lib/flow.so
