@@ -337,21 +337,20 @@ LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     lanes text[];
 BEGIN
-    -- index _commands_due: one probe per queue (LIMIT 1 keeps the planner on
-    -- the index even when statistics are stale after a bulk enqueue)
-    SELECT array_agg(q.name ORDER BY q.name) INTO lanes
-    FROM flow._queues q CROSS JOIN LATERAL (
-        SELECT 1 FROM flow._commands c
-        WHERE c.queue = q.name AND c.status IN ('pending', 'waiting') AND c.next_run_at <= now()
-        LIMIT 1) due
-    WHERE NOT q.paused;
+    SELECT array_agg(q.name ORDER BY q.name) INTO lanes FROM flow._queues q WHERE NOT q.paused;
     IF lanes IS NULL THEN
         RETURN;
     END IF;
-    -- Claims on limited queues serialize here, so the running counts read by
-    -- the next statement (a fresh snapshot) are exact across all workers.
+    -- Claims on limited queues with due work serialize here, so the running
+    -- counts read by the next statement (a fresh snapshot) are exact across
+    -- all workers. (index _commands_due: LIMIT 1 keeps the planner on the
+    -- index even when statistics are stale after a bulk enqueue.)
     PERFORM 1 FROM flow._queues q
-    WHERE q.name = ANY (lanes) AND q.concurrency IS NOT NULL ORDER BY q.name FOR UPDATE;
+    WHERE q.name = ANY (lanes) AND q.concurrency IS NOT NULL
+      AND EXISTS (SELECT 1 FROM flow._commands c
+                  WHERE c.queue = q.name AND c.status IN ('pending', 'waiting') AND c.next_run_at <= now()
+                  LIMIT 1)
+    ORDER BY q.name FOR UPDATE;
 
     RETURN QUERY
     WITH lane AS (
