@@ -39,15 +39,25 @@ from conftest import Cluster  # noqa: E402
 PEERS = ROOT.parent / "shared" / "peers"
 N_DRAIN = int(os.environ.get("FLOW_BENCH_DRAIN", 20000))
 N_LATENCY = int(os.environ.get("FLOW_BENCH_LATENCY", 500))
+# Drains are repeated and reported as median [min-max]: this machine's fsync
+# latency swings by 2x or more from minute to minute.
+REPEAT = int(os.environ.get("FLOW_BENCH_REPEAT", 3))
 SETTINGS = ["shared_buffers = '1GB'", "synchronous_commit = on", "max_wal_size = '1GB'", "flow.batch_size = 100",
             "max_connections = 100"]
 
 rows = []
 
 
-def report(what, value, unit, ratio=""):
+def report(what, value, unit, ratio="", spread=None):
     rows.append((what, value, unit, ratio))
-    print(f"  {what:<58} {value:>12,.1f} {unit:<8} {ratio}", flush=True)
+    shown = f"[{spread[0]:,.0f}-{spread[1]:,.0f}]" if spread else ""
+    print(f"  {what:<58} {value:>12,.1f} {unit:<8} {shown:<17} {ratio}", flush=True)
+
+
+def repeated(measure):
+    """Median and range of REPEAT runs of measure()."""
+    values = [measure() for _ in range(REPEAT)]
+    return statistics.median(values), (min(values), max(values))
 
 
 def start(workers):
@@ -190,17 +200,19 @@ def main():
             if workers == 2:
                 bench_enqueue(pg)
             for handler in ("rust_noop", "plpgsql_noop"):
-                rate = drain(pg, handler)
+                rate, spread = repeated(lambda: drain(pg, handler))
                 results[(handler, workers)] = rate
                 ratio = f"x{rate / best_peer[1]:.2f} vs {best_peer[0]}" if best_peer[1] else ""
-                report(f"W1 drain {N_DRAIN:,} no-op runs, {handler}, {workers} workers", rate, "jobs/s", ratio)
+                report(f"W1 drain {N_DRAIN:,} no-op runs, {handler}, {workers} workers", rate, "jobs/s", ratio,
+                       spread)
             if workers == 2:
                 for sessions in (1, 2):
-                    rate = floor(pg, sessions)
+                    rate, spread = repeated(lambda: floor(pg, sessions))
                     results[("floor", sessions)] = rate
-                    report(f"plain-SQL floor (indb.sql, batch 100), {sessions} session(s)", rate, "jobs/s")
-                report("  flow (flow.noop, 2 workers) / floor (2 sessions)",
-                       results[("rust_noop", 2)] / results[("floor", 2)], "ratio")
+                    report(f"plain-SQL floor (indb.sql, batch 100), {sessions} session(s)", rate, "jobs/s", "",
+                           spread)
+                report("  flow (flow.noop, 2 workers) / floor (2 sessions), x100",
+                       100 * results[("rust_noop", 2)] / results[("floor", 2)], "%")
                 p50, p95, p99, worst = pickup(pg)
                 peer_p50 = [v[1] for p, v in known.items() if v[1] and p and "pgq" not in p.lower()]
                 report("W2 pickup latency p50 (client before enqueue -> handler start)", p50, "ms",
