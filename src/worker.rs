@@ -135,6 +135,7 @@ impl Worker {
         }
 
         let count = claimed.len() as u64;
+        let started = Instant::now();
         shmem::bump(&shmem::counters().claimed, count);
         report_activity(&format!("flow: running a batch of {count} commands"));
         // Chunks commit at least every CHUNK_BUDGET, so a slow handler does not
@@ -144,7 +145,7 @@ impl Worker {
             let index = self.index;
             let ran = transaction(|| {
                 let mut chunk = executor::Chunk::begin(rest);
-                let started = Instant::now();
+                let chunk_started = Instant::now();
                 let mut ran = 0;
                 for command in rest {
                     let (id, run) = (*command.command_id.as_bytes(), *command.run_id.as_bytes());
@@ -156,7 +157,7 @@ impl Worker {
                         chunk.execute(command);
                     }
                     ran += 1;
-                    if started.elapsed() >= CHUNK_BUDGET {
+                    if chunk_started.elapsed() >= CHUNK_BUDGET {
                         break;
                     }
                 }
@@ -176,6 +177,7 @@ impl Worker {
             }
         }
         shmem::set_worker_state(self.index, true, None, 0);
+        executor::log(&format!("flow: ran a batch of {count} commands in {} ms", started.elapsed().as_millis()));
         Duration::ZERO
     }
 
