@@ -13,6 +13,7 @@ use crate::{api, gucs, shmem};
 use pgrx::bgworkers::{BackgroundWorker, BackgroundWorkerBuilder, SignalWakeFlags};
 use pgrx::prelude::*;
 use pgrx::{JsonB, PgTryBuilder};
+use std::cell::Cell;
 use std::ffi::{c_int, CString};
 use std::time::{Duration, Instant};
 
@@ -81,10 +82,12 @@ struct Worker {
     name: String,
     backend_start: Option<TimestampWithTimeZone>,
     /// Rotates which queue is offered first (rule 2).
-    turn: i32,
+    turn: Cell<i32>,
     /// The extension was found installed by the last check.
     ready: bool,
     last_recovery: Option<Instant>,
+    /// Commands claimed in the commit of the previous batch's last chunk.
+    prefetched: Vec<Claimed>,
 }
 
 impl Worker {
@@ -93,15 +96,21 @@ impl Worker {
             index,
             name: format!("{}:{}", gucs::database_name(), unsafe { pg_sys::MyProcPid }),
             backend_start: api::timestamp_from_pg(unsafe { pg_sys::MyStartTimestamp }),
-            turn: index as i32,
+            turn: Cell::new(index as i32),
             ready: false,
             last_recovery: None,
+            prefetched: Vec::new(),
         }
     }
 
     /// One unit of work; returns how long to sleep (zero: go on at once).
     fn turn(&mut self) -> Duration {
         let idle = gucs::poll_interval();
+        if !self.prefetched.is_empty() {
+            // Claimed and committed already: run them even if flow.enabled went off.
+            let claimed = std::mem::take(&mut self.prefetched);
+            return self.run_batch(claimed);
+        }
         if !gucs::enabled() {
             return idle;
         }
@@ -120,7 +129,6 @@ impl Worker {
             }
         }
 
-        self.turn = self.turn.wrapping_add(1);
         let claimed = match transaction(|| self.claim()) {
             Some(claimed) => claimed,
             None => return self.failed_turn(),
@@ -133,7 +141,13 @@ impl Worker {
                 None => self.failed_turn(),
             };
         }
+        self.run_batch(claimed)
+    }
 
+    /// Execute a claimed batch in chunks. The last chunk's transaction also
+    /// claims the next batch, so a busy worker pays one commit per batch: the
+    /// claim is still durable before any of its handlers runs (rule 3).
+    fn run_batch(&mut self, claimed: Vec<Claimed>) -> Duration {
         let count = claimed.len() as u64;
         let started = Instant::now();
         shmem::bump(&shmem::counters().claimed, count);
@@ -143,6 +157,7 @@ impl Worker {
         let mut rest: &[Claimed] = &claimed;
         while !rest.is_empty() {
             let index = self.index;
+            let this = &*self;
             let ran = transaction(|| {
                 let mut chunk = executor::Chunk::begin(rest);
                 let chunk_started = Instant::now();
@@ -162,11 +177,15 @@ impl Worker {
                     }
                 }
                 chunk.finish();
-                ran
+                let next = if ran == rest.len() && gucs::enabled() { this.claim() } else { Vec::new() };
+                (ran, next)
             });
             shmem::clear_cancel(self.index);
             match ran {
-                Some(ran) => rest = &rest[ran..],
+                Some((ran, next)) => {
+                    rest = &rest[ran..];
+                    self.prefetched = next;
+                }
                 None => {
                     // The chunk failed outside any handler: its claims stay
                     // 'running' under this live process. Exit so recovery (in the
@@ -188,6 +207,8 @@ impl Worker {
     }
 
     fn claim(&self) -> Vec<Claimed> {
+        let turn = self.turn.get().wrapping_add(1);
+        self.turn.set(turn);
         shmem::bump(&shmem::counters().probes, 1);
         Spi::connect_mut(|client| {
             let rows = client
@@ -203,7 +224,7 @@ impl Worker {
                         unsafe { pg_sys::MyProcPid }.into(),
                         self.backend_start.into(),
                         gucs::batch_size().into(),
-                        self.turn.into(),
+                        turn.into(),
                     ],
                 )
                 .unwrap_or_else(|e| error!("flow: {e}"));
