@@ -9,13 +9,6 @@
 
 -- ---------------------------------------------------------------- helpers
 
--- Raise a flow error with its SQLSTATE; used from Rust too.
-CREATE FUNCTION flow._raise(code text, message text, detail text DEFAULT NULL) RETURNS void
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
-BEGIN
-    RAISE EXCEPTION USING ERRCODE = code, MESSAGE = message, DETAIL = coalesce(detail, '');
-END $$;
-
 CREATE FUNCTION flow._require_name(what text, value text) RETURNS text
 LANGUAGE plpgsql IMMUTABLE SET search_path = pg_catalog, pg_temp AS $$
 BEGIN

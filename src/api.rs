@@ -35,20 +35,14 @@ fn _ticket() -> i64 {
 #[pg_extern(volatile, parallel_unsafe)]
 fn _redeem(ticket: Option<i64>) -> pg_sys::Oid {
     let role = ticket.and_then(|ticket| TICKETS.with(|t| t.borrow_mut().remove(&ticket)));
-    match role {
-        Some(role) => role,
-        None => raise("42501", "flow: caller_ticket is not a ticket of this session; leave it to its default"),
-    }
-}
-
-/// Raise an ERROR with a SQLSTATE of flow's own class (pgrx's ereport only knows the standard ones).
-pub fn raise(sqlstate: &str, message: &str) -> ! {
-    Spi::run_with_args(
-        "SELECT flow._raise($1, $2)",
-        &[sqlstate.into(), message.into()],
-    )
-    .expect("flow._raise raises");
-    unreachable!("flow._raise returned")
+    let Some(role) = role else {
+        pgrx::ereport!(
+            ERROR,
+            PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
+            "flow: caller_ticket is not a ticket of this session; leave it to its default"
+        );
+    };
+    role
 }
 
 /// Wake the idle workers when the current transaction commits.

@@ -146,8 +146,37 @@ const UUID: PgOid = PgOid::BuiltIn(PgBuiltInOids::UUIDOID);
 const TEXT: PgOid = PgOid::BuiltIn(PgBuiltInOids::TEXTOID);
 const JSONB: PgOid = PgOid::BuiltIn(PgBuiltInOids::JSONBOID);
 const INT8: PgOid = PgOid::BuiltIn(PgBuiltInOids::INT8OID);
+const INT4: PgOid = PgOid::BuiltIn(PgBuiltInOids::INT4OID);
+const TIMESTAMPTZ: PgOid = PgOid::BuiltIn(PgBuiltInOids::TIMESTAMPTZOID);
 const UUID_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::UUIDARRAYOID);
 const JSONB_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::JSONBARRAYOID);
+
+/// Claim up to `max` due commands for this worker process (flow._claim), in
+/// run order so that chunks lock runs in a stable order.
+pub fn claim(owner: &str, backend_start: Option<TimestampWithTimeZone>, max: i32, turn: i32) -> Vec<Claimed> {
+    engine_query(
+        "SELECT command_id, run_id, lease_token,
+                (extract(epoch FROM deadline) * 1000000)::bigint - 946684800000000,
+                handler, handler_owner, args, to_jsonb(context)
+         FROM flow._claim($1, $2, $3, $4, NULL, NULL, $5)
+         ORDER BY run_id, command_id",
+        &[TEXT, INT4, TIMESTAMPTZ, INT4, INT4],
+        &[owner.into(), unsafe { pg_sys::MyProcPid }.into(), backend_start.into(), max.into(), turn.into()],
+        |rows| {
+            rows.map(|row| Claimed {
+                command_id: row.get(1).ok().flatten().expect("command_id"),
+                run_id: row.get(2).ok().flatten().expect("run_id"),
+                lease_token: row.get(3).ok().flatten().expect("lease_token"),
+                deadline: row.get(4).ok().flatten(),
+                handler: row.get(5).ok().flatten().expect("handler"),
+                owner: row.get(6).ok().flatten().expect("handler_owner"),
+                args: row.get::<JsonB>(7).ok().flatten().expect("args"),
+                context: row.get::<JsonB>(8).ok().flatten(),
+            })
+            .collect()
+        },
+    )
+}
 
 /// Claimed commands executed in one transaction: `begin` locks their runs and
 /// tells which still hold their lease (flow._begin_batch); successes are

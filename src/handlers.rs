@@ -3,7 +3,6 @@
 //! like any SQL function and the worker calls it the same way: this module is
 //! the registry. Add a handler here and define it with `flow.define`.
 
-use crate::api::raise;
 use pgrx::prelude::*;
 use pgrx::JsonB;
 
@@ -22,7 +21,7 @@ fn run_sql(args: JsonB) -> JsonB {
         let message = "flow.run_sql: args must be {\"sql\": \"<statement>\"}";
         // Retrying cannot fix the args: fail permanently.
         crate::executor::decide("permanent", "permanent", message, None);
-        raise("FL020", message);
+        pgrx::ereport!(ERROR, PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE, message);
     };
     let rows = Spi::connect_mut(|client| client.update(sql, None, &[]).map(|t| t.len()))
         .unwrap_or_else(|e| pgrx::error!("flow.run_sql: {e}"));

@@ -12,7 +12,7 @@ use crate::executor::{self, Claimed};
 use crate::{api, gucs, shmem};
 use pgrx::bgworkers::{BackgroundWorker, BackgroundWorkerBuilder, SignalWakeFlags};
 use pgrx::prelude::*;
-use pgrx::{JsonB, PgTryBuilder};
+use pgrx::PgTryBuilder;
 use std::cell::Cell;
 use std::ffi::{c_int, CString};
 use std::time::{Duration, Instant};
@@ -210,36 +210,7 @@ impl Worker {
         let turn = self.turn.get().wrapping_add(1);
         self.turn.set(turn);
         shmem::bump(&shmem::counters().probes, 1);
-        Spi::connect_mut(|client| {
-            let rows = client
-                .update(
-                    "SELECT command_id, run_id, lease_token,
-                            (extract(epoch FROM deadline) * 1000000)::bigint - 946684800000000,
-                            handler, handler_owner, args, to_jsonb(context)
-                     FROM flow._claim($1, $2, $3, $4, NULL, NULL, $5)
-                     ORDER BY run_id, command_id",
-                    None,
-                    &[
-                        self.name.as_str().into(),
-                        unsafe { pg_sys::MyProcPid }.into(),
-                        self.backend_start.into(),
-                        gucs::batch_size().into(),
-                        turn.into(),
-                    ],
-                )
-                .unwrap_or_else(|e| error!("flow: {e}"));
-            rows.map(|row| Claimed {
-                command_id: row.get(1).ok().flatten().expect("command_id"),
-                run_id: row.get(2).ok().flatten().expect("run_id"),
-                lease_token: row.get(3).ok().flatten().expect("lease_token"),
-                deadline: row.get(4).ok().flatten(),
-                handler: row.get(5).ok().flatten().expect("handler"),
-                owner: row.get(6).ok().flatten().expect("handler_owner"),
-                args: row.get::<JsonB>(7).ok().flatten().expect("args"),
-                context: row.get::<JsonB>(8).ok().flatten(),
-            })
-            .collect()
-        })
+        executor::claim(&self.name, self.backend_start, gucs::batch_size(), turn)
     }
 }
 
