@@ -106,18 +106,17 @@ impl Worker {
     /// One unit of work; returns how long to sleep (zero: go on at once).
     fn turn(&mut self) -> Duration {
         let idle = gucs::poll_interval();
-        if !self.prefetched.is_empty() {
-            // Claimed and committed already: run them even if flow.enabled went off.
-            let claimed = std::mem::take(&mut self.prefetched);
-            return self.run_batch(claimed);
-        }
-        if !gucs::enabled() {
-            return idle;
-        }
-        if !self.ready {
-            self.ready = transaction(extension_installed).unwrap_or(false);
-            if !self.ready {
+        // Prefetched commands are claimed and committed already: they run even
+        // if flow.enabled went off meanwhile.
+        if self.prefetched.is_empty() {
+            if !gucs::enabled() {
                 return idle;
+            }
+            if !self.ready {
+                self.ready = transaction(extension_installed).unwrap_or(false);
+                if !self.ready {
+                    return idle;
+                }
             }
         }
         if self.last_recovery.is_none_or(|at| at.elapsed() >= RECOVERY_INTERVAL) {
@@ -125,8 +124,13 @@ impl Worker {
             match transaction(recover) {
                 Some(0) => {}
                 Some(n) => executor::log(&format!("flow: concluded {n} attempts whose owner was gone")),
-                None => return self.failed_turn(),
+                None if self.prefetched.is_empty() => return self.failed_turn(),
+                None => {}
             }
+        }
+        if !self.prefetched.is_empty() {
+            let claimed = std::mem::take(&mut self.prefetched);
+            return self.run_batch(claimed);
         }
 
         let claimed = match transaction(|| self.claim()) {
