@@ -462,7 +462,7 @@ fn classify(caught: pg_sys::panic::CaughtError, deadline: Option<i64>) -> Failur
 }
 
 /// The five-character SQLSTATE of an error code.
-fn sqlstate(code: PgSqlErrorCode) -> String {
+pub(crate) fn sqlstate(code: PgSqlErrorCode) -> String {
     let packed = code as i32;
     (0..5).map(|i| ((((packed >> (6 * i)) & 0x3F) as u8) + b'0') as char).collect()
 }

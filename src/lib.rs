@@ -53,6 +53,24 @@ mod tests {
     }
 
     #[pg_test]
+    fn sqlstates_unpack_to_their_five_characters() {
+        assert_eq!(crate::executor::sqlstate(PgSqlErrorCode::ERRCODE_DIVISION_BY_ZERO), "22012");
+        assert_eq!(crate::executor::sqlstate(PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE), "42501");
+        assert_eq!(crate::executor::sqlstate(PgSqlErrorCode::ERRCODE_QUERY_CANCELED), "57014");
+    }
+
+    #[pg_test]
+    fn backoff_stays_within_its_bounds() {
+        let within = Spi::get_one::<bool>(
+            "SELECT bool_and(b BETWEEN interval '1 s' AND interval '1 min')
+             FROM (SELECT flow._backoff('1 s', '1 min', a) b FROM generate_series(1, 100) a) x",
+        );
+        assert_eq!(within, Ok(Some(true)));
+        let grows = Spi::get_one::<bool>("SELECT flow._backoff('1 s', '1 hour', 5) > interval '10 s'");
+        assert_eq!(grows, Ok(Some(true)));
+    }
+
+    #[pg_test]
     fn ids_are_time_ordered_v7() {
         let ordered = Spi::get_one::<bool>(
             "SELECT bool_and(a < b) FROM (SELECT flow._new_id() a, flow._new_id() b FROM generate_series(1, 100)) x",
