@@ -158,9 +158,11 @@ def external(pg, batch, n):
                                 (batch,)).fetchall()
             if not claimed:
                 break
-            with c.transaction():
-                for cmd, token in claimed:
-                    c.execute("SELECT flow.complete(%s, %s)", (cmd, token))
+            if batch == 1:
+                c.execute("SELECT flow.complete(%s, %s)", claimed[0])
+            else:
+                c.execute("SELECT count(*) FROM flow.complete_many(%s, %s)",
+                          ([r[0] for r in claimed], [r[1] for r in claimed]))
             done += len(claimed)
         elapsed = time.perf_counter() - t0
     assert done == n, done
@@ -234,7 +236,8 @@ def main():
                 report("W2 pickup latency p99", p99, "ms")
                 report("W2 pickup latency max", worst, "ms")
                 for batch, n in ((1, 3000), (100, 20000)):
-                    report(f"external worker, claim max {batch}, 1 client over TCP", external(pg, batch, n),
+                    how = "complete" if batch == 1 else "complete_many"
+                    report(f"external worker, claim max {batch} + {how}, 1 client over TCP", external(pg, batch, n),
                            "cmds/s")
         finally:
             pg.stop()

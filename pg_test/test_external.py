@@ -1,6 +1,7 @@
 """External workers: claim and resolve commands from outside the server under a lease."""
 import threading
 import time
+import uuid
 
 import psycopg
 import pytest
@@ -75,9 +76,17 @@ def test_ten_claimers_five_thousand_commands_exactly_once(pg):
                     rows = claim(c, name, worker=f"w{n}", max_=25)
                     if not rows:
                         break
-                    with c.transaction():
-                        for cmd, token, args, _, _ in rows:
-                            c.execute("SELECT flow.complete(%s, %s, %s)", (cmd, token, psycopg.types.json.Jsonb(args)))
+                    if n % 2:
+                        with c.transaction():
+                            for cmd, token, args, _, _ in rows:
+                                c.execute("SELECT flow.complete(%s, %s, %s)",
+                                          (cmd, token, psycopg.types.json.Jsonb(args)))
+                    else:
+                        statuses = c.execute(
+                            "SELECT status FROM flow.complete_many(%s, %s, %s::jsonb[])",
+                            ([r[0] for r in rows], [r[1] for r in rows],
+                             [psycopg.types.json.Jsonb(r[2]) for r in rows])).fetchall()
+                        assert statuses == [("succeeded",)] * len(rows)
                     with lock:
                         seen.extend(r[0] for r in rows)
         except Exception as e:  # pragma: no cover
@@ -222,3 +231,26 @@ def test_a_role_resolves_only_its_own_definitions(pg):
     with pg.connect("alice") as c:
         c.execute("SELECT flow.complete(%s, %s)", (cmd, token))
     assert pg.await_run(run, "5s", user="alice")[0] == "succeeded"
+
+
+def test_complete_many_settles_what_it_holds_and_reports_the_rest(pg):
+    name = external(pg, max_attempts=3, backoff="'1 hour'", backoff_max="'2 hours'")
+    runs = pg.one(f"SELECT flow.enqueue_many('{name}', array_fill('{{}}'::jsonb, array[3]))")
+    with pg.connect() as c:
+        rows = claim(c, name, max_=3)
+        (a, ta, *_), (b, tb, *_), (d, td, *_) = rows
+        c.execute("SELECT flow.complete(%s, %s)", (a, ta))                     # a: completed already
+        before = state(pg)
+        out = dict(c.execute("SELECT * FROM flow.complete_many(%s, %s, %s::jsonb[])",
+                             ([a, b, d], [ta, tb, uuid.UUID(int=0)],
+                              ['{"r": 1}', '{"r": 2}', '{"r": 3}'])).fetchall())
+        assert out == {a: "already_completed", b: "succeeded", d: "lease_lost"}
+        assert pg.one("SELECT result FROM flow.commands WHERE id = %s", b) == {"r": 2}
+        assert pg.one("SELECT status FROM flow.commands WHERE id = %s", d) == "running"
+        assert state(pg)[0] == before[0] + 1  # one attempt row: b's
+        with pytest.raises(psycopg.Error) as caught:
+            c.execute("SELECT * FROM flow.complete_many(%s, %s)", ([d], [td, td]))
+        assert caught.value.sqlstate == "FL003"
+    assert pg.sqlstate("SELECT * FROM flow.complete_many(%s, %s)", [d], [td], user="bob") == "FL014"
+    assert sorted(pg.one("SELECT array_agg(status::text) FROM flow.runs WHERE id = ANY(%s)", runs)) == \
+        ["running", "succeeded", "succeeded"]

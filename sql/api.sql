@@ -161,6 +161,15 @@ LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
     SELECT flow._complete(flow._redeem(caller_ticket), command_id, lease_token, result, events, children)
 $$;
 
+-- Settle many successes (results only) in one call: one status per command,
+-- 'succeeded', 'lease_lost' (nothing changed for it) or 'already_completed'.
+CREATE FUNCTION flow.complete_many(command_ids uuid[], lease_tokens uuid[], results jsonb[] DEFAULT NULL,
+    caller_ticket bigint DEFAULT flow._ticket())
+RETURNS TABLE (command_id uuid, status text)
+LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT * FROM flow._complete_many(flow._redeem(caller_ticket), command_ids, lease_tokens, results)
+$$;
+
 -- Settle failure: retried per the definition's policy, after retry_after when
 -- given, or never when permanent. Returns 'retry' or 'failed'.
 CREATE FUNCTION flow.fail(command_id uuid, lease_token uuid, message text, retry_after interval DEFAULT NULL,

@@ -932,6 +932,58 @@ BEGIN
     RETURN flow._settle_success(c.id, c.lease_token, result);
 END $$;
 
+-- Settle many external successes in one call (results only: no events or
+-- children). Returns each command's outcome: 'succeeded', or 'lease_lost'
+-- when its token no longer holds it (nothing changed for that command), or
+-- 'already_completed' for a second completion under the same token.
+CREATE FUNCTION flow._complete_many(caller oid, command_ids uuid[], lease_tokens uuid[], results jsonb[])
+RETURNS TABLE (command_id uuid, status text)
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    bad record;
+BEGIN
+    IF command_ids IS NULL OR lease_tokens IS NULL
+       OR cardinality(command_ids) <> cardinality(lease_tokens)
+       OR (results IS NOT NULL AND cardinality(results) <> cardinality(command_ids)) THEN
+        RAISE EXCEPTION 'flow: command_ids, lease_tokens and results must be arrays of the same length'
+            USING ERRCODE = 'FL003';
+    END IF;
+    SELECT t.i, t.result INTO bad FROM unnest(results) WITH ORDINALITY AS t(result, i)
+    WHERE octet_length(t.result::text) > flow._max_payload_bytes() LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION 'flow: results[%] is over flow.max_result_bytes', bad.i USING ERRCODE = 'FL004';
+    END IF;
+    SELECT t.id INTO bad FROM unnest(command_ids) AS t(id)
+    LEFT JOIN flow._commands c ON c.id = t.id
+    LEFT JOIN flow._definitions d ON d.name = c.name AND d.version = c.version
+    WHERE d.owner IS NULL OR NOT pg_has_role(caller, d.owner, 'MEMBER') LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION 'flow: no command with id %', bad.id USING ERRCODE = 'FL014';
+    END IF;
+    -- Same lock order as the in-database chunks: the runs, in id order.
+    PERFORM 1 FROM flow._runs r
+    WHERE r.id IN (SELECT c.run_id FROM flow._commands c WHERE c.id = ANY (command_ids))
+    ORDER BY r.id FOR UPDATE;
+    RETURN QUERY
+    WITH item AS (
+        SELECT t.id, t.token, t.result,
+               (c.status = 'running' AND c.lease_token = t.token AND c.lease_pid IS NULL
+                AND c.lease_expires_at >= now()) AS held
+        FROM unnest(command_ids, lease_tokens, coalesce(results, array_fill(NULL::jsonb,
+                    ARRAY[cardinality(command_ids)]))) AS t(id, token, result)
+        JOIN flow._commands c ON c.id = t.id
+    ), settled AS (
+        SELECT flow._settle_batch(array_agg(i.id), array_agg(i.token), array_agg(i.result)) AS n
+        FROM item i WHERE i.held
+    )
+    SELECT i.id,
+           CASE WHEN i.held THEN 'succeeded'
+                WHEN EXISTS (SELECT 1 FROM flow._attempts a WHERE a.command_id = i.id AND a.lease_token = i.token
+                             AND a.outcome = 'succeeded') THEN 'already_completed'
+                ELSE 'lease_lost' END
+    FROM item i, settled;
+END $$;
+
 CREATE FUNCTION flow._fail_external(caller oid, command_id uuid, lease_token uuid, message text,
     retry_after interval, permanent boolean, code text)
 RETURNS text
