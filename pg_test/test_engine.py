@@ -403,6 +403,25 @@ def test_enabled_off_pauses_all_work(app):
     assert app.await_run(run, "10s")[0] == "succeeded"
 
 
+def test_finished_runs_are_pruned_after_the_retention(app):
+    name = define(app, "app.hello")
+    done = enqueue(app, name)
+    assert app.await_run(done, "10s")[0] == "succeeded"
+    waiting = enqueue(app, name, start_after="'1 hour'")
+    assert app.one("SELECT flow._prune('1 hour', 1000)") == 0   # too recent
+    app.all("ALTER SYSTEM SET flow.retention = '1s'")
+    app.all("SELECT pg_reload_conf()")
+    try:
+        app.wait_for("SELECT count(*) = 0 FROM flow._runs WHERE id = %s", done, timeout=20)
+    finally:
+        app.all("ALTER SYSTEM RESET flow.retention")
+        app.all("SELECT pg_reload_conf()")
+    assert app.one("SELECT count(*) FROM flow._commands c WHERE c.run_id = %s", done) == 0
+    assert app.one("SELECT count(*) FROM flow._attempts a WHERE a.command_id NOT IN"
+                   " (SELECT id FROM flow._commands)") == 0
+    assert app.one("SELECT status FROM flow.runs WHERE id = %s", waiting) == "running"
+
+
 def test_workers_wait_calmly_without_the_extension(app):
     app.all("DROP EXTENSION flow CASCADE")
     time.sleep(2.5)

@@ -627,6 +627,26 @@ BEGIN
     RETURN concluded;
 END $$;
 
+-- Delete up to max_runs runs that finished more than `older_than` ago, with
+-- their commands, attempts and waits (ON DELETE CASCADE). Run ids are UUIDv7,
+-- so "created before the cut" is a range of the primary key: no index on
+-- finished_at is needed (one would make every run's final update non-HOT).
+CREATE FUNCTION flow._prune(older_than interval, max_runs integer) RETURNS integer
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    cut timestamptz := now() - older_than;
+    hex text := lpad(to_hex((extract(epoch FROM cut) * 1000)::bigint), 12, '0');
+    bound uuid := (substr(hex, 1, 8) || '-' || substr(hex, 9, 4) || '-7000-8000-000000000000')::uuid;
+    pruned integer;
+BEGIN
+    DELETE FROM flow._runs r
+    WHERE r.id IN (SELECT x.id FROM flow._runs x
+                   WHERE x.id < bound AND x.status <> 'running' AND x.finished_at < cut
+                   ORDER BY x.id LIMIT max_runs);
+    GET DIAGNOSTICS pruned = ROW_COUNT;
+    RETURN pruned;
+END $$;
+
 -- ---------------------------------------------------------------- run control, events, children
 
 CREATE FUNCTION flow._cancel(caller oid, run_id uuid) RETURNS boolean

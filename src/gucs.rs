@@ -18,6 +18,7 @@ static POLL_INTERVAL_MS: GucSetting<i32> = GucSetting::<i32>::new(1000);
 static BATCH_SIZE: GucSetting<i32> = GucSetting::<i32>::new(100);
 static LEASE_DURATION_S: GucSetting<i32> = GucSetting::<i32>::new(300);
 static MAX_RESULT_BYTES: GucSetting<i32> = GucSetting::<i32>::new(256 * 1024);
+static RETENTION_S: GucSetting<i32> = GucSetting::<i32>::new(7 * 86_400);
 static LOG_LEVEL: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(c"debug1"));
 static FAULT_POINTS: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
 
@@ -88,6 +89,16 @@ pub fn init() {
         GucContext::Suset,
         GucFlags::UNIT_BYTE,
     );
+    GucRegistry::define_int_guc(
+        c"flow.retention",
+        c"How long finished runs are kept before the workers delete them.",
+        c"Runs that ended (with their commands, attempts and waits) are deleted once both created and finished longer ago than this; 0 keeps them forever. The event journal is kept.",
+        &RETENTION_S,
+        0,
+        i32::MAX,
+        GucContext::Sighup,
+        GucFlags::UNIT_S,
+    );
     GucRegistry::define_string_guc(
         c"flow.log_level",
         c"Server log level of flow's per-batch engine messages (debug1..log).",
@@ -131,6 +142,12 @@ pub fn batch_size() -> i32 {
 
 pub fn lease_duration() -> Duration {
     Duration::from_secs(LEASE_DURATION_S.get() as u64)
+}
+
+/// None: keep finished runs forever.
+pub fn retention() -> Option<Duration> {
+    let seconds = RETENTION_S.get();
+    (seconds > 0).then(|| Duration::from_secs(seconds as u64))
 }
 
 pub fn max_result_bytes() -> i32 {

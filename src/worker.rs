@@ -21,6 +21,11 @@ use std::time::{Duration, Instant};
 /// external lease expired. Recovery is one index scan of running commands.
 const RECOVERY_INTERVAL: Duration = Duration::from_secs(1);
 
+/// How often worker 0 deletes runs past `flow.retention`, and how many at most
+/// per pass (each a short transaction, so pruning never holds up the queue).
+const PRUNE_INTERVAL: Duration = Duration::from_secs(10);
+const PRUNE_BATCH: i32 = 1000;
+
 /// A chunk of claimed commands commits once this much time has been spent on
 /// it (its handlers' results become visible together at commit).
 const CHUNK_BUDGET: Duration = Duration::from_millis(50);
@@ -88,6 +93,7 @@ struct Worker {
     last_recovery: Option<Instant>,
     /// Commands claimed in the commit of the previous batch's last chunk.
     prefetched: Vec<Claimed>,
+    last_prune: Option<Instant>,
 }
 
 impl Worker {
@@ -100,6 +106,7 @@ impl Worker {
             ready: false,
             last_recovery: None,
             prefetched: Vec::new(),
+            last_prune: None,
         }
     }
 
@@ -132,6 +139,7 @@ impl Worker {
             let claimed = std::mem::take(&mut self.prefetched);
             return self.run_batch(claimed);
         }
+        self.maybe_prune();
 
         let claimed = match transaction(|| self.claim()) {
             Some(claimed) => claimed,
@@ -202,6 +210,30 @@ impl Worker {
         shmem::set_worker_state(self.index, true, None, 0);
         executor::log(&format!("flow: ran a batch of {count} commands in {} ms", started.elapsed().as_millis()));
         Duration::ZERO
+    }
+
+    /// Worker 0 deletes finished runs past `flow.retention`, a bounded batch at a time.
+    fn maybe_prune(&mut self) {
+        let Some(retention) = gucs::retention() else { return };
+        if self.index != 0 || self.last_prune.is_some_and(|at| at.elapsed() < PRUNE_INTERVAL) {
+            return;
+        }
+        self.last_prune = Some(Instant::now());
+        let seconds = retention.as_secs() as i64;
+        let pruned = transaction(|| {
+            Spi::get_one_with_args::<i32>(
+                "SELECT flow._prune(make_interval(secs => $1), $2)",
+                &[(seconds as f64).into(), PRUNE_BATCH.into()],
+            )
+        });
+        let Some(Ok(Some(n))) = pruned else { return };
+        if n > 0 {
+            executor::log(&format!("flow: deleted {n} runs finished more than {seconds} s ago"));
+        }
+        if n == PRUNE_BATCH {
+            // More may be waiting: come back on the next turn, not in PRUNE_INTERVAL.
+            self.last_prune = None;
+        }
     }
 
     fn failed_turn(&mut self) -> Duration {
