@@ -37,7 +37,7 @@ pub struct Claimed {
 
 /// How a failed attempt was settled.
 #[derive(Debug, PartialEq)]
-pub enum Settled {
+enum Settled {
     /// The lease was no longer ours: nothing was written.
     Expired,
     /// Settled as a failure; `retry` tells whether another attempt is scheduled.
@@ -46,18 +46,17 @@ pub enum Settled {
 
 /// A failure's class (see `flow._settle_failure`), code and message.
 #[derive(Debug)]
-pub struct Failure {
-    pub class: &'static str,
-    pub code: String,
-    pub message: String,
-    pub delay_us: Option<i64>,
+struct Failure {
+    class: &'static str,
+    code: String,
+    message: String,
+    delay_us: Option<i64>,
 }
 
 /// A decision a handler announced just before raising (flow.fail,
 /// flow.retry_after, an invalid spawn). pgrx reports flow's own SQLSTATEs as
 /// XX000, so the class travels beside the error; it only counts when the
 /// caught error carries the same message.
-#[derive(Clone)]
 struct Decision {
     class: &'static str,
     code: String,
