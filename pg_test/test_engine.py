@@ -196,6 +196,17 @@ def test_timeout(app):
     assert all(0.25 <= float(d[0]) < 1.5 for d in durations), durations
 
 
+def test_the_timeout_counts_from_the_handlers_start_not_the_claim(app):
+    # 8 handlers of 0.3 s claimed together (batch 100) by one worker or two:
+    # the later ones start over a second after their claim, within their timeout.
+    name = define(app, "app.decides", timeout="'1 s'", max_attempts=1)
+    runs = app.one(f"SELECT flow.enqueue_many('{name}', array_fill('{{\"do\": \"sleep\", \"seconds\": 0.3}}'::jsonb,"
+                   " array[8]))")
+    for run in runs:
+        assert app.await_run(run, "20s")[0] == "succeeded"
+    assert app.one("SELECT count(*) FROM flow.attempts WHERE run_id = ANY(%s) AND outcome = 'succeeded'", runs) == 8
+
+
 def test_the_run_deadline_bounds_the_attempt(app):
     name = define(app, "app.decides", max_attempts=3)
     run = enqueue(app, name, '{"do": "sleep", "seconds": 10}', deadline="'500 ms'")

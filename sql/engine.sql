@@ -389,13 +389,15 @@ BEGIN
             wait_timed_out = c.wait_timed_out OR c.status = 'waiting'
         FROM picked p, flow._definitions d
         WHERE c.id = p.id AND d.name = c.name AND d.version = c.version
-        RETURNING c AS cmd, d.handler::oid AS handler_oid, d.owner AS handler_owner, d.takes_context
+        RETURNING c AS cmd, d.handler::oid AS handler_oid, d.owner AS handler_owner, d.takes_context,
+                  d.timeout AS attempt_timeout, least(c.budget_started_at + d.max_elapsed, c.deadline) AS hard_deadline
     )
     SELECT (k.cmd).id, (k.cmd).run_id, (k.cmd).name, (k.cmd).version, (k.cmd).queue, (k.cmd).args,
            (k.cmd).attempts, (k.cmd).lease_token, (k.cmd).lease_expires_at, (k.cmd).attempt_deadline,
            k.handler_oid, k.handler_owner,
            -- the context costs ~20 µs: only for handlers that take it, and external workers
-           CASE WHEN k.takes_context OR names IS NOT NULL THEN flow._context(k.cmd) END
+           CASE WHEN k.takes_context OR names IS NOT NULL THEN flow._context(k.cmd) END,
+           k.attempt_timeout, k.hard_deadline
     FROM claimed k;
 END $$;
 

@@ -57,7 +57,11 @@ CREATE TYPE flow.claimed_command AS (
     deadline          timestamptz,
     handler           oid,
     handler_owner     oid,
-    context           flow.context
+    context           flow.context,
+    -- for in-database workers, which may start a claimed command a while after
+    -- the claim: the attempt deadline is min(start + attempt_timeout, hard_deadline)
+    attempt_timeout   interval,
+    hard_deadline     timestamptz     -- min(retry budget end, run deadline)
 );
 
 -- ---------------------------------------------------------------- tables

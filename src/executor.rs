@@ -26,8 +26,11 @@ pub struct Claimed {
     pub command_id: pgrx::Uuid,
     pub run_id: pgrx::Uuid,
     pub lease_token: pgrx::Uuid,
-    /// End of the attempt (PostgreSQL TimestampTz, µs), if any bound applies.
-    pub deadline: Option<i64>,
+    /// min(retry budget end, run deadline) as a PostgreSQL TimestampTz (µs).
+    pub hard_deadline: Option<i64>,
+    /// The definition's attempt timeout (µs), counted from the handler's start:
+    /// a command claimed in a batch may start well after its claim.
+    pub timeout_us: Option<i64>,
     pub handler: pg_sys::Oid,
     pub owner: pg_sys::Oid,
     pub args: JsonB,
@@ -155,7 +158,8 @@ const JSONB_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::JSONBARRAYOID);
 pub fn claim(owner: &str, backend_start: Option<TimestampWithTimeZone>, max: i32, turn: i32) -> Vec<Claimed> {
     engine_query(
         "SELECT command_id, run_id, lease_token,
-                (extract(epoch FROM deadline) * 1000000)::bigint - 946684800000000,
+                (extract(epoch FROM hard_deadline) * 1000000)::bigint - 946684800000000,
+                (extract(epoch FROM attempt_timeout) * 1000000)::bigint,
                 handler, handler_owner, args, to_jsonb(context)
          FROM flow._claim($1, $2, $3, $4, NULL, NULL, $5)
          ORDER BY run_id, command_id",
@@ -166,11 +170,12 @@ pub fn claim(owner: &str, backend_start: Option<TimestampWithTimeZone>, max: i32
                 command_id: row.get(1).ok().flatten().expect("command_id"),
                 run_id: row.get(2).ok().flatten().expect("run_id"),
                 lease_token: row.get(3).ok().flatten().expect("lease_token"),
-                deadline: row.get(4).ok().flatten(),
-                handler: row.get(5).ok().flatten().expect("handler"),
-                owner: row.get(6).ok().flatten().expect("handler_owner"),
-                args: row.get::<JsonB>(7).ok().flatten().expect("args"),
-                context: row.get::<JsonB>(8).ok().flatten(),
+                hard_deadline: row.get(4).ok().flatten(),
+                timeout_us: row.get(5).ok().flatten(),
+                handler: row.get(6).ok().flatten().expect("handler"),
+                owner: row.get(7).ok().flatten().expect("handler_owner"),
+                args: row.get::<JsonB>(8).ok().flatten().expect("args"),
+                context: row.get::<JsonB>(9).ok().flatten(),
             })
             .collect()
         },
@@ -186,6 +191,17 @@ pub struct Chunk {
     /// Runs that failed in this chunk: their other commands were cancelled.
     failed_runs: HashSet<[u8; 16]>,
     successes: Vec<(pgrx::Uuid, pgrx::Uuid, Option<JsonB>)>,
+}
+
+impl Claimed {
+    /// The attempt's deadline for a handler starting at `now` (TimestampTz µs).
+    fn deadline(&self, now: i64) -> Option<i64> {
+        let soft = self.timeout_us.map(|t| now.saturating_add(t));
+        match (soft, self.hard_deadline) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
 }
 
 impl Chunk {
@@ -249,7 +265,9 @@ impl Chunk {
 /// subtransaction is kept (its writes commit with the chunk's settlement); on
 /// failure it is rolled back and the failure classified.
 fn attempt(command: &Claimed) -> Result<Option<JsonB>, Failure> {
-    let remaining_ms = command.deadline.map(|d| (d - unsafe { pg_sys::GetCurrentTimestamp() }) / 1000);
+    let now = unsafe { pg_sys::GetCurrentTimestamp() };
+    let deadline = command.deadline(now);
+    let remaining_ms = deadline.map(|d| (d - now) / 1000);
     if let Some(ms) = remaining_ms.filter(|ms| *ms <= 0) {
         return Err(timeout_failure(ms));
     }
@@ -280,7 +298,7 @@ fn attempt(command: &Claimed) -> Result<Option<JsonB>, Failure> {
         }
         Ok(result)
     })
-    .catch_others(|caught| Err(classify(caught, command.deadline)))
+    .catch_others(|caught| Err(classify(caught, deadline)))
     .execute();
     CURRENT_COMMAND.with(|c| c.set(None));
     stop_deadline_timer();
