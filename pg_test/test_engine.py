@@ -207,6 +207,21 @@ def test_the_timeout_counts_from_the_handlers_start_not_the_claim(app):
     assert app.one("SELECT count(*) FROM flow.attempts WHERE run_id = ANY(%s) AND outcome = 'succeeded'", runs) == 8
 
 
+def test_a_burst_of_slow_commands_is_shared_by_the_workers(app):
+    app.all("CREATE FUNCTION app.slow(args jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$"
+            " BEGIN PERFORM pg_sleep(0.15); RETURN jsonb_build_object('pid', pg_backend_pid()); END $$")
+    name = define(app, "app.slow")
+    # warm up: the workers learn that this work is slow
+    for run in app.one(f"SELECT flow.enqueue_many('{name}', array_fill('{{}}'::jsonb, array[4]))"):
+        app.await_run(run, "20s")
+    t0 = time.time()
+    runs = app.one(f"SELECT flow.enqueue_many('{name}', array_fill('{{}}'::jsonb, array[20]))")
+    pids = {app.await_run(run, "30s")[1]["pid"] for run in runs}
+    elapsed = time.time() - t0
+    assert len(pids) == 2, pids      # both workers took part
+    assert elapsed < 2.6, elapsed    # 20 x 0.15 s = 3 s on one worker
+
+
 def test_the_run_deadline_bounds_the_attempt(app):
     name = define(app, "app.decides", max_attempts=3)
     run = enqueue(app, name, '{"do": "sleep", "seconds": 10}', deadline="'500 ms'")

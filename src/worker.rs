@@ -21,6 +21,9 @@ use std::time::{Duration, Instant};
 /// external lease expired. Recovery is one index scan of running commands.
 const RECOVERY_INTERVAL: Duration = Duration::from_secs(1);
 
+/// A worker claims about this much work at a time (see `claim_size`).
+const CLAIM_TARGET: Duration = Duration::from_millis(100);
+
 /// How often worker 0 deletes runs past `flow.retention`, and how many at most
 /// per pass (each a short transaction, so pruning never holds up the queue).
 const PRUNE_INTERVAL: Duration = Duration::from_secs(10);
@@ -93,6 +96,8 @@ struct Worker {
     last_recovery: Option<Instant>,
     /// Commands claimed in the commit of the previous batch's last chunk.
     prefetched: Vec<Claimed>,
+    /// Recent time per command (µs, moving average), to size the next claim.
+    per_command_us: f64,
     last_prune: Option<Instant>,
 }
 
@@ -106,6 +111,7 @@ impl Worker {
             ready: false,
             last_recovery: None,
             prefetched: Vec::new(),
+            per_command_us: 0.0,
             last_prune: None,
         }
     }
@@ -208,8 +214,23 @@ impl Worker {
             }
         }
         shmem::set_worker_state(self.index, true, None, 0);
-        executor::log(&format!("flow: ran a batch of {count} commands in {} ms", started.elapsed().as_millis()));
+        let elapsed = started.elapsed();
+        let per_command = elapsed.as_micros() as f64 / count as f64;
+        self.per_command_us = if self.per_command_us == 0.0 { per_command } else { 0.7 * self.per_command_us + 0.3 * per_command };
+        executor::log(&format!("flow: ran a batch of {count} commands in {} ms", elapsed.as_millis()));
         Duration::ZERO
+    }
+
+    /// How many commands to claim: `flow.batch_size` for fast handlers, fewer
+    /// for slow ones, so that one worker does not hoard a burst of slow
+    /// commands while the others idle. Aims at a batch of about CLAIM_TARGET.
+    fn claim_size(&self) -> i32 {
+        let max = gucs::batch_size();
+        if self.per_command_us <= 0.0 {
+            return 1; // nothing measured yet: learn from one command first
+        }
+        let fitting = CLAIM_TARGET.as_micros() as f64 / self.per_command_us;
+        (fitting as i32).clamp(1, max)
     }
 
     /// Worker 0 deletes finished runs past `flow.retention`, a bounded batch at a time.
@@ -246,7 +267,7 @@ impl Worker {
         let turn = self.turn.get().wrapping_add(1);
         self.turn.set(turn);
         shmem::bump(&shmem::counters().probes, 1);
-        executor::claim(&self.name, self.backend_start, gucs::batch_size(), turn)
+        executor::claim(&self.name, self.backend_start, self.claim_size(), turn)
     }
 }
 
