@@ -252,3 +252,31 @@ def test_workers_killed_during_concurrent_workflows_lose_nothing(pg):
     # no event lost: every join saw all 20 inputs without timing out
     assert pg.one("SELECT count(*) FROM flow.commands WHERE run_id = ANY(%s) AND key = 'join'"
                   " AND result->>'inputs' = '20' AND result->>'timed_out' = 'false'", runs) == 100
+
+
+def test_only_the_workflows_roles_can_satisfy_its_waits(pg):
+    pg.all("DO $$ BEGIN CREATE ROLE alice LOGIN; CREATE ROLE bob LOGIN;"
+           " EXCEPTION WHEN duplicate_object THEN NULL; END $$")
+    pg.all("GRANT USAGE ON SCHEMA app TO alice")
+    pg.all("CREATE FUNCTION app.alice_root(args jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$ BEGIN"
+           " PERFORM flow.spawn('alice_child', '{}', key => 'child',"
+           "   waits => array[flow.wait('secret', args->>'key')]); RETURN NULL; END $$")
+    pg.all("CREATE FUNCTION app.alice_child(args jsonb, ctx flow.context) RETURNS jsonb LANGUAGE sql AS"
+           " $$ SELECT ctx.inputs $$")
+    pg.all("ALTER FUNCTION app.alice_root(jsonb) OWNER TO alice")
+    pg.all("ALTER FUNCTION app.alice_child(jsonb, flow.context) OWNER TO alice")
+    pg.one("SELECT flow.define('alice_root', 'app.alice_root'::regproc)", user="alice")
+    pg.one("SELECT flow.define('alice_child', 'app.alice_child'::regproc)", user="alice")
+    key = unique("k")
+    pg.one("SELECT flow.emit('secret', %s, '{\"from\": \"bob, early\"}')", key, user="bob")
+    run = pg.one("SELECT flow.enqueue('alice_root', jsonb_build_object('key', %s::text))", key, user="alice")
+    pg.wait_for("SELECT status = 'waiting' FROM flow.commands WHERE run_id = %s AND key = 'child'", run,
+                user="alice")
+    pg.one("SELECT flow.emit('secret', %s, '{\"from\": \"bob\"}')", key, user="bob")
+    time.sleep(0.5)
+    assert pg.one("SELECT status FROM flow.commands WHERE run_id = %s AND key = 'child'", run,
+                  user="alice") == "waiting"
+    pg.one("SELECT flow.emit('secret', %s, '{\"from\": \"alice\"}')", key, user="alice")
+    assert pg.await_run(run, "10s", user="alice")[0] == "succeeded"
+    inputs = pg.one("SELECT result FROM flow.commands WHERE run_id = %s AND key = 'child'", run, user="alice")
+    assert [i["payload"] for i in inputs] == [{"from": "alice"}]

@@ -720,6 +720,19 @@ BEGIN
     END IF;
 END $$;
 
+-- Whose events may satisfy a command's waits: its run owner's and its
+-- definition owner's (and their members'; a superuser's). Another role cannot
+-- feed inputs into a workflow it does not own.
+CREATE FUNCTION flow._may_satisfy(emitter_role oid, command_id uuid) RETURNS boolean
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT EXISTS (
+        SELECT 1 FROM flow._commands c
+        JOIN flow._runs r ON r.id = c.run_id
+        JOIN flow._definitions d ON d.name = c.name AND d.version = c.version
+        WHERE c.id = command_id
+          AND (pg_has_role(emitter_role, r.owner, 'MEMBER') OR pg_has_role(emitter_role, d.owner, 'MEMBER')))
+$$;
+
 -- emitter: the command whose handler (or external worker) emits, NULL from outside.
 CREATE FUNCTION flow._emit(caller oid, emitter uuid, name text, key text, payload jsonb) RETURNS bigint
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
@@ -742,6 +755,7 @@ BEGIN
     FOR waiting IN
         UPDATE flow._waits w SET event_position = pos, satisfied_at = now()
         WHERE w.name = _emit.name AND w.key = _emit.key AND w.event_position IS NULL   -- index _waits_open
+          AND flow._may_satisfy(caller, w.command_id)
         RETURNING w.command_id
     LOOP
         PERFORM flow._promote_if_satisfied(waiting);
@@ -817,7 +831,7 @@ BEGIN
         PERFORM flow._lock_event_key(spec.name, spec.key);
         -- An event emitted before the wait existed satisfies it from the journal.
         SELECT max(e.position) INTO journaled FROM flow._events e      -- index _events_name_key
-        WHERE e.name = spec.name AND e.key = spec.key;
+        WHERE e.name = spec.name AND e.key = spec.key AND flow._may_satisfy(e.owner, child);
         INSERT INTO flow._waits (command_id, name, key, event_position, satisfied_at)
         VALUES (child, spec.name, spec.key, journaled, CASE WHEN journaled IS NOT NULL THEN now() END);
     END LOOP;
