@@ -37,5 +37,5 @@ step "build and install flow"
 for dir in /tmp/flow-it /tmp/flow-demo /tmp/flow-bench /tmp/flow-bare; do
   FLOW_PGDIR=$dir tools/cluster.sh stop
 done
-cargo pgrx install --pg-config /usr/lib/postgresql/15/bin/pg_config 2>&1 | grep -E "error|warning: unused" || true
+cargo pgrx install --release --pg-config /usr/lib/postgresql/15/bin/pg_config 2>&1 | grep -E "error|warning: unused" || true
 test -f /usr/lib/postgresql/15/lib/flow.so

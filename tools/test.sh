@@ -14,7 +14,7 @@ cargo pgrx test pg15 --runas postgres --pgdata /tmp/flow-pgrx-test
 
 echo "== reinstall the release library (pgrx test installed its test build)"
 tools/cluster.sh stop
-cargo pgrx install --pg-config /usr/lib/postgresql/15/bin/pg_config >/dev/null 2>&1
+cargo pgrx install --release --pg-config /usr/lib/postgresql/15/bin/pg_config >/dev/null 2>&1
 
 echo "== integration tests (pg_test/)"
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider pg_test "$@"
