@@ -996,10 +996,8 @@ BEGIN
     IF FOUND THEN
         RAISE EXCEPTION 'flow: no command with id %', bad.id USING ERRCODE = 'FL014';
     END IF;
-    -- Same lock order as the in-database chunks: the runs, in id order.
-    PERFORM 1 FROM flow._runs r
-    WHERE r.id IN (SELECT c.run_id FROM flow._commands c WHERE c.id = ANY (command_ids))
-    ORDER BY r.id FOR UPDATE;
+    -- Lock the runs as the in-database chunks do (in id order).
+    PERFORM flow._begin_batch(command_ids, lease_tokens);
     RETURN QUERY
     WITH item AS (
         SELECT t.id, t.token, t.result,
