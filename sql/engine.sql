@@ -427,16 +427,17 @@ BEGIN
     RETURN cut;
 END $$;
 
--- Lock the run of a command. Every settlement of a run takes this lock first,
--- so exactly one of them sees the run's last command finish (rule 7).
+-- Lock the runs of these commands, in id order (so two lockers never
+-- deadlock). Every settlement of a run takes this lock first, so exactly one
+-- of them sees the run's last command finish (rule 7).
 -- (plpgsql, not sql: its plan is cached per session; an sql function called
 -- from plpgsql is planned again on every call, ~70 µs.)
-CREATE FUNCTION flow._lock_run_of(command_id uuid) RETURNS void
+CREATE FUNCTION flow._lock_runs_of(command_ids uuid[]) RETURNS void
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     PERFORM 1 FROM flow._runs r
-    WHERE r.id = (SELECT c.run_id FROM flow._commands c WHERE c.id = _lock_run_of.command_id)
-    FOR UPDATE;
+    WHERE r.id IN (SELECT c.run_id FROM flow._commands c WHERE c.id = ANY (command_ids))
+    ORDER BY r.id FOR UPDATE;
 END $$;
 
 -- Close every unfinished command of a run (cancel or run failure). A running
@@ -455,45 +456,6 @@ BEGIN
     WHERE c.run_id = _close_open_commands.run_id AND c.finished_at IS NULL;
 END $$;
 
-CREATE FUNCTION flow._finish_run_if_done(run_id uuid) RETURNS void
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
-BEGIN
-    -- The caller holds the run's lock, so this statement's snapshot sees every
-    -- other settlement of the run that committed before it.
-    UPDATE flow._runs r SET status = 'succeeded', finished_at = clock_timestamp(),
-        result = (SELECT c.result FROM flow._commands c WHERE c.run_id = r.id AND c.parent_id IS NULL)
-    WHERE r.id = _finish_run_if_done.run_id AND r.status = 'running'
-      AND NOT EXISTS (SELECT 1 FROM flow._commands c
-                      WHERE c.run_id = _finish_run_if_done.run_id AND c.finished_at IS NULL);
-END $$;
-
--- Settle a successful attempt. Returns 'succeeded', or 'expired' when the
--- lease is no longer held (lost, cancelled, already settled): nothing changes.
-CREATE FUNCTION flow._settle_success(command_id uuid, lease_token uuid, result jsonb) RETURNS text
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
-DECLARE
-    done record;
-BEGIN
-    PERFORM flow._lock_run_of(command_id);
-    UPDATE flow._commands c SET status = 'succeeded', result = _settle_success.result, finished_at = clock_timestamp(),
-        lease_token = NULL, lease_owner = NULL, lease_pid = NULL, lease_backend_start = NULL,
-        lease_expires_at = NULL, attempt_started_at = NULL, attempt_deadline = NULL
-    FROM (SELECT x.id, x.attempt_started_at, x.lease_owner FROM flow._commands x
-          WHERE x.id = _settle_success.command_id AND x.status = 'running'
-            AND x.lease_token = _settle_success.lease_token
-          FOR UPDATE) old
-    WHERE c.id = old.id
-    RETURNING c.run_id, c.attempts, old.attempt_started_at, old.lease_owner INTO done;
-    IF NOT FOUND THEN
-        RETURN 'expired';
-    END IF;
-    INSERT INTO flow._attempts (command_id, attempt, lease_token, owner, started_at, finished_at, outcome)
-    VALUES (command_id, done.attempts, lease_token, done.lease_owner, done.attempt_started_at, clock_timestamp(), 'succeeded');
-    PERFORM flow._finish_run_if_done(done.run_id);
-    PERFORM flow._wake();
-    RETURN 'succeeded';
-END $$;
-
 -- In-database workers execute claimed commands in chunks, one transaction
 -- each: _begin_batch locks the chunk's runs (in id order: two chunks never
 -- deadlock, and cancel / run failure / external settlements of those runs
@@ -502,16 +464,15 @@ END $$;
 CREATE FUNCTION flow._begin_batch(command_ids uuid[], lease_tokens uuid[]) RETURNS SETOF uuid
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
-    PERFORM 1 FROM flow._runs r
-    WHERE r.id IN (SELECT c.run_id FROM flow._commands c WHERE c.id = ANY (command_ids))
-    ORDER BY r.id FOR UPDATE;
+    PERFORM flow._lock_runs_of(command_ids);
     RETURN QUERY
         SELECT c.id FROM flow._commands c JOIN unnest(command_ids, lease_tokens) AS t(id, token) ON c.id = t.id
         WHERE c.status = 'running' AND c.lease_token = t.token;
 END $$;
 
--- Settle a chunk's successful attempts in three set-based statements (the
--- caller holds their runs' locks, see _begin_batch). Returns how many settled.
+-- Settle successful attempts in three set-based statements: a worker chunk's,
+-- or one external completion. The caller holds their runs' locks
+-- (_lock_runs_of). Returns how many settled.
 CREATE FUNCTION flow._settle_batch(command_ids uuid[], lease_tokens uuid[], results jsonb[]) RETURNS integer
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
@@ -554,7 +515,7 @@ DECLARE
     stop text;
     cut text := flow._cut_message(coalesce(message, code));
 BEGIN
-    PERFORM flow._lock_run_of(command_id);
+    PERFORM flow._lock_runs_of(ARRAY[command_id]);
     SELECT * INTO c FROM flow._commands x
     WHERE x.id = _settle_failure.command_id AND x.status = 'running' AND x.lease_token = _settle_failure.lease_token
     FOR UPDATE;
@@ -854,7 +815,7 @@ BEGIN
     IF command_id IS NULL OR lease_token IS NULL THEN
         RAISE EXCEPTION 'flow: command_id and lease_token must not be NULL' USING ERRCODE = 'FL002';
     END IF;
-    PERFORM flow._lock_run_of(command_id);
+    PERFORM flow._lock_runs_of(ARRAY[command_id]);
     SELECT x.* INTO c FROM flow._commands x WHERE x.id = command_id FOR UPDATE;
     SELECT d.owner INTO owner_ FROM flow._definitions d WHERE d.name = c.name AND d.version = c.version;
     IF NOT FOUND OR NOT pg_has_role(caller, owner_, 'MEMBER') THEN
@@ -965,7 +926,9 @@ BEGIN
              FROM jsonb_array_elements(coalesce(item->'waits', '[]')) w),
             (item->>'within')::interval, (item->>'version')::integer, item->>'queue');
     END LOOP;
-    RETURN flow._settle_success(c.id, c.lease_token, result);
+    -- _leased holds the run's lock, as _settle_batch requires.
+    PERFORM flow._settle_batch(ARRAY[c.id], ARRAY[c.lease_token], ARRAY[result]);
+    RETURN 'succeeded';
 END $$;
 
 -- Settle many external successes in one call (results only: no events or
@@ -996,8 +959,7 @@ BEGIN
     IF FOUND THEN
         RAISE EXCEPTION 'flow: no command with id %', bad.id USING ERRCODE = 'FL014';
     END IF;
-    -- Lock the runs as the in-database chunks do (in id order).
-    PERFORM flow._begin_batch(command_ids, lease_tokens);
+    PERFORM flow._lock_runs_of(command_ids);
     RETURN QUERY
     WITH item AS (
         SELECT t.id, t.token, t.result,

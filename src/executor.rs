@@ -38,6 +38,17 @@ pub struct Claimed {
     pub context: Option<JsonB>,
 }
 
+impl Claimed {
+    /// The attempt's deadline for a handler starting at `now` (TimestampTz µs).
+    fn deadline(&self, now: i64) -> Option<i64> {
+        let soft = self.timeout_us.map(|t| now.saturating_add(t));
+        match (soft, self.hard_deadline) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+}
+
 /// How a failed attempt was settled.
 #[derive(Debug, PartialEq)]
 enum Settled {
@@ -191,17 +202,6 @@ pub struct Chunk {
     /// Runs that failed in this chunk: their other commands were cancelled.
     failed_runs: HashSet<[u8; 16]>,
     successes: Vec<(pgrx::Uuid, pgrx::Uuid, Option<JsonB>)>,
-}
-
-impl Claimed {
-    /// The attempt's deadline for a handler starting at `now` (TimestampTz µs).
-    fn deadline(&self, now: i64) -> Option<i64> {
-        let soft = self.timeout_us.map(|t| now.saturating_add(t));
-        match (soft, self.hard_deadline) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
-    }
 }
 
 impl Chunk {
