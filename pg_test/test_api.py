@@ -1,11 +1,12 @@
 """The foundation: loading, schema, definitions, queues, enqueue and bad input."""
+import re
 import threading
 import uuid
 
 import psycopg
 import pytest
 
-from conftest import Cluster, unique
+from conftest import ROOT, Cluster, unique
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +46,8 @@ def external(pg, name=None, **kw):
 # ---------------------------------------------------------------- loading
 
 def test_extension_is_installed_with_workers(app):
-    assert app.one("SELECT extversion FROM pg_extension WHERE extname = 'flow'") == "0.1.0"
+    version = re.search(r'^version = "([^"]+)"', (ROOT / "Cargo.toml").read_text(), re.M).group(1)
+    assert app.one("SELECT extversion FROM pg_extension WHERE extname = 'flow'") == version
     assert app.one("SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'flow worker'") == 2
     assert app.one("SELECT count(*) FROM flow.workers WHERE pid IS NOT NULL") == 2
 

@@ -389,7 +389,7 @@ BEGIN
             wait_timed_out = c.wait_timed_out OR c.status = 'waiting'
         FROM picked p, flow._definitions d
         WHERE c.id = p.id AND d.name = c.name AND d.version = c.version
-        RETURNING c AS cmd, d.handler::oid AS handler_oid, d.owner AS handler_owner, d.takes_context,
+        RETURNING c AS cmd, d.handler::oid AS handler_oid, d.owner::oid AS handler_owner, d.takes_context,
                   d.timeout AS attempt_timeout, least(c.budget_started_at + d.max_elapsed, c.deadline) AS hard_deadline
     )
     SELECT (k.cmd).id, (k.cmd).run_id, (k.cmd).name, (k.cmd).version, (k.cmd).queue, (k.cmd).args,
@@ -630,8 +630,6 @@ BEGIN
     PERFORM flow._close_open_commands(run_id, 'cancelled');
     RETURN true;
 END $$;
-
-CREATE TYPE flow.run_outcome AS (status flow.run_status, result jsonb, error jsonb);
 
 -- Block until the run is terminal or the timeout passes (then status is
 -- 'running'). Polls with a growing pause (1 ms → 50 ms); each poll is a new

@@ -64,6 +64,9 @@ CREATE TYPE flow.claimed_command AS (
     hard_deadline     timestamptz     -- min(retry budget end, run deadline)
 );
 
+-- What flow.await returns.
+CREATE TYPE flow.run_outcome AS (status flow.run_status, result jsonb, error jsonb);
+
 -- ---------------------------------------------------------------- tables
 
 CREATE TABLE flow._queues (
@@ -72,14 +75,13 @@ CREATE TABLE flow._queues (
     paused       boolean NOT NULL DEFAULT false,
     updated_at   timestamptz NOT NULL DEFAULT now()
 );
-INSERT INTO flow._queues (name) VALUES ('default');
 
 CREATE TABLE flow._definitions (
     name           text NOT NULL CHECK (name <> ''),
     version        integer NOT NULL CHECK (version >= 1),
     handler        regprocedure,                      -- NULL: external workers resolve it
     takes_context  boolean NOT NULL DEFAULT false,
-    owner          oid NOT NULL,
+    owner          regrole NOT NULL,     -- regrole: pg_dump writes the role's name, not its OID
     queue          text NOT NULL REFERENCES flow._queues (name),
     max_attempts   integer NOT NULL CHECK (max_attempts >= 1),
     backoff        interval NOT NULL CHECK (backoff > interval '0'),
@@ -96,7 +98,7 @@ CREATE TABLE flow._definitions (
 CREATE TABLE flow._runs (
     id           uuid PRIMARY KEY,
     key          text CHECK (key <> ''),
-    owner        oid NOT NULL,
+    owner        regrole NOT NULL,
     name         text NOT NULL,
     version      integer NOT NULL,
     queue        text NOT NULL,
@@ -186,7 +188,7 @@ CREATE TABLE flow._events (
     name        text NOT NULL CHECK (name <> ''),
     key         text NOT NULL,
     payload     jsonb NOT NULL,
-    owner       oid NOT NULL,
+    owner       regrole NOT NULL,
     run_id      uuid,           -- set when a handler emitted it
     command_id  uuid,
     emitted_at  timestamptz NOT NULL DEFAULT now()
@@ -215,3 +217,18 @@ CREATE TRIGGER _events_append_only BEFORE UPDATE OR DELETE ON flow._events
 
 REVOKE ALL ON ALL TABLES IN SCHEMA flow FROM PUBLIC;
 GRANT USAGE ON SCHEMA flow TO PUBLIC;
+
+-- ---------------------------------------------------------------- backups
+-- pg_dump skips the rows of an extension's tables unless they are marked as
+-- configuration: these hold the users' definitions, queues, runs and journal,
+-- so all of them are dumped, with the journal's position sequence. Owners are
+-- regrole and handlers regprocedure, so a dump names roles and functions and a
+-- restore into another cluster resolves them again.
+SELECT pg_catalog.pg_extension_config_dump('flow._queues', '');
+SELECT pg_catalog.pg_extension_config_dump('flow._definitions', '');
+SELECT pg_catalog.pg_extension_config_dump('flow._runs', '');
+SELECT pg_catalog.pg_extension_config_dump('flow._commands', '');
+SELECT pg_catalog.pg_extension_config_dump('flow._attempts', '');
+SELECT pg_catalog.pg_extension_config_dump('flow._events', '');
+SELECT pg_catalog.pg_extension_config_dump('flow._events_position_seq', '');
+SELECT pg_catalog.pg_extension_config_dump('flow._waits', '');

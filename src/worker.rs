@@ -272,14 +272,34 @@ impl Worker {
 }
 
 fn extension_installed() -> bool {
-    // Waits calmly while the extension is missing or being created, dropped or updated.
-    Spi::get_one::<bool>(
-        "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_extension WHERE extname = 'flow')
-            AND to_regprocedure('flow._claim(text,integer,timestamp with time zone,integer,interval,text[],integer)') IS NOT NULL",
+    // Waits calmly while the extension is missing or being created, dropped or
+    // updated, and while its SQL is of another release than this library (after
+    // a new library was installed and the server restarted, until `ALTER
+    // EXTENSION flow UPDATE` commits): the engine's SQL and this code must match.
+    let installed = Spi::get_one_with_args::<String>(
+        "SELECT e.extversion FROM pg_catalog.pg_extension e WHERE e.extname = 'flow'",
+        &[],
     )
     .ok()
-    .flatten()
-    .unwrap_or(false)
+    .flatten();
+    let ready = installed.as_deref() == Some(env!("CARGO_PKG_VERSION"));
+    if !ready {
+        if let Some(version) = installed {
+            log_once_per_process(&format!(
+                "flow: the installed extension is version {version}, this library is {}: waiting for ALTER EXTENSION flow UPDATE",
+                env!("CARGO_PKG_VERSION")
+            ));
+        }
+    }
+    ready
+}
+
+/// A LOG line the first time only: a worker waiting for an update checks every poll.
+fn log_once_per_process(message: &str) {
+    thread_local! { static SAID: Cell<bool> = const { Cell::new(false) }; }
+    if !SAID.with(|s| s.replace(true)) {
+        pgrx::log!("{message}");
+    }
 }
 
 fn recover() -> i32 {

@@ -4,7 +4,8 @@
 #   tools/cluster.sh start [extra postgresql.conf lines...]   (re)creates and starts it
 #   tools/cluster.sh stop | restart | psql [args] | conf LINE
 # Environment: FLOW_PGDIR (default /tmp/flow-it), FLOW_PGPORT (default 5499),
-# FLOW_PRELOAD=0 for a cluster without flow preloaded (and no CREATE EXTENSION).
+# FLOW_PRELOAD=0 for a cluster without flow preloaded (and no CREATE EXTENSION),
+# FLOW_CREATE=0 for one with flow preloaded but not yet created.
 set -euo pipefail
 PGBIN=/usr/lib/postgresql/15/bin
 DIR=${FLOW_PGDIR:-/tmp/flow-it}
@@ -31,7 +32,7 @@ start)
     for line in "$@"; do echo "$line"; done
   } >> "$DIR/pgdata/postgresql.conf"
   as_pg $PGBIN/pg_ctl -D "$DIR/pgdata" -l "$DIR/pg.log" -w -t 60 start >/dev/null
-  if [ "${FLOW_PRELOAD:-1}" = 1 ]; then
+  if [ "${FLOW_PRELOAD:-1}" = 1 ] && [ "${FLOW_CREATE:-1}" = 1 ]; then
     as_pg $PGBIN/psql -X -q -h "$DIR" -p "$PORT" -U postgres -d postgres -c 'CREATE EXTENSION flow'
   fi
   ;;

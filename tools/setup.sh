@@ -39,3 +39,5 @@ for dir in /tmp/flow-it /tmp/flow-demo /tmp/flow-bench /tmp/flow-bare; do
 done
 cargo pgrx install --release --pg-config /usr/lib/postgresql/15/bin/pg_config 2>&1 | grep -E "error|warning: unused" || true
 test -f /usr/lib/postgresql/15/lib/flow.so
+# The upgrade script from the last release carries the functions just installed.
+python3 tools/upgrade_script.py /usr/lib/postgresql/15/bin/pg_config

@@ -1,0 +1,1503 @@
+-- flow 0.1.0 -> 0.2.0. Written by tools/upgrade_script.py: edit
+-- sql/upgrade/0.1.0--0.2.0.sql and the sql/*.sql it takes the code from.
+\echo Use "ALTER EXTENSION flow UPDATE" to load this file. \quit
+
+-- Table and type changes from 0.1.0 to 0.2.0 (tools/upgrade_script.py puts
+-- them before the functions and views of 0.2.0, which replace the old ones).
+
+-- Owners are regrole, so pg_dump writes role names; the views that read them
+-- are recreated below.
+DROP VIEW flow.runs, flow.commands, flow.attempts, flow.definitions, flow.events, flow.waits,
+    flow.recent_attempts;
+ALTER TABLE flow._definitions ALTER COLUMN owner TYPE regrole;
+ALTER TABLE flow._runs ALTER COLUMN owner TYPE regrole;
+ALTER TABLE flow._events ALTER COLUMN owner TYPE regrole;
+
+-- pg_dump keeps the rows of these tables (see sql/schema.sql, "backups").
+SELECT pg_catalog.pg_extension_config_dump('flow._queues', '');
+SELECT pg_catalog.pg_extension_config_dump('flow._definitions', '');
+SELECT pg_catalog.pg_extension_config_dump('flow._runs', '');
+SELECT pg_catalog.pg_extension_config_dump('flow._commands', '');
+SELECT pg_catalog.pg_extension_config_dump('flow._attempts', '');
+SELECT pg_catalog.pg_extension_config_dump('flow._events', '');
+SELECT pg_catalog.pg_extension_config_dump('flow._events_position_seq', '');
+SELECT pg_catalog.pg_extension_config_dump('flow._waits', '');
+
+-- src/lib.rs:20
+-- requires:
+--   schema
+
+-- flow's engine SQL: definitions, enqueue, claim, settle, recovery, cancel.
+--
+-- Internal functions (flow._*) take the acting role as `caller` and are only
+-- executable by the extension owner. Public functions are SECURITY DEFINER
+-- with a pinned search_path; they learn who called them through a one-shot
+-- ticket made by flow._ticket() in the caller's security context (see
+-- src/api.rs): inside a SECURITY DEFINER function current_user is the owner,
+-- so this is the one way to know the real caller.
+
+-- ---------------------------------------------------------------- helpers
+
+CREATE OR REPLACE FUNCTION flow._require_name(what text, value text) RETURNS text
+LANGUAGE plpgsql IMMUTABLE SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF value IS NULL OR btrim(value) = '' THEN
+        RAISE EXCEPTION 'flow: % must not be NULL or empty', what USING ERRCODE = 'FL002';
+    END IF;
+    RETURN value;
+END $$;
+
+-- args and payloads: a JSON object within flow.max_result_bytes.
+CREATE OR REPLACE FUNCTION flow._require_payload(what text, value jsonb, must_be_object boolean DEFAULT true)
+RETURNS jsonb
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    size integer;
+BEGIN
+    IF value IS NULL OR (must_be_object AND jsonb_typeof(value) <> 'object') THEN
+        RAISE EXCEPTION 'flow: % must be a JSON object, got %', what, coalesce(jsonb_typeof(value), 'NULL')
+            USING ERRCODE = 'FL003';
+    END IF;
+    size := octet_length(value::text);
+    IF size > flow._max_payload_bytes() THEN
+        RAISE EXCEPTION 'flow: % is % bytes, over flow.max_result_bytes (% bytes)',
+            what, size, flow._max_payload_bytes() USING ERRCODE = 'FL004';
+    END IF;
+    RETURN value;
+END $$;
+
+CREATE OR REPLACE FUNCTION flow._require_member(caller oid, owner oid, what text, id uuid) RETURNS void
+LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    -- Another role's run is reported exactly like a missing one: no existence leak.
+    IF owner IS NULL OR NOT pg_has_role(caller, owner, 'MEMBER') THEN
+        RAISE EXCEPTION 'flow: no % with id %', what, id USING ERRCODE = 'FL014';
+    END IF;
+END $$;
+
+-- ---------------------------------------------------------------- definitions and queues
+
+CREATE OR REPLACE FUNCTION flow._define(caller oid, name text, handler regprocedure, version integer, queue text,
+    max_attempts integer, backoff interval, backoff_max interval, max_elapsed interval, timeout interval)
+RETURNS void
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    fn record;
+    takes_context boolean := false;
+    existing_owner oid;
+BEGIN
+    PERFORM flow._require_name('name', name);
+    PERFORM flow._require_name('queue', queue);
+    IF version IS NULL OR version < 1 THEN
+        RAISE EXCEPTION 'flow: version must be 1 or more, got %', version USING ERRCODE = 'FL015';
+    END IF;
+    IF max_attempts IS NULL OR max_attempts < 1 THEN
+        RAISE EXCEPTION 'flow: max_attempts must be 1 or more, got %', max_attempts USING ERRCODE = 'FL015';
+    END IF;
+    IF backoff IS NULL OR backoff <= interval '0' OR backoff_max IS NULL OR backoff_max < backoff THEN
+        RAISE EXCEPTION 'flow: backoff must be positive and at most backoff_max (got % and %)', backoff, backoff_max
+            USING ERRCODE = 'FL015';
+    END IF;
+    IF max_elapsed <= interval '0' OR timeout <= interval '0' THEN
+        RAISE EXCEPTION 'flow: max_elapsed and timeout must be positive when given' USING ERRCODE = 'FL015';
+    END IF;
+    IF handler IS NOT NULL THEN
+        SELECT p.pronargs, p.proargtypes, p.prorettype, p.prokind, p.proretset INTO fn
+        FROM pg_proc p WHERE p.oid = handler;
+        IF NOT FOUND THEN
+            RAISE EXCEPTION 'flow: handler % does not exist', handler USING ERRCODE = '42883';
+        END IF;
+        IF fn.prokind <> 'f' OR fn.proretset
+           OR fn.prorettype NOT IN ('jsonb'::regtype, 'void'::regtype)
+           OR fn.pronargs NOT IN (1, 2)
+           OR fn.proargtypes[0] <> 'jsonb'::regtype
+           OR (fn.pronargs = 2 AND fn.proargtypes[1] <> 'flow.context'::regtype) THEN
+            RAISE EXCEPTION 'flow: handler % has the wrong signature', handler::text
+                USING ERRCODE = 'FL008',
+                      HINT = 'A handler is a function (args jsonb) or (args jsonb, ctx flow.context) returning jsonb or void.';
+        END IF;
+        takes_context := fn.pronargs = 2;
+        IF NOT has_function_privilege(caller, handler, 'EXECUTE') THEN
+            RAISE EXCEPTION 'flow: role % may not execute handler %', caller::regrole, handler::text
+                USING ERRCODE = '42501';
+        END IF;
+    END IF;
+
+    SELECT d.owner INTO existing_owner FROM flow._definitions d
+    WHERE d.name = _define.name ORDER BY d.version LIMIT 1;
+    IF existing_owner IS NOT NULL AND NOT pg_has_role(caller, existing_owner, 'MEMBER') THEN
+        RAISE EXCEPTION 'flow: definition % belongs to role %', name, existing_owner::regrole
+            USING ERRCODE = 'FL011';
+    END IF;
+
+    INSERT INTO flow._queues (name) VALUES (queue) ON CONFLICT DO NOTHING;
+    INSERT INTO flow._definitions AS d (name, version, handler, takes_context, owner, queue,
+        max_attempts, backoff, backoff_max, max_elapsed, timeout)
+    VALUES (name, version, handler, takes_context, coalesce(existing_owner, caller), queue,
+        max_attempts, backoff, backoff_max, max_elapsed, timeout)
+    ON CONFLICT ON CONSTRAINT _definitions_pkey DO UPDATE SET
+        handler = excluded.handler, takes_context = excluded.takes_context, queue = excluded.queue,
+        max_attempts = excluded.max_attempts, backoff = excluded.backoff,
+        backoff_max = excluded.backoff_max, max_elapsed = excluded.max_elapsed,
+        timeout = excluded.timeout, updated_at = now();
+END $$;
+
+CREATE OR REPLACE FUNCTION flow._set_queue(caller oid, name text, concurrency integer, paused boolean) RETURNS void
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    PERFORM flow._require_name('queue', name);
+    IF concurrency IS NOT NULL AND concurrency < 1 THEN
+        RAISE EXCEPTION 'flow: queue concurrency must be 1 or more (NULL for no limit), got %', concurrency
+            USING ERRCODE = 'FL009';
+    END IF;
+    -- Queues are shared lanes; only the owners of definitions using them (or a superuser) tune them.
+    IF EXISTS (SELECT 1 FROM flow._definitions d WHERE d.queue = _set_queue.name
+               AND NOT pg_has_role(caller, d.owner, 'MEMBER')) THEN
+        RAISE EXCEPTION 'flow: queue % is used by another role''s definitions', name USING ERRCODE = 'FL011';
+    END IF;
+    INSERT INTO flow._queues AS q (name, concurrency, paused) VALUES (name, concurrency, coalesce(paused, false))
+    ON CONFLICT ON CONSTRAINT _queues_pkey DO UPDATE SET concurrency = excluded.concurrency,
+        paused = coalesce(_set_queue.paused, q.paused), updated_at = now();
+    PERFORM flow._wake();
+END $$;
+
+-- ---------------------------------------------------------------- enqueue
+
+-- Resolve a definition: newest version unless one is named.
+CREATE OR REPLACE FUNCTION flow._definition(name text, version integer) RETURNS flow._definitions
+LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    d flow._definitions;
+BEGIN
+    PERFORM flow._require_name('name', name);
+    SELECT * INTO d FROM flow._definitions x
+    WHERE x.name = _definition.name AND (_definition.version IS NULL OR x.version = _definition.version)
+    ORDER BY x.version DESC LIMIT 1;
+    IF NOT FOUND THEN
+        IF version IS NULL THEN
+            RAISE EXCEPTION 'flow: no definition named %', name USING ERRCODE = 'FL001';
+        END IF;
+        RAISE EXCEPTION 'flow: definition % has no version %', name, version USING ERRCODE = 'FL001';
+    END IF;
+    RETURN d;
+END $$;
+
+-- Who may start commands of a definition: like a SECURITY DEFINER function,
+-- whoever may EXECUTE its handler (the owner controls that with GRANT/REVOKE);
+-- an external definition only its owner's members.
+CREATE OR REPLACE FUNCTION flow._require_use(caller oid, d flow._definitions) RETURNS void
+LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF NOT (CASE WHEN d.handler IS NULL THEN pg_has_role(caller, d.owner, 'MEMBER')
+                 ELSE has_function_privilege(caller, d.handler, 'EXECUTE') END) THEN
+        RAISE EXCEPTION 'flow: role % may not start commands of definition %', caller::regrole, d.name
+            USING ERRCODE = '42501',
+                  HINT = 'Its owner grants EXECUTE on the handler function (or role membership for external definitions).';
+    END IF;
+END $$;
+
+-- When a new command is first due, from start_after or run_at.
+CREATE OR REPLACE FUNCTION flow._first_due(start_after interval, run_at timestamptz) RETURNS timestamptz
+LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF start_after IS NOT NULL AND run_at IS NOT NULL THEN
+        RAISE EXCEPTION 'flow: give start_after or run_at, not both' USING ERRCODE = 'FL006';
+    END IF;
+    IF start_after < interval '0' THEN
+        RAISE EXCEPTION 'flow: start_after must not be negative, got %', start_after USING ERRCODE = 'FL005';
+    END IF;
+    RETURN greatest(now(), coalesce(run_at, now() + coalesce(start_after, interval '0')));
+END $$;
+
+CREATE OR REPLACE FUNCTION flow._deadline(deadline interval) RETURNS timestamptz
+LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF deadline <= interval '0' THEN
+        RAISE EXCEPTION 'flow: deadline % is already past', deadline USING ERRCODE = 'FL007';
+    END IF;
+    RETURN now() + deadline;
+END $$;
+
+-- What enqueue and enqueue_many share: resolve and check the definition, the
+-- queue and the schedule.
+CREATE OR REPLACE FUNCTION flow._plan_enqueue(caller oid, name text, version integer, queue text, start_after interval,
+    run_at timestamptz, deadline interval,
+    OUT d flow._definitions, OUT lane text, OUT due timestamptz, OUT ends timestamptz)
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    d := flow._definition(name, version);
+    due := flow._first_due(start_after, run_at);
+    ends := flow._deadline(deadline);
+    lane := coalesce(queue, d.queue);
+    PERFORM flow._require_use(caller, d);
+    PERFORM flow._require_name('queue', lane);
+    IF ends IS NOT NULL AND ends <= due THEN
+        RAISE EXCEPTION 'flow: deadline % passes before the run is due at %', ends, due USING ERRCODE = 'FL007';
+    END IF;
+    INSERT INTO flow._queues (name) VALUES (lane) ON CONFLICT DO NOTHING;
+END $$;
+
+-- The root commands of new runs (run_ids[i] gets args[i]), and the wake-up.
+CREATE OR REPLACE FUNCTION flow._insert_roots(d flow._definitions, lane text, due timestamptz, ends timestamptz,
+    run_ids uuid[], args jsonb[])
+RETURNS void
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    INSERT INTO flow._commands (id, run_id, key, name, version, queue, args, declaration, status,
+        next_run_at, not_before, budget_started_at, deadline)
+    SELECT flow._new_id(), t.run_id, 'root', d.name, d.version, lane, t.args,
+        jsonb_build_object('name', d.name, 'version', d.version, 'args', t.args, 'queue', lane),
+        'pending', due, due, due, ends
+    FROM unnest(run_ids, args) AS t(run_id, args);
+    PERFORM flow._wake();
+END $$;
+
+CREATE OR REPLACE FUNCTION flow._enqueue(caller oid, name text, args jsonb, key text, version integer, queue text,
+    start_after interval, run_at timestamptz, deadline interval)
+RETURNS uuid
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    p record := flow._plan_enqueue(caller, name, version, queue, start_after, run_at, deadline);
+    run_id uuid := flow._new_id();
+    existing flow._runs;
+BEGIN
+    PERFORM flow._require_payload('args', args);
+    IF key IS NOT NULL AND btrim(key) = '' THEN
+        RAISE EXCEPTION 'flow: key must not be empty (NULL for none)' USING ERRCODE = 'FL002';
+    END IF;
+    -- The run key makes enqueue idempotent: a concurrent insert of the same key
+    -- waits for the first to commit, then finds its row.
+    INSERT INTO flow._runs (id, key, owner, name, version, queue, args, deadline)
+    VALUES (run_id, key, caller, (p.d).name, (p.d).version, p.lane, args, p.ends)
+    ON CONFLICT ON CONSTRAINT _runs_owner_key_key DO NOTHING;
+    IF NOT FOUND THEN
+        SELECT * INTO existing FROM flow._runs r WHERE r.owner = caller AND r.key = _enqueue.key;
+        IF existing.name IS DISTINCT FROM (p.d).name OR existing.version IS DISTINCT FROM (p.d).version
+           OR existing.args IS DISTINCT FROM args OR existing.queue IS DISTINCT FROM p.lane THEN
+            RAISE EXCEPTION 'flow: run key % was already used for another declaration', key
+                USING ERRCODE = 'FL010',
+                      DETAIL = format('existing run %s is %s v%s on queue %s', existing.id, existing.name,
+                                      existing.version, existing.queue);
+        END IF;
+        RETURN existing.id;
+    END IF;
+    PERFORM flow._insert_roots(p.d, p.lane, p.due, p.ends, ARRAY[run_id], ARRAY[args]);
+    RETURN run_id;
+END $$;
+
+-- Many runs in one statement: set-based, no run keys.
+CREATE OR REPLACE FUNCTION flow._enqueue_many(caller oid, name text, args_array jsonb[], version integer, queue text,
+    start_after interval, run_at timestamptz, deadline interval)
+RETURNS uuid[]
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    p record := flow._plan_enqueue(caller, name, version, queue, start_after, run_at, deadline);
+    limit_bytes integer := flow._max_payload_bytes();
+    bad record;
+    ids uuid[];
+BEGIN
+    IF args_array IS NULL THEN
+        RAISE EXCEPTION 'flow: args_array must not be NULL' USING ERRCODE = 'FL003';
+    END IF;
+    SELECT i, a INTO bad FROM unnest(args_array) WITH ORDINALITY AS t(a, i)
+    WHERE a IS NULL OR jsonb_typeof(a) <> 'object' OR octet_length(a::text) > limit_bytes
+    LIMIT 1;
+    IF FOUND THEN
+        IF bad.a IS NULL OR jsonb_typeof(bad.a) <> 'object' THEN
+            RAISE EXCEPTION 'flow: args_array[%] must be a JSON object', bad.i USING ERRCODE = 'FL003';
+        END IF;
+        RAISE EXCEPTION 'flow: args_array[%] is over flow.max_result_bytes (% bytes)', bad.i, limit_bytes
+            USING ERRCODE = 'FL004';
+    END IF;
+    SELECT coalesce(array_agg(flow._new_id()), '{}') INTO ids FROM unnest(args_array);
+    INSERT INTO flow._runs (id, owner, name, version, queue, args, deadline)
+    SELECT t.id, caller, (p.d).name, (p.d).version, p.lane, t.args, p.ends
+    FROM unnest(ids, args_array) AS t(id, args);
+    PERFORM flow._insert_roots(p.d, p.lane, p.due, p.ends, ids, args_array);
+    RETURN ids;
+END $$;
+
+-- ---------------------------------------------------------------- claim
+
+-- Retry delay: exponential from `backoff`, jittered by ±25 %, kept within
+-- [backoff, backoff_max]. Computed in seconds so huge attempt numbers cannot
+-- overflow an interval.
+CREATE OR REPLACE FUNCTION flow._backoff(backoff interval, backoff_max interval, attempt integer) RETURNS interval
+LANGUAGE sql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT make_interval(secs => greatest(extract(epoch FROM backoff),
+        least(extract(epoch FROM backoff_max),
+              extract(epoch FROM backoff) * power(2, least(greatest(attempt - 1, 0), 60))
+                  * (0.75 + random() * 0.5)))::double precision)
+$$;
+
+-- The context a handler or external worker sees for a command in its current attempt.
+CREATE OR REPLACE FUNCTION flow._context(c flow._commands) RETURNS flow.context
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT ROW(c.run_id, (SELECT r.key FROM flow._runs r WHERE r.id = c.run_id), c.id, c.key, c.name,
+               c.version, c.queue, c.attempts, c.attempt_deadline,
+               coalesce((SELECT jsonb_agg(jsonb_build_object('name', w.name, 'key', w.key,
+                                 'payload', e.payload, 'position', e.position) ORDER BY w.name, w.key)
+                         FROM flow._waits w JOIN flow._events e ON e.position = w.event_position
+                         WHERE w.command_id = c.id), '[]'::jsonb),
+               c.wait_timed_out,
+               coalesce((SELECT jsonb_agg(jsonb_build_object('name', w.name, 'key', w.key) ORDER BY w.name, w.key)
+                         FROM flow._waits w WHERE w.command_id = c.id AND w.event_position IS NULL),
+                        '[]'::jsonb))::flow.context
+$$;
+
+-- Claim up to max_count due commands in one short transaction (rule 3): the
+-- attempt is counted and its lease recorded before any handler runs.
+-- In-database workers pass their pid and backend start (names NULL: commands
+-- with an SQL handler); external workers pass definition names and a lease.
+-- Fairness (rule 2): every unpaused queue with due work offers its head, in
+-- (next_run_at, id) order, up to its free concurrency; candidates are then
+-- interleaved round-robin across queues, starting at queue number `turn`.
+CREATE OR REPLACE FUNCTION flow._claim(owner_name text, owner_pid integer, owner_started timestamptz,
+    max_count integer, lease interval, names text[], turn integer)
+RETURNS SETOF flow.claimed_command
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    lanes text[];
+BEGIN
+    SELECT array_agg(q.name ORDER BY q.name) INTO lanes FROM flow._queues q WHERE NOT q.paused;
+    IF lanes IS NULL THEN
+        RETURN;
+    END IF;
+    -- Claims on limited queues with due work serialize here, so the running
+    -- counts read by the next statement (a fresh snapshot) are exact across
+    -- all workers. (index _commands_due: LIMIT 1 keeps the planner on the
+    -- index even when statistics are stale after a bulk enqueue.)
+    PERFORM 1 FROM flow._queues q
+    WHERE q.name = ANY (lanes) AND q.concurrency IS NOT NULL
+      AND EXISTS (SELECT 1 FROM flow._commands c
+                  WHERE c.queue = q.name AND c.status IN ('pending', 'waiting') AND c.next_run_at <= now()
+                  LIMIT 1)
+    ORDER BY q.name FOR UPDATE;
+
+    RETURN QUERY
+    WITH lane AS (
+        SELECT q.name,
+               (row_number() OVER (ORDER BY q.name) - 1)::integer AS ord,
+               CASE WHEN q.concurrency IS NULL THEN max_count
+                    ELSE greatest(0, q.concurrency - (
+                        SELECT count(*) FROM flow._commands r       -- index _commands_running
+                        WHERE r.queue = q.name AND r.status = 'running'))::integer
+               END AS room
+        FROM flow._queues q WHERE q.name = ANY (lanes)
+    ), candidate AS (
+        SELECT h.id, l.ord, row_number() OVER (PARTITION BY l.ord ORDER BY h.next_run_at, h.id) AS rank
+        FROM lane l CROSS JOIN LATERAL (
+            SELECT c.id, c.next_run_at
+            FROM flow._commands c                                   -- index _commands_due
+            JOIN flow._definitions d ON d.name = c.name AND d.version = c.version
+            WHERE c.queue = l.name AND c.status IN ('pending', 'waiting') AND c.next_run_at <= now()
+              AND CASE WHEN names IS NULL THEN d.handler IS NOT NULL
+                       ELSE d.handler IS NULL AND d.name = ANY (names) END
+            ORDER BY c.next_run_at, c.id
+            LIMIT least(l.room, max_count)
+            FOR UPDATE OF c SKIP LOCKED
+        ) h
+        WHERE l.room > 0
+    ), picked AS (
+        SELECT p.id FROM candidate p
+        ORDER BY p.rank, ((p.ord - turn) % cardinality(lanes) + cardinality(lanes)) % cardinality(lanes)
+        LIMIT max_count
+    ), claimed AS (
+        UPDATE flow._commands c SET
+            status = 'running',
+            attempts = c.attempts + 1,
+            attempt_started_at = now(),
+            lease_token = gen_random_uuid(),
+            lease_owner = owner_name,
+            lease_pid = owner_pid,
+            lease_backend_start = owner_started,
+            attempt_deadline = least(now() + d.timeout, c.budget_started_at + d.max_elapsed, c.deadline),
+            lease_expires_at = CASE WHEN owner_pid IS NULL THEN now() + lease
+                                    ELSE coalesce(least(now() + d.timeout, c.budget_started_at + d.max_elapsed,
+                                                        c.deadline), 'infinity') END,
+            wait_timed_out = c.wait_timed_out OR c.status = 'waiting'
+        FROM picked p, flow._definitions d
+        WHERE c.id = p.id AND d.name = c.name AND d.version = c.version
+        RETURNING c AS cmd, d.handler::oid AS handler_oid, d.owner::oid AS handler_owner, d.takes_context,
+                  d.timeout AS attempt_timeout, least(c.budget_started_at + d.max_elapsed, c.deadline) AS hard_deadline
+    )
+    SELECT (k.cmd).id, (k.cmd).run_id, (k.cmd).name, (k.cmd).version, (k.cmd).queue, (k.cmd).args,
+           (k.cmd).attempts, (k.cmd).lease_token, (k.cmd).lease_expires_at, (k.cmd).attempt_deadline,
+           k.handler_oid, k.handler_owner,
+           -- the context costs ~20 µs: only for handlers that take it, and external workers
+           CASE WHEN k.takes_context OR names IS NOT NULL THEN flow._context(k.cmd) END,
+           k.attempt_timeout, k.hard_deadline
+    FROM claimed k;
+END $$;
+
+-- Milliseconds until the next command becomes due (NULL: none scheduled), so
+-- an idle worker sleeps exactly that long (rule 1).
+CREATE OR REPLACE FUNCTION flow._next_due_ms() RETURNS bigint
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT (extract(epoch FROM min(h.next_run_at) - clock_timestamp()) * 1000)::bigint
+    FROM flow._queues q CROSS JOIN LATERAL (
+        SELECT c.next_run_at FROM flow._commands c                  -- index _commands_due
+        WHERE c.queue = q.name AND c.status IN ('pending', 'waiting') AND c.next_run_at < 'infinity'
+        ORDER BY c.next_run_at LIMIT 1) h
+    WHERE NOT q.paused
+$$;
+
+-- ---------------------------------------------------------------- settle
+
+-- Cut a message to at most 1 KiB of UTF-8 without splitting a character.
+CREATE OR REPLACE FUNCTION flow._cut_message(message text) RETURNS text
+LANGUAGE plpgsql IMMUTABLE SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    cut text := left(message, 1024);
+BEGIN
+    WHILE octet_length(cut) > 1024 LOOP
+        cut := left(cut, length(cut) - greatest(1, (octet_length(cut) - 1024) / 4));
+    END LOOP;
+    RETURN cut;
+END $$;
+
+-- Lock the runs of these commands, in id order (so two lockers never
+-- deadlock). Every settlement of a run takes this lock first, so exactly one
+-- of them sees the run's last command finish (rule 7).
+-- (plpgsql, not sql: its plan is cached per session; an sql function called
+-- from plpgsql is planned again on every call, ~70 µs.)
+CREATE OR REPLACE FUNCTION flow._lock_runs_of(command_ids uuid[]) RETURNS void
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    PERFORM 1 FROM flow._runs r
+    WHERE r.id IN (SELECT c.run_id FROM flow._commands c WHERE c.id = ANY (command_ids))
+    ORDER BY r.id FOR UPDATE;
+END $$;
+
+-- Close every unfinished command of a run (cancel or run failure). A running
+-- one gets an attempt row; its worker's later settlement finds no lease.
+CREATE OR REPLACE FUNCTION flow._close_open_commands(run_id uuid, reason text) RETURNS void
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    INSERT INTO flow._attempts (command_id, attempt, lease_token, owner, started_at, finished_at,
+        outcome, error_code, error_message)
+    SELECT c.id, c.attempts, c.lease_token, c.lease_owner, c.attempt_started_at, clock_timestamp(), 'cancelled',
+           reason, 'the run ended while this attempt ran'
+    FROM flow._commands c WHERE c.run_id = _close_open_commands.run_id AND c.status = 'running';
+    UPDATE flow._commands c SET status = 'cancelled', stop_reason = reason, finished_at = clock_timestamp(),
+        lease_token = NULL, lease_owner = NULL, lease_pid = NULL, lease_backend_start = NULL,
+        lease_expires_at = NULL, attempt_started_at = NULL, attempt_deadline = NULL
+    WHERE c.run_id = _close_open_commands.run_id AND c.finished_at IS NULL;
+END $$;
+
+-- In-database workers execute claimed commands in chunks, one transaction
+-- each: _begin_batch locks the chunk's runs (in id order: two chunks never
+-- deadlock, and cancel / run failure / external settlements of those runs
+-- wait for the chunk's commit) and returns the commands whose lease is still
+-- held; those whose run was cancelled or failed since the claim never run.
+CREATE OR REPLACE FUNCTION flow._begin_batch(command_ids uuid[], lease_tokens uuid[]) RETURNS SETOF uuid
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    PERFORM flow._lock_runs_of(command_ids);
+    RETURN QUERY
+        SELECT c.id FROM flow._commands c JOIN unnest(command_ids, lease_tokens) AS t(id, token) ON c.id = t.id
+        WHERE c.status = 'running' AND c.lease_token = t.token;
+END $$;
+
+-- Settle successful attempts in three set-based statements: a worker chunk's,
+-- or one external completion. The caller holds their runs' locks
+-- (_lock_runs_of). Returns how many settled.
+CREATE OR REPLACE FUNCTION flow._settle_batch(command_ids uuid[], lease_tokens uuid[], results jsonb[]) RETURNS integer
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    settled integer;
+BEGIN
+    WITH old AS (
+        SELECT x.id, x.attempts, x.attempt_started_at, x.lease_owner, t.token, t.result
+        FROM flow._commands x JOIN unnest(command_ids, lease_tokens, results) AS t(id, token, result) ON x.id = t.id
+        WHERE x.status = 'running' AND x.lease_token = t.token
+    ), done AS (
+        UPDATE flow._commands c SET status = 'succeeded', result = old.result, finished_at = clock_timestamp(),
+            lease_token = NULL, lease_owner = NULL, lease_pid = NULL, lease_backend_start = NULL,
+            lease_expires_at = NULL, attempt_started_at = NULL, attempt_deadline = NULL
+        FROM old WHERE c.id = old.id
+        RETURNING old.*
+    )
+    INSERT INTO flow._attempts (command_id, attempt, lease_token, owner, started_at, finished_at, outcome)
+    SELECT done.id, done.attempts, done.token, done.lease_owner, done.attempt_started_at, clock_timestamp(), 'succeeded'
+    FROM done;
+    GET DIAGNOSTICS settled = ROW_COUNT;
+    UPDATE flow._runs r SET status = 'succeeded', finished_at = clock_timestamp(),
+        result = (SELECT c.result FROM flow._commands c WHERE c.run_id = r.id AND c.parent_id IS NULL)
+    WHERE r.id IN (SELECT c.run_id FROM flow._commands c WHERE c.id = ANY (command_ids)) AND r.status = 'running'
+      AND NOT EXISTS (SELECT 1 FROM flow._commands c WHERE c.run_id = r.id AND c.finished_at IS NULL);
+    PERFORM flow._wake();
+    RETURN settled;
+END $$;
+
+-- Settle a failed attempt and apply the retry policy (rules 5-6). outcome is
+-- the class: permanent, retry_after, timeout, interrupted, lease_lost, crash,
+-- retryable. Returns 'retry', 'failed', or 'expired' (lease not held: no change).
+CREATE OR REPLACE FUNCTION flow._settle_failure(command_id uuid, lease_token uuid, outcome text, code text,
+    message text, retry_delay interval DEFAULT NULL)
+RETURNS text
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    c flow._commands;
+    d flow._definitions;
+    next_at timestamptz;
+    stop text;
+    cut text := flow._cut_message(coalesce(message, code));
+BEGIN
+    PERFORM flow._lock_runs_of(ARRAY[command_id]);
+    SELECT * INTO c FROM flow._commands x
+    WHERE x.id = _settle_failure.command_id AND x.status = 'running' AND x.lease_token = _settle_failure.lease_token
+    FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN 'expired';
+    END IF;
+    SELECT * INTO d FROM flow._definitions x WHERE x.name = c.name AND x.version = c.version;
+
+    IF outcome = 'permanent' THEN
+        stop := 'permanent';
+    ELSIF c.attempts >= d.max_attempts THEN
+        stop := 'attempt_limit';
+    ELSE
+        next_at := clock_timestamp() + CASE WHEN outcome = 'retry_after' AND retry_delay > interval '0' THEN retry_delay
+                                ELSE flow._backoff(d.backoff, d.backoff_max, c.attempts) END;
+        IF d.max_elapsed IS NOT NULL AND next_at > c.budget_started_at + d.max_elapsed THEN
+            stop := 'elapsed_limit';
+        ELSIF c.deadline IS NOT NULL AND next_at >= c.deadline THEN
+            stop := 'deadline_before_next_attempt';
+        END IF;
+    END IF;
+
+    INSERT INTO flow._attempts (command_id, attempt, lease_token, owner, started_at, finished_at,
+        outcome, error_code, error_message)
+    VALUES (c.id, c.attempts, c.lease_token, c.lease_owner, c.attempt_started_at, clock_timestamp(), outcome, code, cut);
+    UPDATE flow._commands x SET
+        status = CASE WHEN stop IS NULL THEN 'pending' ELSE 'failed' END::flow.command_status,
+        next_run_at = coalesce(next_at, x.next_run_at),
+        finished_at = CASE WHEN stop IS NULL THEN NULL ELSE clock_timestamp() END,
+        stop_reason = stop, last_error_code = code, last_error_message = cut,
+        lease_token = NULL, lease_owner = NULL, lease_pid = NULL, lease_backend_start = NULL,
+        lease_expires_at = NULL, attempt_started_at = NULL, attempt_deadline = NULL
+    WHERE x.id = c.id;
+
+    IF stop IS NOT NULL THEN
+        -- A terminal failure fails the run and cancels its other commands (rule 7).
+        UPDATE flow._runs r SET status = 'failed', finished_at = clock_timestamp(),
+            error = jsonb_build_object('command_id', c.id, 'command_key', c.key, 'name', c.name,
+                                       'code', code, 'message', cut, 'stop_reason', stop)
+        WHERE r.id = c.run_id AND r.status = 'running';
+        PERFORM flow._close_open_commands(c.run_id, 'run_failed');
+    END IF;
+    PERFORM flow._wake();
+    RETURN CASE WHEN stop IS NULL THEN 'retry' ELSE 'failed' END;
+END $$;
+
+-- Conclude attempts whose owner is provably gone (rule 8): an in-database
+-- worker whose (pid, backend start) no longer exists, or an external lease
+-- past its expiry by the database clock. Returns how many were concluded.
+CREATE OR REPLACE FUNCTION flow._recover() RETURNS integer
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    lost record;
+    concluded integer := 0;
+BEGIN
+    FOR lost IN
+        SELECT c.id, c.lease_token, c.lease_pid IS NULL AS external
+        FROM flow._commands c                                       -- index _commands_running
+        WHERE c.status = 'running'
+          AND CASE WHEN c.lease_pid IS NULL THEN c.lease_expires_at < now()
+                   ELSE NOT EXISTS (SELECT 1 FROM pg_stat_activity a
+                                    WHERE a.pid = c.lease_pid AND a.backend_start = c.lease_backend_start) END
+    LOOP
+        IF flow._settle_failure(lost.id, lost.lease_token,
+               CASE WHEN lost.external THEN 'lease_lost' ELSE 'interrupted' END,
+               CASE WHEN lost.external THEN 'lease_lost' ELSE 'owner_died' END,
+               CASE WHEN lost.external THEN 'the lease expired before the command was settled'
+                    ELSE 'the worker running this attempt exited before settling it' END) <> 'expired' THEN
+            concluded := concluded + 1;
+        END IF;
+    END LOOP;
+    RETURN concluded;
+END $$;
+
+-- Delete up to max_runs runs that finished more than `older_than` ago, with
+-- their commands, attempts and waits (ON DELETE CASCADE). Run ids are UUIDv7,
+-- so "created before the cut" is a range of the primary key: no index on
+-- finished_at is needed (one would make every run's final update non-HOT).
+CREATE OR REPLACE FUNCTION flow._prune(older_than interval, max_runs integer) RETURNS integer
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    cut timestamptz := now() - older_than;
+    hex text := lpad(to_hex((extract(epoch FROM cut) * 1000)::bigint), 12, '0');
+    bound uuid := (substr(hex, 1, 8) || '-' || substr(hex, 9, 4) || '-7000-8000-000000000000')::uuid;
+    pruned integer;
+BEGIN
+    DELETE FROM flow._runs r
+    WHERE r.id IN (SELECT x.id FROM flow._runs x
+                   WHERE x.id < bound AND x.status <> 'running' AND x.finished_at < cut
+                   ORDER BY x.id LIMIT max_runs);
+    GET DIAGNOSTICS pruned = ROW_COUNT;
+    RETURN pruned;
+END $$;
+
+-- ---------------------------------------------------------------- run control, events, children
+
+CREATE OR REPLACE FUNCTION flow._cancel(caller oid, run_id uuid) RETURNS boolean
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    r flow._runs;
+BEGIN
+    SELECT * INTO r FROM flow._runs x WHERE x.id = run_id;
+    PERFORM flow._require_member(caller, r.owner, 'run', run_id);
+    -- A worker chunk running this run's commands holds its lock: interrupt
+    -- the handler so the lock comes free and nothing is settled as success.
+    PERFORM flow._interrupt_run(run_id);
+    SELECT * INTO r FROM flow._runs x WHERE x.id = run_id FOR UPDATE;
+    IF r.status <> 'running' THEN
+        RETURN false;
+    END IF;
+    UPDATE flow._runs x SET status = 'cancelled', finished_at = now() WHERE x.id = run_id;
+    PERFORM flow._close_open_commands(run_id, 'cancelled');
+    RETURN true;
+END $$;
+
+-- Block until the run is terminal or the timeout passes (then status is
+-- 'running'). Polls with a growing pause (1 ms → 50 ms); each poll is a new
+-- snapshot, so call it outside a REPEATABLE READ transaction.
+CREATE OR REPLACE FUNCTION flow._await(caller oid, run_id uuid, timeout interval) RETURNS flow.run_outcome
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    r flow._runs;
+    give_up timestamptz := clock_timestamp() + coalesce(timeout, interval '0');
+    pause double precision := 0.001;
+BEGIN
+    IF timeout < interval '0' THEN
+        RAISE EXCEPTION 'flow: await timeout must not be negative, got %', timeout USING ERRCODE = 'FL005';
+    END IF;
+    LOOP
+        SELECT * INTO r FROM flow._runs x WHERE x.id = run_id;
+        PERFORM flow._require_member(caller, r.owner, 'run', run_id);
+        EXIT WHEN r.status <> 'running' OR clock_timestamp() >= give_up;
+        PERFORM pg_sleep(least(pause, extract(epoch FROM give_up - clock_timestamp())));
+        pause := least(pause * 2, 0.05);
+    END LOOP;
+    RETURN ROW(r.status, r.result, r.error)::flow.run_outcome;
+END $$;
+
+-- Commands waiting on (name, key) events and journal reads of them serialize
+-- on this lock, so a wait created while the event is being emitted is never
+-- missed by both sides.
+CREATE OR REPLACE FUNCTION flow._lock_event_key(name text, key text) RETURNS void
+LANGUAGE sql SET search_path = pg_catalog, pg_temp AS $$
+    SELECT pg_advisory_xact_lock(hashtextextended('flow.event:' || name || ':' || key, 0))
+$$;
+
+-- Mark the open waits of one command satisfied by the newest journal entries
+-- and make it due when none is left open.
+CREATE OR REPLACE FUNCTION flow._promote_if_satisfied(command_id uuid) RETURNS void
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    -- Lock first, check in the next statement: its fresh snapshot sees every
+    -- wait satisfied by emitters that committed while we waited for the lock.
+    -- (A single UPDATE would re-check its NOT EXISTS with the old snapshot, and
+    -- two concurrent emitters could each leave the command waiting forever.)
+    PERFORM 1 FROM flow._commands c WHERE c.id = command_id AND c.status = 'waiting' FOR UPDATE;
+    IF FOUND THEN
+        UPDATE flow._commands c SET status = 'pending', next_run_at = greatest(c.not_before, now())
+        WHERE c.id = command_id AND c.status = 'waiting'
+          AND NOT EXISTS (SELECT 1 FROM flow._waits w WHERE w.command_id = c.id AND w.event_position IS NULL);
+    END IF;
+END $$;
+
+-- Whose events may satisfy a command's waits: its run owner's and its
+-- definition owner's (and their members'; a superuser's). Another role cannot
+-- feed inputs into a workflow it does not own.
+CREATE OR REPLACE FUNCTION flow._may_satisfy(emitter_role oid, command_id uuid) RETURNS boolean
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT EXISTS (
+        SELECT 1 FROM flow._commands c
+        JOIN flow._runs r ON r.id = c.run_id
+        JOIN flow._definitions d ON d.name = c.name AND d.version = c.version
+        WHERE c.id = command_id
+          AND (pg_has_role(emitter_role, r.owner, 'MEMBER') OR pg_has_role(emitter_role, d.owner, 'MEMBER')))
+$$;
+
+-- emitter: the command whose handler (or external worker) emits, NULL from outside.
+CREATE OR REPLACE FUNCTION flow._emit(caller oid, emitter uuid, name text, key text, payload jsonb) RETURNS bigint
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    pos bigint;
+    waiting uuid;
+BEGIN
+    PERFORM flow._require_name('event name', name);
+    IF key IS NULL THEN
+        RAISE EXCEPTION 'flow: event key must not be NULL' USING ERRCODE = 'FL002';
+    END IF;
+    PERFORM flow._require_payload('event payload', payload, false);
+    PERFORM flow._lock_event_key(name, key);
+    -- Inside a handler the event rides in the handler's transaction: it is
+    -- journaled only if the attempt settles successfully.
+    INSERT INTO flow._events (id, name, key, payload, owner, run_id, command_id)
+    VALUES (flow._new_id(), name, key, payload, caller,
+            (SELECT c.run_id FROM flow._commands c WHERE c.id = emitter), emitter)
+    RETURNING position INTO pos;
+    FOR waiting IN
+        UPDATE flow._waits w SET event_position = pos, satisfied_at = now()
+        WHERE w.name = _emit.name AND w.key = _emit.key AND w.event_position IS NULL   -- index _waits_open
+          AND flow._may_satisfy(caller, w.command_id)
+        RETURNING w.command_id
+    LOOP
+        PERFORM flow._promote_if_satisfied(waiting);
+    END LOOP;
+    PERFORM flow._wake();
+    RETURN pos;
+END $$;
+
+-- parent_id: the command whose handler (or external worker) spawns; NULL is an error.
+CREATE OR REPLACE FUNCTION flow._spawn(caller oid, parent_id uuid, name text, args jsonb, key text, start_after interval,
+    waits flow.wait_spec[], within interval, version integer, queue text)
+RETURNS uuid
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    parent flow._commands;
+    d flow._definitions;
+    due timestamptz := flow._first_due(start_after, NULL);
+    lane text;
+    spec flow.wait_spec;
+    declared jsonb;
+    child uuid := flow._new_id();
+    existing flow._commands;
+    journaled bigint;
+BEGIN
+    SELECT * INTO parent FROM flow._commands c WHERE c.id = _spawn.parent_id AND c.status = 'running';
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'flow: spawn is only possible inside a running handler' USING ERRCODE = 'FL012',
+            HINT = 'Use flow.enqueue to start a new run.';
+    END IF;
+    d := flow._definition(name, version);
+    PERFORM flow._require_use(caller, d);
+    lane := coalesce(queue, d.queue);
+    PERFORM flow._require_name('queue', lane);
+    PERFORM flow._require_name('key', key);
+    PERFORM flow._require_payload('args', args);
+    IF within <= interval '0' THEN
+        RAISE EXCEPTION 'flow: within must be positive, got %', within USING ERRCODE = 'FL005';
+    END IF;
+    FOREACH spec IN ARRAY coalesce(waits, '{}') LOOP
+        PERFORM flow._require_name('wait name', spec.name);
+        IF spec.key IS NULL THEN
+            RAISE EXCEPTION 'flow: wait key must not be NULL' USING ERRCODE = 'FL002';
+        END IF;
+    END LOOP;
+    declared := jsonb_build_object('name', d.name, 'version', d.version, 'args', args, 'queue', lane,
+        'start_after', start_after, 'within', within,
+        'waits', (SELECT coalesce(jsonb_agg(DISTINCT jsonb_build_object('name', w.name, 'key', w.key)), '[]')
+                  FROM unnest(waits) w));
+    INSERT INTO flow._queues (name) VALUES (lane) ON CONFLICT DO NOTHING;
+
+    INSERT INTO flow._commands (id, run_id, parent_id, key, name, version, queue, args, declaration, status,
+        next_run_at, not_before, budget_started_at, deadline)
+    VALUES (child, parent.run_id, parent.id, key, d.name, d.version, lane, args, declared,
+        CASE WHEN cardinality(waits) > 0 THEN 'waiting' ELSE 'pending' END::flow.command_status,
+        CASE WHEN cardinality(waits) = 0 THEN due WHEN within IS NULL THEN 'infinity'
+             ELSE greatest(now() + within, due) END,
+        due, due, parent.deadline)
+    ON CONFLICT ON CONSTRAINT _commands_run_id_key_key DO NOTHING;
+    IF NOT FOUND THEN
+        -- Keys are unique within a run: the same declaration again is a no-op
+        -- (a retried attempt re-spawns safely), another one is an invalid decision.
+        SELECT * INTO existing FROM flow._commands c WHERE c.run_id = parent.run_id AND c.key = _spawn.key;
+        IF existing.declaration IS DISTINCT FROM declared THEN
+            PERFORM flow._decide('permanent', 'invalid_decision',
+                format('flow: child key %s was already spawned with another declaration', key), NULL);
+            RAISE EXCEPTION 'flow: child key % was already spawned with another declaration', key
+                USING ERRCODE = 'FL016';
+        END IF;
+        RETURN existing.id;
+    END IF;
+
+    FOR spec IN SELECT DISTINCT w.name, w.key FROM unnest(waits) w ORDER BY 1, 2 LOOP
+        PERFORM flow._lock_event_key(spec.name, spec.key);
+        -- An event emitted before the wait existed satisfies it from the journal.
+        SELECT max(e.position) INTO journaled FROM flow._events e      -- index _events_name_key
+        WHERE e.name = spec.name AND e.key = spec.key AND flow._may_satisfy(e.owner, child);
+        INSERT INTO flow._waits (command_id, name, key, event_position, satisfied_at)
+        VALUES (child, spec.name, spec.key, journaled, CASE WHEN journaled IS NOT NULL THEN now() END);
+    END LOOP;
+    PERFORM flow._promote_if_satisfied(child);
+    PERFORM flow._wake();
+    RETURN child;
+END $$;
+
+-- ---------------------------------------------------------------- external workers
+
+-- The running command behind an external lease, locked, after checking the
+-- caller may resolve it. A wrong or stale token is FL013; a command already
+-- settled under this very token is FL017 (double completion).
+CREATE OR REPLACE FUNCTION flow._leased(caller oid, command_id uuid, lease_token uuid) RETURNS flow._commands
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    c flow._commands;
+    owner_ oid;
+BEGIN
+    IF command_id IS NULL OR lease_token IS NULL THEN
+        RAISE EXCEPTION 'flow: command_id and lease_token must not be NULL' USING ERRCODE = 'FL002';
+    END IF;
+    PERFORM flow._lock_runs_of(ARRAY[command_id]);
+    SELECT x.* INTO c FROM flow._commands x WHERE x.id = command_id FOR UPDATE;
+    SELECT d.owner INTO owner_ FROM flow._definitions d WHERE d.name = c.name AND d.version = c.version;
+    IF NOT FOUND OR NOT pg_has_role(caller, owner_, 'MEMBER') THEN
+        RAISE EXCEPTION 'flow: no command with id %', command_id USING ERRCODE = 'FL014';
+    END IF;
+    IF c.status = 'running' AND c.lease_token = _leased.lease_token AND c.lease_pid IS NULL THEN
+        IF c.lease_expires_at < now() THEN
+            RAISE EXCEPTION 'flow: the lease on command % expired at %', command_id, c.lease_expires_at
+                USING ERRCODE = 'FL013';
+        END IF;
+        RETURN c;
+    END IF;
+    IF EXISTS (SELECT 1 FROM flow._attempts a WHERE a.command_id = _leased.command_id
+               AND a.lease_token = _leased.lease_token AND a.outcome = 'succeeded') THEN
+        RAISE EXCEPTION 'flow: command % was already completed under this lease', command_id
+            USING ERRCODE = 'FL017';
+    END IF;
+    RAISE EXCEPTION 'flow: lease token % does not hold command % (it is %)', lease_token, command_id, c.status
+        USING ERRCODE = 'FL013', HINT = 'The lease expired or was never yours; claim the command again.';
+END $$;
+
+CREATE OR REPLACE FUNCTION flow._claim_external(caller oid, names text[], worker text, max_count integer, lease interval)
+RETURNS SETOF flow.claimed_command
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    wanted text;
+    expired record;
+BEGIN
+    PERFORM flow._require_name('worker', worker);
+    IF names IS NULL OR cardinality(names) = 0 THEN
+        RAISE EXCEPTION 'flow: names must list at least one definition' USING ERRCODE = 'FL002';
+    END IF;
+    IF max_count IS NULL OR max_count < 1 OR max_count > 10000 THEN
+        RAISE EXCEPTION 'flow: max must be between 1 and 10000, got %', max_count USING ERRCODE = 'FL015';
+    END IF;
+    IF lease IS NULL OR lease <= interval '0' THEN
+        RAISE EXCEPTION 'flow: lease must be positive, got %', lease USING ERRCODE = 'FL005';
+    END IF;
+    FOREACH wanted IN ARRAY names LOOP
+        IF NOT EXISTS (SELECT 1 FROM flow._definitions d WHERE d.name = wanted AND d.handler IS NULL) THEN
+            RAISE EXCEPTION 'flow: no external definition named %', wanted USING ERRCODE = 'FL001';
+        END IF;
+        IF EXISTS (SELECT 1 FROM flow._definitions d WHERE d.name = wanted AND d.handler IS NULL
+                   AND NOT pg_has_role(caller, d.owner, 'MEMBER')) THEN
+            RAISE EXCEPTION 'flow: role % may not resolve commands of %', caller::regrole, wanted
+                USING ERRCODE = '42501';
+        END IF;
+    END LOOP;
+    -- Expired external leases of these definitions are concluded first, so a
+    -- server without in-database workers still retries them.
+    FOR expired IN
+        SELECT c.id, c.lease_token FROM flow._commands c                -- index _commands_running
+        WHERE c.status = 'running' AND c.lease_pid IS NULL AND c.lease_expires_at < now() AND c.name = ANY (names)
+    LOOP
+        PERFORM flow._settle_failure(expired.id, expired.lease_token, 'lease_lost', 'lease_lost',
+                                     'the lease expired before the command was settled');
+    END LOOP;
+    RETURN QUERY SELECT * FROM flow._claim(worker, NULL, NULL, max_count, lease, names,
+                                           (random() * 1000)::integer);
+END $$;
+
+CREATE OR REPLACE FUNCTION flow._heartbeat(caller oid, command_id uuid, lease_token uuid, extend interval)
+RETURNS TABLE (lease_expires_at timestamptz, cancelled boolean)
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    c flow._commands;
+BEGIN
+    IF extend <= interval '0' THEN
+        RAISE EXCEPTION 'flow: extend must be positive, got %', extend USING ERRCODE = 'FL005';
+    END IF;
+    -- A run cancelled (or failed) under a live lease: tell the worker to stop.
+    IF EXISTS (SELECT 1 FROM flow._attempts a JOIN flow._commands x ON x.id = a.command_id
+               WHERE a.command_id = _heartbeat.command_id AND a.lease_token = _heartbeat.lease_token
+                 AND a.outcome = 'cancelled' AND pg_has_role(caller, (SELECT r.owner FROM flow._runs r
+                                                                      WHERE r.id = x.run_id), 'MEMBER')) THEN
+        RETURN QUERY SELECT NULL::timestamptz, true;
+        RETURN;
+    END IF;
+    c := flow._leased(caller, command_id, lease_token);
+    UPDATE flow._commands x SET lease_expires_at = now() + coalesce(extend, x.lease_expires_at - x.attempt_started_at)
+    WHERE x.id = c.id
+    RETURNING x.lease_expires_at INTO c.lease_expires_at;
+    RETURN QUERY SELECT c.lease_expires_at, false;
+END $$;
+
+-- Settle an external success with its events and children, all in the caller's transaction.
+CREATE OR REPLACE FUNCTION flow._complete(caller oid, command_id uuid, lease_token uuid, result jsonb, events jsonb,
+    children jsonb)
+RETURNS text
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    c flow._commands := flow._leased(caller, command_id, lease_token);
+    item jsonb;
+BEGIN
+    IF result IS NOT NULL THEN
+        PERFORM flow._require_payload('result', result, false);
+    END IF;
+    IF events IS NOT NULL AND jsonb_typeof(events) <> 'array' OR children IS NOT NULL AND jsonb_typeof(children) <> 'array' THEN
+        RAISE EXCEPTION 'flow: events and children must be JSON arrays' USING ERRCODE = 'FL003';
+    END IF;
+    FOR item IN SELECT * FROM jsonb_array_elements(coalesce(events, '[]')) LOOP
+        PERFORM flow._emit(caller, c.id, item->>'name', item->>'key', coalesce(item->'payload', '{}'));
+    END LOOP;
+    FOR item IN SELECT * FROM jsonb_array_elements(coalesce(children, '[]')) LOOP
+        PERFORM flow._spawn(caller, c.id, item->>'name', coalesce(item->'args', '{}'), item->>'key',
+            (item->>'start_after')::interval,
+            (SELECT coalesce(array_agg(ROW(w->>'name', w->>'key')::flow.wait_spec), '{}')
+             FROM jsonb_array_elements(coalesce(item->'waits', '[]')) w),
+            (item->>'within')::interval, (item->>'version')::integer, item->>'queue');
+    END LOOP;
+    -- _leased holds the run's lock, as _settle_batch requires.
+    PERFORM flow._settle_batch(ARRAY[c.id], ARRAY[c.lease_token], ARRAY[result]);
+    RETURN 'succeeded';
+END $$;
+
+-- Settle many external successes in one call (results only: no events or
+-- children). Returns each command's outcome: 'succeeded', or 'lease_lost'
+-- when its token no longer holds it (nothing changed for that command), or
+-- 'already_completed' for a second completion under the same token.
+CREATE OR REPLACE FUNCTION flow._complete_many(caller oid, command_ids uuid[], lease_tokens uuid[], results jsonb[])
+RETURNS TABLE (command_id uuid, status text)
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    bad record;
+BEGIN
+    IF command_ids IS NULL OR lease_tokens IS NULL
+       OR cardinality(command_ids) <> cardinality(lease_tokens)
+       OR (results IS NOT NULL AND cardinality(results) <> cardinality(command_ids)) THEN
+        RAISE EXCEPTION 'flow: command_ids, lease_tokens and results must be arrays of the same length'
+            USING ERRCODE = 'FL003';
+    END IF;
+    SELECT t.i, t.result INTO bad FROM unnest(results) WITH ORDINALITY AS t(result, i)
+    WHERE octet_length(t.result::text) > flow._max_payload_bytes() LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION 'flow: results[%] is over flow.max_result_bytes', bad.i USING ERRCODE = 'FL004';
+    END IF;
+    SELECT t.id INTO bad FROM unnest(command_ids) AS t(id)
+    LEFT JOIN flow._commands c ON c.id = t.id
+    LEFT JOIN flow._definitions d ON d.name = c.name AND d.version = c.version
+    WHERE d.owner IS NULL OR NOT pg_has_role(caller, d.owner, 'MEMBER') LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION 'flow: no command with id %', bad.id USING ERRCODE = 'FL014';
+    END IF;
+    PERFORM flow._lock_runs_of(command_ids);
+    RETURN QUERY
+    WITH item AS (
+        SELECT t.id, t.token, t.result,
+               (c.status = 'running' AND c.lease_token = t.token AND c.lease_pid IS NULL
+                AND c.lease_expires_at >= now()) AS held
+        FROM unnest(command_ids, lease_tokens, coalesce(results, array_fill(NULL::jsonb,
+                    ARRAY[cardinality(command_ids)]))) AS t(id, token, result)
+        JOIN flow._commands c ON c.id = t.id
+    ), settled AS (
+        SELECT flow._settle_batch(array_agg(i.id), array_agg(i.token), array_agg(i.result)) AS n
+        FROM item i WHERE i.held
+    )
+    SELECT i.id,
+           CASE WHEN i.held THEN 'succeeded'
+                WHEN EXISTS (SELECT 1 FROM flow._attempts a WHERE a.command_id = i.id AND a.lease_token = i.token
+                             AND a.outcome = 'succeeded') THEN 'already_completed'
+                ELSE 'lease_lost' END
+    FROM item i, settled;
+END $$;
+
+CREATE OR REPLACE FUNCTION flow._fail_external(caller oid, command_id uuid, lease_token uuid, message text,
+    retry_after interval, permanent boolean, code text)
+RETURNS text
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    c flow._commands;
+BEGIN
+    IF retry_after <= interval '0' THEN
+        RAISE EXCEPTION 'flow: retry_after must be positive, got %', retry_after USING ERRCODE = 'FL005';
+    END IF;
+    c := flow._leased(caller, command_id, lease_token);
+    RETURN flow._settle_failure(c.id, c.lease_token,
+        CASE WHEN permanent THEN 'permanent' WHEN retry_after IS NOT NULL THEN 'retry_after' ELSE 'retryable' END,
+        coalesce(code, CASE WHEN permanent THEN 'permanent' ELSE 'worker_error' END),
+        coalesce(message, 'failed by its external worker'), retry_after);
+END $$;
+
+-- ---------------------------------------------------------------- run graph
+
+-- A run's commands, parent links, waits and events as Graphviz DOT or Mermaid.
+CREATE OR REPLACE FUNCTION flow._run_graph(caller oid, run_id uuid, format text) RETURNS text
+LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    r flow._runs;
+    dot boolean := lower(coalesce(format, 'dot')) = 'dot';
+    lines text[] := '{}';
+    item record;
+BEGIN
+    IF lower(coalesce(format, 'dot')) NOT IN ('dot', 'mermaid') THEN
+        RAISE EXCEPTION 'flow: run_graph format must be dot or mermaid, got %', format USING ERRCODE = 'FL003';
+    END IF;
+    SELECT * INTO r FROM flow._runs x WHERE x.id = run_id;
+    PERFORM flow._require_member(caller, r.owner, 'run', run_id);
+    -- commands
+    FOR item IN
+        SELECT 'c' || replace(c.id::text, '-', '') AS node, c.parent_id,
+               translate(format('%s: %s v%s\n%s%s', c.key, c.name, c.version, c.status,
+                   CASE WHEN c.attempts > 1 THEN format(' after %s attempts', c.attempts) ELSE '' END),
+                   '"[]{}<>|', '''()()()/') AS label,
+               CASE c.status WHEN 'succeeded' THEN 'palegreen' WHEN 'failed' THEN 'salmon'
+                             WHEN 'running' THEN 'lightblue' WHEN 'waiting' THEN 'khaki'
+                             WHEN 'cancelled' THEN 'lightgrey' ELSE 'white' END AS colour
+        FROM flow._commands c WHERE c.run_id = _run_graph.run_id ORDER BY c.created_at, c.id
+    LOOP
+        lines := lines || CASE WHEN dot
+            THEN format('  %s [label="%s", fillcolor=%s];', item.node, item.label, item.colour)
+            ELSE format('  %s["%s"]', item.node, replace(item.label, '\n', '<br/>')) END;
+        IF item.parent_id IS NOT NULL THEN
+            lines := lines || format(CASE WHEN dot THEN '  %s -> %s;' ELSE '  %s --> %s' END,
+                                     'c' || replace(item.parent_id::text, '-', ''), item.node);
+        END IF;
+    END LOOP;
+    -- events emitted by this run's commands or satisfying its waits, and open waits
+    FOR item IN
+        SELECT DISTINCT 'e' || e.position AS node, e.command_id,
+               translate(format('event %s/%s', e.name, e.key), '"[]{}<>|', '''()()()/') AS label
+        FROM flow._events e
+        WHERE e.run_id = _run_graph.run_id
+           OR e.position IN (SELECT w.event_position FROM flow._waits w JOIN flow._commands c ON c.id = w.command_id
+                             WHERE c.run_id = _run_graph.run_id)
+    LOOP
+        lines := lines || CASE WHEN dot THEN format('  %s [shape=ellipse, label="%s"];', item.node, item.label)
+                               ELSE format('  %s(["%s"])', item.node, item.label) END;
+        IF item.command_id IS NOT NULL AND EXISTS (SELECT 1 FROM flow._commands c WHERE c.id = item.command_id
+                                                   AND c.run_id = _run_graph.run_id) THEN
+            lines := lines || format(CASE WHEN dot THEN '  %s -> %s [label="emits"];' ELSE '  %s -- emits --> %s' END,
+                                     'c' || replace(item.command_id::text, '-', ''), item.node);
+        END IF;
+    END LOOP;
+    FOR item IN
+        SELECT w.event_position, 'c' || replace(w.command_id::text, '-', '') AS waiter,
+               'w' || md5(w.command_id::text || w.name || w.key) AS open_node,
+               translate(format('waiting for %s/%s', w.name, w.key), '"[]{}<>|', '''()()()/') AS label
+        FROM flow._waits w JOIN flow._commands c ON c.id = w.command_id
+        WHERE c.run_id = _run_graph.run_id ORDER BY w.name, w.key
+    LOOP
+        IF item.event_position IS NOT NULL THEN
+            lines := lines || format(CASE WHEN dot THEN '  %s -> %s [style=dashed, label="satisfies"];'
+                                          ELSE '  %s -. satisfies .-> %s' END, 'e' || item.event_position, item.waiter);
+        ELSE
+            lines := lines || CASE WHEN dot
+                THEN format('  %s [shape=ellipse, style=dashed, label="%s"];', item.open_node, item.label)
+                ELSE format('  %s(["%s"])', item.open_node, item.label) END;
+            lines := lines || format(CASE WHEN dot THEN '  %s -> %s [style=dashed];' ELSE '  %s -.-> %s' END,
+                                     item.open_node, item.waiter);
+        END IF;
+    END LOOP;
+    IF dot THEN
+        RETURN format(E'digraph "run %s" {\n  rankdir=LR;\n  label="run %s: %s";\n  node [shape=box, style="rounded,filled", fontname="Helvetica"];\n%s\n}\n',
+                      r.id, r.id, r.status, array_to_string(lines, E'\n'));
+    END IF;
+    RETURN format(E'flowchart LR\n%s\n', array_to_string(lines, E'\n'));
+END $$;
+
+-- src/api.rs:121
+-- flow::api::_counters
+CREATE OR REPLACE FUNCTION "_counters"() RETURNS TABLE (
+	"name" TEXT,  /* String */
+	"value" bigint  /* i64 */
+)
+STRICT VOLATILE PARALLEL SAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', '_counters_wrapper';
+
+-- src/api.rs:80
+-- flow::api::_current_command
+CREATE OR REPLACE FUNCTION "_current_command"() RETURNS uuid /* Option < pgrx :: Uuid > */
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', '_current_command_wrapper';
+
+-- src/executor.rs:105
+-- flow::executor::_decide
+CREATE OR REPLACE FUNCTION "_decide"(
+	"class" TEXT, /* & str */
+	"code" TEXT, /* & str */
+	"message" TEXT, /* & str */
+	"delay_us" bigint /* Option < i64 > */
+) RETURNS void
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', '_decide_wrapper';
+
+-- src/api.rs:56
+-- flow::api::_interrupt_run
+CREATE OR REPLACE FUNCTION "_interrupt_run"(
+	"run" uuid /* pgrx :: Uuid */
+) RETURNS void
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', '_interrupt_run_wrapper';
+
+-- src/api.rs:74
+-- flow::api::_lease_duration_s
+CREATE OR REPLACE FUNCTION "_lease_duration_s"() RETURNS INT /* i32 */
+STRICT STABLE PARALLEL SAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', '_lease_duration_s_wrapper';
+
+-- src/api.rs:68
+-- flow::api::_max_payload_bytes
+CREATE OR REPLACE FUNCTION "_max_payload_bytes"() RETURNS INT /* i32 */
+STRICT STABLE PARALLEL SAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', '_max_payload_bytes_wrapper';
+
+-- src/api.rs:62
+-- flow::api::_new_id
+CREATE OR REPLACE FUNCTION "_new_id"() RETURNS uuid /* pgrx :: Uuid */
+STRICT VOLATILE PARALLEL SAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', '_new_id_wrapper';
+
+-- src/api.rs:35
+-- flow::api::_redeem
+CREATE OR REPLACE FUNCTION "_redeem"(
+	"ticket" bigint /* Option < i64 > */
+) RETURNS oid /* pg_sys :: Oid */
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', '_redeem_wrapper';
+
+-- src/api.rs:19
+-- flow::api::_ticket
+CREATE OR REPLACE FUNCTION "_ticket"() RETURNS bigint /* i64 */
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', '_ticket_wrapper';
+
+-- src/api.rs:49
+-- flow::api::_wake
+CREATE OR REPLACE FUNCTION "_wake"() RETURNS void
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', '_wake_wrapper';
+
+-- src/api.rs:86
+-- flow::api::_worker_states
+CREATE OR REPLACE FUNCTION "_worker_states"() RETURNS TABLE (
+	"worker" INT,  /* i32 */
+	"pid" INT,  /* Option < i32 > */
+	"state" TEXT,  /* String */
+	"command_id" uuid,  /* Option < pgrx :: Uuid > */
+	"since" timestamp with time zone,  /* Option < TimestampWithTimeZone > */
+	"handled" bigint  /* i64 */
+)
+STRICT VOLATILE PARALLEL SAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', '_worker_states_wrapper';
+
+-- src/handlers.rs:10
+-- flow::handlers::noop
+CREATE OR REPLACE FUNCTION "noop"(
+	"_args" jsonb /* JsonB */
+) RETURNS jsonb /* Option < JsonB > */
+IMMUTABLE STRICT PARALLEL SAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', 'noop_wrapper';
+
+-- src/handlers.rs:18
+-- flow::handlers::run_sql
+CREATE OR REPLACE FUNCTION "run_sql"(
+	"args" jsonb /* JsonB */
+) RETURNS jsonb /* JsonB */
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', 'run_sql_wrapper';
+
+-- src/lib.rs:21
+-- finalize
+-- flow's public SQL surface (names and named parameters are the API, see
+-- DESIGN.md) and the views a person reads.
+--
+-- Every function that changes flow's tables is SECURITY DEFINER with a pinned
+-- search_path and ends in `caller_ticket bigint DEFAULT flow._ticket()`: the
+-- default is evaluated in the caller's security context, before the switch to
+-- the definer, so flow._redeem() learns the real calling role. Never pass it.
+
+-- ---------------------------------------------------------------- definitions and queues
+
+-- Register or update a kind of command; its handler runs as the calling role.
+CREATE OR REPLACE FUNCTION flow.define(name text, handler regprocedure, version integer DEFAULT 1,
+    queue text DEFAULT 'default', max_attempts integer DEFAULT 5, backoff interval DEFAULT '1 second',
+    backoff_max interval DEFAULT '1 hour', max_elapsed interval DEFAULT NULL, timeout interval DEFAULT NULL,
+    caller_ticket bigint DEFAULT flow._ticket())
+RETURNS void
+LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT flow._define(flow._redeem(caller_ticket), name, handler, version, queue, max_attempts, backoff,
+                        backoff_max, max_elapsed, timeout)
+$$;
+
+-- Set a queue's concurrency limit (NULL: none) and paused flag (NULL: unchanged).
+CREATE OR REPLACE FUNCTION flow.set_queue(name text, concurrency integer DEFAULT NULL, paused boolean DEFAULT NULL,
+    caller_ticket bigint DEFAULT flow._ticket())
+RETURNS void
+LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT flow._set_queue(flow._redeem(caller_ticket), name, concurrency, paused)
+$$;
+
+-- ---------------------------------------------------------------- starting runs
+
+-- Start a run of a definition; returns the run id (the same one again for the same key).
+CREATE OR REPLACE FUNCTION flow.enqueue(name text, args jsonb DEFAULT '{}', key text DEFAULT NULL,
+    version integer DEFAULT NULL, queue text DEFAULT NULL, start_after interval DEFAULT NULL,
+    run_at timestamptz DEFAULT NULL, deadline interval DEFAULT NULL,
+    caller_ticket bigint DEFAULT flow._ticket())
+RETURNS uuid
+LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT flow._enqueue(flow._redeem(caller_ticket), name, args, key, version, queue, start_after,
+                         run_at, deadline)
+$$;
+
+-- Start one run per element of args_array in one statement; returns their ids in order.
+CREATE OR REPLACE FUNCTION flow.enqueue_many(name text, args_array jsonb[], version integer DEFAULT NULL,
+    queue text DEFAULT NULL, start_after interval DEFAULT NULL, run_at timestamptz DEFAULT NULL,
+    deadline interval DEFAULT NULL, caller_ticket bigint DEFAULT flow._ticket())
+RETURNS uuid[]
+LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT flow._enqueue_many(flow._redeem(caller_ticket), name, args_array, version, queue, start_after,
+                              run_at, deadline)
+$$;
+
+-- ---------------------------------------------------------------- run control
+
+-- Cancel every unfinished command of a run; true if the run was still running.
+CREATE OR REPLACE FUNCTION flow.cancel(run_id uuid, caller_ticket bigint DEFAULT flow._ticket())
+RETURNS boolean
+LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT flow._cancel(flow._redeem(caller_ticket), run_id)
+$$;
+
+-- Wait until a run is terminal (or the timeout passes) and return its outcome.
+CREATE OR REPLACE FUNCTION flow.await(run_id uuid, timeout interval DEFAULT '30 seconds',
+    caller_ticket bigint DEFAULT flow._ticket())
+RETURNS flow.run_outcome
+LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT flow._await(flow._redeem(caller_ticket), run_id, timeout)
+$$;
+
+-- ---------------------------------------------------------------- events and children
+
+-- Append an event to the journal (inside a handler: only if its attempt succeeds).
+CREATE OR REPLACE FUNCTION flow.emit(name text, key text, payload jsonb DEFAULT '{}',
+    caller_ticket bigint DEFAULT flow._ticket())
+RETURNS bigint
+LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT flow._emit(flow._redeem(caller_ticket), flow._current_command(), name, key, payload)
+$$;
+
+-- A wait on the event (name, key), for flow.spawn(waits => ...).
+CREATE OR REPLACE FUNCTION flow.wait(name text, key text) RETURNS flow.wait_spec
+LANGUAGE sql IMMUTABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT ROW(name, key)::flow.wait_spec
+$$;
+
+-- Inside a handler: add a child command to the current run.
+CREATE OR REPLACE FUNCTION flow.spawn(name text, args jsonb DEFAULT '{}', key text DEFAULT NULL,
+    start_after interval DEFAULT NULL, waits flow.wait_spec[] DEFAULT '{}', within interval DEFAULT NULL,
+    version integer DEFAULT NULL, queue text DEFAULT NULL, caller_ticket bigint DEFAULT flow._ticket())
+RETURNS uuid
+LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT flow._spawn(flow._redeem(caller_ticket), flow._current_command(), name, args, key, start_after, waits,
+                       within, version, queue)
+$$;
+
+-- The run's commands, parent links, waits and events as text to render: 'dot' or 'mermaid'.
+CREATE OR REPLACE FUNCTION flow.run_graph(run_id uuid, format text DEFAULT 'dot', caller_ticket bigint DEFAULT flow._ticket())
+RETURNS text
+LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT flow._run_graph(flow._redeem(caller_ticket), run_id, format)
+$$;
+
+-- ---------------------------------------------------------------- decisions inside a handler
+
+-- Fail the current command permanently: no retry.
+CREATE OR REPLACE FUNCTION flow.fail(message text) RETURNS void
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    text_ text := coalesce(message, 'failed by its handler');
+BEGIN
+    PERFORM flow._decide('permanent', 'permanent', text_, NULL);
+    RAISE EXCEPTION USING ERRCODE = 'FL020', MESSAGE = text_;
+END $$;
+
+-- Retry the current command after `delay` (positive), counting an attempt.
+CREATE OR REPLACE FUNCTION flow.retry_after(delay interval, message text DEFAULT 'retry requested by its handler')
+RETURNS void
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF delay IS NULL OR delay <= interval '0' THEN
+        PERFORM flow._decide('permanent', 'invalid_retry_after',
+            format('flow: retry_after delay must be positive, got %s', delay), NULL);
+        RAISE EXCEPTION 'flow: retry_after delay must be positive, got %', delay USING ERRCODE = 'FL005';
+    END IF;
+    PERFORM flow._decide('retry_after', 'retry_after', coalesce(message, 'retry requested by its handler'),
+                         (extract(epoch FROM delay) * 1000000)::bigint);
+    RAISE EXCEPTION USING ERRCODE = 'FL021', MESSAGE = coalesce(message, 'retry requested by its handler');
+END $$;
+
+-- ---------------------------------------------------------------- external workers
+-- A definition with handler => NULL is resolved by programs outside the
+-- server. Its owner's role (and members of it) may claim and settle it.
+
+-- Take up to `max` due commands of these definitions under a lease.
+CREATE OR REPLACE FUNCTION flow.claim(names text[], worker text, max integer DEFAULT 1, lease interval DEFAULT NULL,
+    caller_ticket bigint DEFAULT flow._ticket())
+RETURNS TABLE (command_id uuid, run_id uuid, name text, version integer, queue text, args jsonb,
+               attempt integer, lease_token uuid, lease_expires_at timestamptz, deadline timestamptz,
+               context flow.context)
+LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT c.command_id, c.run_id, c.name, c.version, c.queue, c.args, c.attempt, c.lease_token,
+           c.lease_expires_at, c.deadline, c.context
+    FROM flow._claim_external(flow._redeem(caller_ticket), names, worker, max,
+                              coalesce(lease, make_interval(secs => flow._lease_duration_s()))) c
+$$;
+
+-- Extend a lease (by `extend`, default: its original length); cancelled = true means stop.
+CREATE OR REPLACE FUNCTION flow.heartbeat(command_id uuid, lease_token uuid, extend interval DEFAULT NULL,
+    caller_ticket bigint DEFAULT flow._ticket())
+RETURNS TABLE (lease_expires_at timestamptz, cancelled boolean)
+LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT * FROM flow._heartbeat(flow._redeem(caller_ticket), command_id, lease_token, extend)
+$$;
+
+-- Settle success, with events [{name, key, payload}] and children
+-- [{name, args, key, start_after, waits: [{name, key}], within, version, queue}].
+CREATE OR REPLACE FUNCTION flow.complete(command_id uuid, lease_token uuid, result jsonb DEFAULT NULL,
+    events jsonb DEFAULT NULL, children jsonb DEFAULT NULL, caller_ticket bigint DEFAULT flow._ticket())
+RETURNS text
+LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT flow._complete(flow._redeem(caller_ticket), command_id, lease_token, result, events, children)
+$$;
+
+-- Settle many successes (results only) in one call: one status per command,
+-- 'succeeded', 'lease_lost' (nothing changed for it) or 'already_completed'.
+CREATE OR REPLACE FUNCTION flow.complete_many(command_ids uuid[], lease_tokens uuid[], results jsonb[] DEFAULT NULL,
+    caller_ticket bigint DEFAULT flow._ticket())
+RETURNS TABLE (command_id uuid, status text)
+LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT * FROM flow._complete_many(flow._redeem(caller_ticket), command_ids, lease_tokens, results)
+$$;
+
+-- Settle failure: retried per the definition's policy, after retry_after when
+-- given, or never when permanent. Returns 'retry' or 'failed'.
+CREATE OR REPLACE FUNCTION flow.fail(command_id uuid, lease_token uuid, message text, retry_after interval DEFAULT NULL,
+    permanent boolean DEFAULT false, code text DEFAULT NULL, caller_ticket bigint DEFAULT flow._ticket())
+RETURNS text
+LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT flow._fail_external(flow._redeem(caller_ticket), command_id, lease_token, message, retry_after,
+                               permanent, code)
+$$;
+
+-- ---------------------------------------------------------------- views
+
+-- Runs the current role may see: its own, or those of roles it is a member of.
+CREATE OR REPLACE VIEW flow.runs WITH (security_barrier) AS
+SELECT r.id, r.key, r.name, r.version, r.queue, r.status, r.args, r.result, r.error,
+       r.error ->> 'message' AS last_error, r.deadline, r.created_at, r.finished_at,
+       r.owner::regrole AS owner,
+       (SELECT sum(c.attempts) FROM flow._commands c WHERE c.run_id = r.id)::integer AS attempts
+FROM flow._runs r
+WHERE pg_has_role(current_user, r.owner, 'MEMBER');
+
+CREATE OR REPLACE VIEW flow.commands WITH (security_barrier) AS
+SELECT c.id, c.run_id, c.parent_id, c.key, c.name, c.version, c.queue, c.status, c.attempts,
+       c.next_run_at, c.args, c.result, c.last_error_code, c.last_error_message, c.stop_reason,
+       c.wait_timed_out, c.lease_owner, c.lease_expires_at, c.attempt_started_at, c.attempt_deadline,
+       c.created_at, c.finished_at
+FROM flow._commands c JOIN flow._runs r ON r.id = c.run_id
+WHERE pg_has_role(current_user, r.owner, 'MEMBER');
+
+-- Finished attempts of visible commands, plus the live one of a running command.
+CREATE OR REPLACE VIEW flow.attempts WITH (security_barrier) AS
+SELECT a.command_id, c.run_id, c.name, a.attempt, a.owner, a.started_at, a.finished_at,
+       a.finished_at - a.started_at AS duration, a.outcome, a.error_code, a.error_message
+FROM flow._attempts a JOIN flow._commands c ON c.id = a.command_id JOIN flow._runs r ON r.id = c.run_id
+WHERE pg_has_role(current_user, r.owner, 'MEMBER')
+UNION ALL
+SELECT c.id, c.run_id, c.name, c.attempts, c.lease_owner, c.attempt_started_at, NULL, now() - c.attempt_started_at,
+       'running', NULL, NULL
+FROM flow._commands c JOIN flow._runs r ON r.id = c.run_id
+WHERE c.status = 'running' AND pg_has_role(current_user, r.owner, 'MEMBER');
+
+CREATE OR REPLACE VIEW flow.definitions WITH (security_barrier) AS
+SELECT d.name, d.version, d.handler, d.handler IS NULL AS external, d.takes_context, d.owner::regrole AS owner,
+       d.queue, d.max_attempts, d.backoff, d.backoff_max, d.max_elapsed, d.timeout, d.created_at, d.updated_at
+FROM flow._definitions d
+WHERE pg_has_role(current_user, d.owner, 'MEMBER');
+
+-- Per-queue counts by state (all roles' commands: queues are shared lanes).
+CREATE OR REPLACE VIEW flow.queues AS
+SELECT q.name, q.concurrency, q.paused,
+       count(c.id) FILTER (WHERE c.status = 'pending') AS pending,
+       count(c.id) FILTER (WHERE c.status = 'pending' AND c.next_run_at <= now()) AS due,
+       count(c.id) FILTER (WHERE c.status = 'waiting') AS waiting,
+       count(c.id) FILTER (WHERE c.status = 'running') AS running,
+       count(c.id) FILTER (WHERE c.status = 'succeeded') AS succeeded,
+       count(c.id) FILTER (WHERE c.status = 'failed') AS failed,
+       count(c.id) FILTER (WHERE c.status = 'cancelled') AS cancelled
+FROM flow._queues q LEFT JOIN flow._commands c ON c.queue = q.name
+GROUP BY q.name, q.concurrency, q.paused;
+
+-- The journal, with the waits each event satisfied.
+CREATE OR REPLACE VIEW flow.events WITH (security_barrier) AS
+SELECT e.position, e.id, e.name, e.key, e.payload, e.emitted_at, e.run_id, e.command_id,
+       e.owner::regrole AS owner,
+       coalesce((SELECT array_agg(w.command_id ORDER BY w.command_id) FROM flow._waits w
+                 WHERE w.event_position = e.position), '{}') AS satisfied_waits
+FROM flow._events e
+WHERE pg_has_role(current_user, e.owner, 'MEMBER');
+
+CREATE OR REPLACE VIEW flow.waits WITH (security_barrier) AS
+SELECT w.command_id, c.run_id, w.name, w.key, w.event_position, w.satisfied_at
+FROM flow._waits w JOIN flow._commands c ON c.id = w.command_id JOIN flow._runs r ON r.id = c.run_id
+WHERE pg_has_role(current_user, r.owner, 'MEMBER');
+
+-- What each in-database worker is doing now (shared memory).
+CREATE OR REPLACE VIEW flow.workers AS
+SELECT w.worker, w.pid, w.state, w.command_id, w.since, w.handled
+FROM flow._worker_states() w;
+
+-- Engine counters since the server started (shared memory), plus recent attempts.
+CREATE OR REPLACE VIEW flow.stats AS
+SELECT s.name, s.value FROM flow._counters() s;
+
+-- Throughput and latency of attempts finished in the last minute, per definition.
+CREATE OR REPLACE VIEW flow.recent_attempts WITH (security_barrier) AS
+SELECT c.queue, c.name, count(*) AS attempts,
+       round(count(*) / 60.0, 2) AS per_second,
+       count(*) FILTER (WHERE a.outcome = 'succeeded') AS succeeded,
+       percentile_cont(0.5) WITHIN GROUP (ORDER BY a.finished_at - a.started_at) AS p50,
+       percentile_cont(0.99) WITHIN GROUP (ORDER BY a.finished_at - a.started_at) AS p99,
+       max(a.finished_at - a.started_at) AS max
+FROM flow._attempts a JOIN flow._commands c ON c.id = a.command_id JOIN flow._runs r ON r.id = c.run_id
+WHERE a.finished_at > now() - interval '1 minute' AND pg_has_role(current_user, r.owner, 'MEMBER')
+GROUP BY c.queue, c.name;
+
+-- ---------------------------------------------------------------- privileges
+
+-- Internal functions are the extension owner's alone; flow._ticket must stay
+-- callable by everyone because it runs in the caller's context.
+DO $$
+DECLARE
+    f regprocedure;
+BEGIN
+    FOR f IN SELECT p.oid::regprocedure FROM pg_proc p
+             WHERE p.pronamespace = 'flow'::regnamespace AND p.proname LIKE '\_%'
+               AND p.proname NOT IN ('_ticket', '_decide', '_worker_states', '_counters') LOOP
+        EXECUTE format('REVOKE ALL ON FUNCTION %s FROM PUBLIC', f);
+    END LOOP;
+END $$;
+REVOKE ALL ON ALL TABLES IN SCHEMA flow FROM PUBLIC;
+GRANT SELECT ON flow.runs, flow.commands, flow.attempts, flow.definitions, flow.queues, flow.events,
+    flow.waits, flow.workers, flow.stats, flow.recent_attempts TO PUBLIC;
