@@ -229,6 +229,7 @@ def test_run_key_with_another_declaration_conflicts(app):
 def test_run_keys_belong_to_their_role(app):
     name = unique("shared")
     app.one(f"SELECT flow.define('{name}', 'app.ok'::regproc)")
+    app.one(f"SELECT flow.grant_definition('{name}', 'PUBLIC')")
     app.one("SELECT flow.set_queue('default', paused => true)")
     key = unique("k")
     a = app.one(f"SELECT flow.enqueue('{name}', key => '{key}')", user="alice")
@@ -237,17 +238,24 @@ def test_run_keys_belong_to_their_role(app):
     app.one("SELECT flow.set_queue('default', paused => false)")
 
 
-def test_starting_a_definition_needs_execute_on_its_handler(app):
+def test_only_the_owner_and_granted_roles_start_a_definition(app):
     name = unique("private")
     app.one("CREATE OR REPLACE FUNCTION app.private(args jsonb) RETURNS jsonb LANGUAGE sql AS 'SELECT args'")
-    app.one("REVOKE EXECUTE ON FUNCTION app.private(jsonb) FROM PUBLIC")
     app.one(f"SELECT flow.define('{name}', 'app.private'::regproc)")
     ext = external(app)
     before = counts(app)
-    assert app.sqlstate(f"SELECT flow.enqueue('{name}')", user="bob") == "42501"
-    assert app.sqlstate(f"SELECT flow.enqueue_many('{name}', array['{{}}'::jsonb])", user="bob") == "42501"
-    assert app.sqlstate(f"SELECT flow.enqueue('{ext}')", user="bob") == "42501"
+    # to another role a definition it may not start does not exist (no probing of names)
+    assert app.sqlstate(f"SELECT flow.enqueue('{name}')", user="bob") == "FL001"
+    assert app.sqlstate(f"SELECT flow.enqueue_many('{name}', array['{{}}'::jsonb])", user="bob") == "FL001"
+    assert app.sqlstate(f"SELECT flow.enqueue('{ext}')", user="bob") == "FL001"
+    assert app.sqlstate(f"SELECT flow.grant_definition('{name}', 'bob')", user="bob") == "FL001"
     assert counts(app) == before
+    app.one(f"SELECT flow.grant_definition('{name}', 'bob')")
+    assert app.one(f"SELECT flow.enqueue('{name}')", user="bob") is not None
+    assert app.sqlstate(f"SELECT flow.enqueue('{name}')", user="alice") == "FL001"
+    app.one(f"SELECT flow.revoke_definition('{name}', 'bob')")
+    assert app.sqlstate(f"SELECT flow.enqueue('{name}')", user="bob") == "FL001"
+    assert app.sqlstate(f"SELECT flow.grant_definition('{name}', 'nobody_such')") == "42704"
 
 
 def test_concurrent_same_key_enqueues_return_one_run(app):

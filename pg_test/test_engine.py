@@ -365,6 +365,7 @@ def test_handlers_run_as_their_definer_and_runs_are_private(app):
             " $$ SELECT jsonb_build_object('current', current_user::text, 'session', session_user::text) $$")
     app.all("ALTER FUNCTION app.whoami(jsonb) OWNER TO alice")
     name = define(app, "app.whoami", user="alice")
+    app.one(f"SELECT flow.grant_definition('{name}', 'bob')", user="alice")
     run = enqueue(app, name, user="bob")
     status, result, _ = app.await_run(run, "10s", user="bob")
     assert status == "succeeded" and result["current"] == "alice"

@@ -223,7 +223,7 @@ def test_bad_resolutions_change_nothing(pg):
 def test_a_role_resolves_only_its_own_definitions(pg):
     name = external(pg, user="alice")
     run = pg.one(f"SELECT flow.enqueue('{name}')", user="alice")
-    assert pg.sqlstate("SELECT * FROM flow.claim(%s, 'w')", [name], user="bob") == "42501"
+    assert pg.sqlstate("SELECT * FROM flow.claim(%s, 'w')", [name], user="bob") == "FL001"
     with pg.connect("alice") as c:
         [(cmd, token, *_)] = claim(c, name)
     assert pg.sqlstate("SELECT flow.complete(%s, %s)", cmd, token, user="bob") == "FL014"

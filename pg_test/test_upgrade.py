@@ -101,7 +101,8 @@ def test_the_previous_release_updates_in_place(pg):
     with psycopg.connect(pg.conninfo().replace("dbname=postgres", "dbname=fresh"), autocommit=True) as f:
         f.execute("CREATE EXTENSION flow")
     # what pg_dump keeps of flow's tables (binary-upgrade mode hides it among OIDs)
-    dumped = "SELECT extconfig::regclass[]::text[], extcondition FROM pg_extension WHERE extname = 'flow'"
+    dumped = ("SELECT array_agg(c.t || ':' || c.w ORDER BY c.t) FROM pg_extension e,"
+              " unnest(e.extconfig::regclass[]::text[], e.extcondition) AS c(t, w) WHERE e.extname = 'flow'")
     with psycopg.connect(pg.conninfo().replace("dbname=postgres", "dbname=fresh"), autocommit=True) as f:
         assert pg.all(dumped) == f.execute(dumped).fetchall()
     updated, fresh = flow_schema(pg, "postgres"), flow_schema(pg, "fresh")

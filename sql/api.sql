@@ -27,6 +27,33 @@ LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
     SELECT flow._set_queue(flow._redeem(caller_ticket), name, concurrency, paused)
 $$;
 
+-- Let `role` ('PUBLIC' for everyone) start commands of a definition you own,
+-- every version of it; by default only the owner's role and its members can.
+CREATE FUNCTION flow.grant_definition(name text, role text, caller_ticket bigint DEFAULT flow._ticket())
+RETURNS void
+LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT flow._grant_definition(flow._redeem(caller_ticket), name, role, true)
+$$;
+
+CREATE FUNCTION flow.revoke_definition(name text, role text, caller_ticket bigint DEFAULT flow._ticket())
+RETURNS void
+LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT flow._grant_definition(flow._redeem(caller_ticket), name, role, false)
+$$;
+
+-- Let `role` ('PUBLIC' for everyone) define on, and enqueue into, a queue you own.
+CREATE FUNCTION flow.grant_queue(name text, role text, caller_ticket bigint DEFAULT flow._ticket())
+RETURNS void
+LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT flow._grant_queue(flow._redeem(caller_ticket), name, role, true)
+$$;
+
+CREATE FUNCTION flow.revoke_queue(name text, role text, caller_ticket bigint DEFAULT flow._ticket())
+RETURNS void
+LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT flow._grant_queue(flow._redeem(caller_ticket), name, role, false)
+$$;
+
 -- ---------------------------------------------------------------- starting runs
 
 -- Start a run of a definition; returns the run id (the same one again for the same key).
@@ -117,10 +144,11 @@ CREATE FUNCTION flow.retry_after(delay interval, message text DEFAULT 'retry req
 RETURNS void
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
-    IF delay IS NULL OR delay <= interval '0' THEN
+    IF delay IS NULL OR delay <= interval '0' OR delay > interval '100 years' THEN
         PERFORM flow._decide('permanent', 'invalid_retry_after',
-            format('flow: retry_after delay must be positive, got %s', delay), NULL);
-        RAISE EXCEPTION 'flow: retry_after delay must be positive, got %', delay USING ERRCODE = 'FL005';
+            format('flow: retry_after delay must be positive and at most 100 years, got %s', delay), NULL);
+        RAISE EXCEPTION 'flow: retry_after delay must be positive and at most 100 years, got %', delay
+            USING ERRCODE = 'FL005';
     END IF;
     PERFORM flow._decide('retry_after', 'retry_after', coalesce(message, 'retry requested by its handler'),
                          (extract(epoch FROM delay) * 1000000)::bigint);
@@ -212,14 +240,16 @@ FROM flow._commands c JOIN flow._runs r ON r.id = c.run_id
 WHERE c.status = 'running' AND pg_has_role(current_user, r.owner, 'MEMBER');
 
 CREATE VIEW flow.definitions WITH (security_barrier) AS
-SELECT d.name, d.version, d.handler, d.handler IS NULL AS external, d.takes_context, d.owner::regrole AS owner,
-       d.queue, d.max_attempts, d.backoff, d.backoff_max, d.max_elapsed, d.timeout, d.created_at, d.updated_at
-FROM flow._definitions d
+SELECT d.name, d.version, d.handler, d.handler IS NULL AS external, d.takes_context, d.owner,
+       d.queue, d.max_attempts, d.backoff, d.backoff_max, d.max_elapsed, d.timeout, d.created_at, d.updated_at,
+       n.starters
+FROM flow._definitions d JOIN flow._definition_names n ON n.name = d.name
 WHERE pg_has_role(current_user, d.owner, 'MEMBER');
 
--- Per-queue counts by state (all roles' commands: queues are shared lanes).
-CREATE VIEW flow.queues AS
-SELECT q.name, q.concurrency, q.paused,
+-- The queues a role owns or may use, with the counts of its own commands
+-- (other roles' work in a shared queue is theirs to see).
+CREATE VIEW flow.queues WITH (security_barrier) AS
+SELECT q.name, q.owner, q.users, q.concurrency, q.paused,
        count(c.id) FILTER (WHERE c.status = 'pending') AS pending,
        count(c.id) FILTER (WHERE c.status = 'pending' AND c.next_run_at <= now()) AS due,
        count(c.id) FILTER (WHERE c.status = 'waiting') AS waiting,
@@ -227,8 +257,12 @@ SELECT q.name, q.concurrency, q.paused,
        count(c.id) FILTER (WHERE c.status = 'succeeded') AS succeeded,
        count(c.id) FILTER (WHERE c.status = 'failed') AS failed,
        count(c.id) FILTER (WHERE c.status = 'cancelled') AS cancelled
-FROM flow._queues q LEFT JOIN flow._commands c ON c.queue = q.name
-GROUP BY q.name, q.concurrency, q.paused;
+FROM flow._queues q
+LEFT JOIN (flow._commands c JOIN flow._runs r ON r.id = c.run_id AND pg_has_role(current_user, r.owner, 'MEMBER'))
+       ON c.queue = q.name
+WHERE coalesce(pg_has_role(current_user, q.owner, 'MEMBER'), false)
+   OR EXISTS (SELECT 1 FROM unnest(q.users) g WHERE g::oid = 0::oid OR pg_has_role(current_user, g, 'MEMBER'))
+GROUP BY q.name, q.owner, q.users, q.concurrency, q.paused;
 
 -- The journal, with the waits each event satisfied.
 CREATE VIEW flow.events WITH (security_barrier) AS
@@ -246,7 +280,11 @@ WHERE pg_has_role(current_user, r.owner, 'MEMBER');
 
 -- What each in-database worker is doing now (shared memory).
 CREATE VIEW flow.workers AS
-SELECT w.worker, w.pid, w.state, w.command_id, w.since, w.handled
+SELECT w.worker, w.pid, w.state,
+       -- another role's command is not named
+       (SELECT c.id FROM flow._commands c JOIN flow._runs r ON r.id = c.run_id
+        WHERE c.id = w.command_id AND pg_has_role(current_user, r.owner, 'MEMBER')) AS command_id,
+       w.since, w.handled
 FROM flow._worker_states() w;
 
 -- Engine counters since the server started (shared memory), plus recent attempts.
@@ -279,6 +317,9 @@ BEGIN
         EXECUTE format('REVOKE ALL ON FUNCTION %s FROM PUBLIC', f);
     END LOOP;
 END $$;
+-- flow.run_sql runs any SQL as a definition's owner: a superuser grants it to
+-- the roles that may schedule SQL of their own (pg_cron style).
+REVOKE ALL ON FUNCTION flow.run_sql(jsonb) FROM PUBLIC;
 REVOKE ALL ON ALL TABLES IN SCHEMA flow FROM PUBLIC;
 GRANT SELECT ON flow.runs, flow.commands, flow.attempts, flow.definitions, flow.queues, flow.events,
     flow.waits, flow.workers, flow.stats, flow.recent_attempts TO PUBLIC;

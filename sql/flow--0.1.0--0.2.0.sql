@@ -8,7 +8,7 @@
 -- Owners are regrole, so pg_dump writes role names; the views that read them
 -- are recreated below.
 DROP VIEW flow.runs, flow.commands, flow.attempts, flow.definitions, flow.events, flow.waits,
-    flow.recent_attempts;
+    flow.recent_attempts, flow.queues, flow.workers;
 ALTER TABLE flow._definitions ALTER COLUMN owner TYPE regrole;
 ALTER TABLE flow._runs ALTER COLUMN owner TYPE regrole;
 ALTER TABLE flow._events ALTER COLUMN owner TYPE regrole;
@@ -23,7 +23,30 @@ SELECT pg_catalog.pg_extension_config_dump('flow._events', '');
 SELECT pg_catalog.pg_extension_config_dump('flow._events_position_seq', '');
 SELECT pg_catalog.pg_extension_config_dump('flow._waits', '');
 
--- src/lib.rs:20
+-- Owned queues and definition names (see sql/schema.sql). Existing queues are
+-- owned by the role of their oldest definition; unused ones and 'default' stay
+-- open to everyone.
+ALTER TABLE flow._queues ADD COLUMN owner regrole, ADD COLUMN users regrole[] NOT NULL DEFAULT '{}';
+UPDATE flow._queues q SET owner = (SELECT d.owner FROM flow._definitions d WHERE d.queue = q.name
+                                   ORDER BY d.created_at LIMIT 1)
+WHERE q.name <> 'default';
+UPDATE flow._queues q SET users = '{-}' WHERE q.owner IS NULL;
+CREATE TABLE flow._definition_names (
+    name      text PRIMARY KEY CHECK (name <> ''),
+    owner     regrole NOT NULL,
+    starters  regrole[] NOT NULL DEFAULT '{}'
+);
+INSERT INTO flow._definition_names (name, owner)
+SELECT DISTINCT ON (d.name) d.name, d.owner FROM flow._definitions d ORDER BY d.name, d.version;
+ALTER TABLE flow._definitions ADD CONSTRAINT _definitions_name_fkey
+    FOREIGN KEY (name) REFERENCES flow._definition_names (name);
+SELECT pg_catalog.pg_extension_config_dump('flow._definition_names', '');
+-- Event keys are locked by a C function now (sql/engine.sql had an SQL one).
+DROP FUNCTION flow._lock_event_key(text, text);
+-- Events satisfy waits of their own run too (sql/engine.sql, _may_satisfy).
+DROP FUNCTION flow._may_satisfy(oid, uuid);
+
+-- src/lib.rs:21
 -- requires:
 --   schema
 
@@ -77,6 +100,94 @@ END $$;
 
 -- ---------------------------------------------------------------- definitions and queues
 
+-- Durations flow keeps or adds to timestamps: positive (or zero where
+-- zero_ok) and at most 100 years, so no timestamp arithmetic in the claim,
+-- the settlement or recovery can ever overflow on one command's account.
+CREATE OR REPLACE FUNCTION flow._require_span(what text, value interval, zero_ok boolean DEFAULT false,
+    code text DEFAULT 'FL005')
+RETURNS interval
+LANGUAGE plpgsql IMMUTABLE SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF value < interval '0' OR (value = interval '0' AND NOT zero_ok) OR value > interval '100 years' THEN
+        RAISE EXCEPTION 'flow: % must be %positive and at most 100 years, got %',
+            what, CASE WHEN zero_ok THEN 'zero or ' ELSE '' END, value USING ERRCODE = code;
+    END IF;
+    RETURN value;
+END $$;
+
+-- A role named in a grant: 'PUBLIC' (any case) or an existing role.
+CREATE OR REPLACE FUNCTION flow._grantee(role text) RETURNS regrole
+LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    found regrole;
+BEGIN
+    PERFORM flow._require_name('role', role);
+    IF lower(role) = 'public' THEN
+        RETURN '-'::regrole;                 -- OID 0: everyone
+    END IF;
+    found := to_regrole(role);
+    IF found IS NULL THEN
+        RAISE EXCEPTION 'flow: no role named %', role USING ERRCODE = '42704';
+    END IF;
+    RETURN found;
+END $$;
+
+-- Whether `caller` is one of `roles` or a member of one ('-' is PUBLIC).
+CREATE OR REPLACE FUNCTION flow._among(caller oid, roles regrole[]) RETURNS boolean
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT EXISTS (SELECT 1 FROM unnest(roles) g WHERE g::oid = 0::oid OR pg_has_role(caller, g, 'MEMBER'))
+$$;
+
+-- A queue row, created on first use: owned by its creator, except 'default',
+-- which belongs to no role (superusers manage it) and is open to everyone.
+CREATE OR REPLACE FUNCTION flow._queue(caller oid, name text, for_update boolean DEFAULT false) RETURNS flow._queues
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    q flow._queues;
+BEGIN
+    PERFORM flow._require_name('queue', name);
+    SELECT * INTO q FROM flow._queues x WHERE x.name = _queue.name;
+    IF NOT FOUND OR for_update THEN
+        INSERT INTO flow._queues (name, owner, users)
+        VALUES (name, CASE WHEN name = 'default' THEN NULL ELSE caller END,
+                CASE WHEN name = 'default' THEN '{-}' ELSE '{}' END::regrole[])
+        ON CONFLICT DO NOTHING;
+        IF for_update THEN
+            SELECT * INTO q FROM flow._queues x WHERE x.name = _queue.name FOR UPDATE;
+        ELSE
+            SELECT * INTO q FROM flow._queues x WHERE x.name = _queue.name;
+        END IF;
+    END IF;
+    RETURN q;
+END $$;
+
+-- Put commands in a queue: its owner's members and the roles it was granted to.
+CREATE OR REPLACE FUNCTION flow._use_queue(caller oid, name text) RETURNS text
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    q flow._queues := flow._queue(caller, name);
+BEGIN
+    IF NOT (coalesce(pg_has_role(caller, q.owner, 'MEMBER'), false) OR flow._among(caller, q.users)) THEN
+        RAISE EXCEPTION 'flow: queue % belongs to another role', name USING ERRCODE = 'FL011',
+            HINT = 'Use a queue of your own, or ask its owner for flow.grant_queue().';
+    END IF;
+    RETURN q.name;
+END $$;
+
+-- Manage a queue (limit, pause, grants): its owner's members; 'default': superusers.
+CREATE OR REPLACE FUNCTION flow._manage_queue(caller oid, name text) RETURNS flow._queues
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    q flow._queues := flow._queue(caller, name, for_update => true);
+    allowed boolean := CASE WHEN q.owner IS NULL THEN (SELECT r.rolsuper FROM pg_roles r WHERE r.oid = caller)
+                            ELSE pg_has_role(caller, q.owner, 'MEMBER') END;
+BEGIN
+    IF NOT allowed THEN
+        RAISE EXCEPTION 'flow: queue % belongs to another role', name USING ERRCODE = 'FL011';
+    END IF;
+    RETURN q;
+END $$;
+
 CREATE OR REPLACE FUNCTION flow._define(caller oid, name text, handler regprocedure, version integer, queue text,
     max_attempts integer, backoff interval, backoff_max interval, max_elapsed interval, timeout interval)
 RETURNS void
@@ -84,7 +195,7 @@ LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     fn record;
     takes_context boolean := false;
-    existing_owner oid;
+    named flow._definition_names;
 BEGIN
     PERFORM flow._require_name('name', name);
     PERFORM flow._require_name('queue', queue);
@@ -94,27 +205,33 @@ BEGIN
     IF max_attempts IS NULL OR max_attempts < 1 THEN
         RAISE EXCEPTION 'flow: max_attempts must be 1 or more, got %', max_attempts USING ERRCODE = 'FL015';
     END IF;
-    IF backoff IS NULL OR backoff <= interval '0' OR backoff_max IS NULL OR backoff_max < backoff THEN
+    IF backoff IS NULL OR backoff_max IS NULL OR backoff_max < backoff THEN
         RAISE EXCEPTION 'flow: backoff must be positive and at most backoff_max (got % and %)', backoff, backoff_max
             USING ERRCODE = 'FL015';
     END IF;
-    IF max_elapsed <= interval '0' OR timeout <= interval '0' THEN
-        RAISE EXCEPTION 'flow: max_elapsed and timeout must be positive when given' USING ERRCODE = 'FL015';
-    END IF;
+    PERFORM flow._require_span('backoff', backoff, code => 'FL015');
+    PERFORM flow._require_span('backoff_max', backoff_max, code => 'FL015');
+    PERFORM flow._require_span('max_elapsed', max_elapsed, code => 'FL015');
+    PERFORM flow._require_span('timeout', timeout, code => 'FL015');
     IF handler IS NOT NULL THEN
-        SELECT p.pronargs, p.proargtypes, p.prorettype, p.prokind, p.proretset INTO fn
-        FROM pg_proc p WHERE p.oid = handler;
+        SELECT p.pronargs, p.proargtypes, p.prorettype, p.prokind, p.proretset,
+               n.nspname ~ '^pg_(toast_)?temp_' AS temporary INTO fn
+        FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace WHERE p.oid = handler;
         IF NOT FOUND THEN
             RAISE EXCEPTION 'flow: handler % does not exist', handler USING ERRCODE = '42883';
         END IF;
         IF fn.prokind <> 'f' OR fn.proretset
-           OR fn.prorettype NOT IN ('jsonb'::regtype, 'void'::regtype)
+           OR fn.prorettype NOT IN ('pg_catalog.jsonb'::regtype, 'pg_catalog.void'::regtype)
            OR fn.pronargs NOT IN (1, 2)
-           OR fn.proargtypes[0] <> 'jsonb'::regtype
+           OR fn.proargtypes[0] <> 'pg_catalog.jsonb'::regtype
            OR (fn.pronargs = 2 AND fn.proargtypes[1] <> 'flow.context'::regtype) THEN
             RAISE EXCEPTION 'flow: handler % has the wrong signature', handler::text
                 USING ERRCODE = 'FL008',
                       HINT = 'A handler is a function (args jsonb) or (args jsonb, ctx flow.context) returning jsonb or void.';
+        END IF;
+        IF fn.temporary THEN
+            RAISE EXCEPTION 'flow: handler % is a temporary function; it ends with its session', handler::text
+                USING ERRCODE = 'FL008';
         END IF;
         takes_context := fn.pronargs = 2;
         IF NOT has_function_privilege(caller, handler, 'EXECUTE') THEN
@@ -123,17 +240,22 @@ BEGIN
         END IF;
     END IF;
 
-    SELECT d.owner INTO existing_owner FROM flow._definitions d
-    WHERE d.name = _define.name ORDER BY d.version LIMIT 1;
-    IF existing_owner IS NOT NULL AND NOT pg_has_role(caller, existing_owner, 'MEMBER') THEN
-        RAISE EXCEPTION 'flow: definition % belongs to role %', name, existing_owner::regrole
-            USING ERRCODE = 'FL011';
+    -- The name belongs to its first definer. Its row is locked before anything
+    -- else is checked, so a concurrent define of the same name waits here and
+    -- then sees who owns it: no role can slip its handler under another's name.
+    INSERT INTO flow._definition_names AS n (name, owner) VALUES (name, caller) ON CONFLICT DO NOTHING;
+    SELECT * INTO named FROM flow._definition_names n WHERE n.name = _define.name FOR UPDATE;
+    IF NOT pg_has_role(caller, named.owner, 'MEMBER') THEN
+        RAISE EXCEPTION 'flow: the definition name % is taken by another role', name USING ERRCODE = 'FL011';
     END IF;
-
-    INSERT INTO flow._queues (name) VALUES (queue) ON CONFLICT DO NOTHING;
+    IF cardinality(named.starters) > 0 AND handler = 'flow.run_sql(pg_catalog.jsonb)'::regprocedure THEN
+        RAISE EXCEPTION 'flow: definition % is open to other roles; it cannot run flow.run_sql', name
+            USING ERRCODE = '42501';
+    END IF;
+    PERFORM flow._use_queue(caller, queue);
     INSERT INTO flow._definitions AS d (name, version, handler, takes_context, owner, queue,
         max_attempts, backoff, backoff_max, max_elapsed, timeout)
-    VALUES (name, version, handler, takes_context, coalesce(existing_owner, caller), queue,
+    VALUES (name, version, handler, takes_context, named.owner, queue,
         max_attempts, backoff, backoff_max, max_elapsed, timeout)
     ON CONFLICT ON CONSTRAINT _definitions_pkey DO UPDATE SET
         handler = excluded.handler, takes_context = excluded.takes_context, queue = excluded.queue,
@@ -142,22 +264,55 @@ BEGIN
         timeout = excluded.timeout, updated_at = now();
 END $$;
 
+-- Open a definition (every version) to another role, or close it again.
+-- flow.run_sql definitions stay their owner's: they run any SQL as the owner.
+CREATE OR REPLACE FUNCTION flow._grant_definition(caller oid, name text, role text, allow boolean) RETURNS void
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    named flow._definition_names;
+    grantee regrole := flow._grantee(role);
+BEGIN
+    PERFORM flow._require_name('name', name);
+    SELECT * INTO named FROM flow._definition_names n WHERE n.name = _grant_definition.name FOR UPDATE;
+    IF NOT FOUND OR NOT pg_has_role(caller, named.owner, 'MEMBER') THEN
+        RAISE EXCEPTION 'flow: no definition named %', name USING ERRCODE = 'FL001';
+    END IF;
+    IF allow AND EXISTS (SELECT 1 FROM flow._definitions d WHERE d.name = named.name
+                         AND d.handler = 'flow.run_sql(pg_catalog.jsonb)'::regprocedure) THEN
+        RAISE EXCEPTION 'flow: definition % runs flow.run_sql; it cannot be opened to other roles', name
+            USING ERRCODE = '42501', HINT = 'Its SQL runs as its owner: let the other role define its own.';
+    END IF;
+    UPDATE flow._definition_names n SET starters = CASE
+        WHEN allow THEN (SELECT array_agg(DISTINCT g) FROM unnest(n.starters || grantee) g)
+        ELSE array_remove(n.starters, grantee) END
+    WHERE n.name = named.name;
+END $$;
+
+CREATE OR REPLACE FUNCTION flow._grant_queue(caller oid, name text, role text, allow boolean) RETURNS void
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    grantee regrole := flow._grantee(role);
+    q flow._queues := flow._manage_queue(caller, name);
+BEGIN
+    UPDATE flow._queues x SET users = CASE
+        WHEN allow THEN (SELECT array_agg(DISTINCT g) FROM unnest(x.users || grantee) g)
+        ELSE array_remove(x.users, grantee) END, updated_at = now()
+    WHERE x.name = q.name;
+END $$;
+
 CREATE OR REPLACE FUNCTION flow._set_queue(caller oid, name text, concurrency integer, paused boolean) RETURNS void
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    q flow._queues;
 BEGIN
-    PERFORM flow._require_name('queue', name);
     IF concurrency IS NOT NULL AND concurrency < 1 THEN
         RAISE EXCEPTION 'flow: queue concurrency must be 1 or more (NULL for no limit), got %', concurrency
             USING ERRCODE = 'FL009';
     END IF;
-    -- Queues are shared lanes; only the owners of definitions using them (or a superuser) tune them.
-    IF EXISTS (SELECT 1 FROM flow._definitions d WHERE d.queue = _set_queue.name
-               AND NOT pg_has_role(caller, d.owner, 'MEMBER')) THEN
-        RAISE EXCEPTION 'flow: queue % is used by another role''s definitions', name USING ERRCODE = 'FL011';
-    END IF;
-    INSERT INTO flow._queues AS q (name, concurrency, paused) VALUES (name, concurrency, coalesce(paused, false))
-    ON CONFLICT ON CONSTRAINT _queues_pkey DO UPDATE SET concurrency = excluded.concurrency,
-        paused = coalesce(_set_queue.paused, q.paused), updated_at = now();
+    q := flow._manage_queue(caller, name);
+    UPDATE flow._queues x SET concurrency = _set_queue.concurrency, paused = coalesce(_set_queue.paused, x.paused),
+        updated_at = now()
+    WHERE x.name = q.name;
     PERFORM flow._wake();
 END $$;
 
@@ -182,17 +337,16 @@ BEGIN
     RETURN d;
 END $$;
 
--- Who may start commands of a definition: like a SECURITY DEFINER function,
--- whoever may EXECUTE its handler (the owner controls that with GRANT/REVOKE);
--- an external definition only its owner's members.
+-- Who may start commands of a definition: its owner's members, and the
+-- roles its owner opened it to (flow.grant_definition). To anyone else it does
+-- not exist: the same FL001 as an unknown name, so names cannot be probed.
 CREATE OR REPLACE FUNCTION flow._require_use(caller oid, d flow._definitions) RETURNS void
 LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
-    IF NOT (CASE WHEN d.handler IS NULL THEN pg_has_role(caller, d.owner, 'MEMBER')
-                 ELSE has_function_privilege(caller, d.handler, 'EXECUTE') END) THEN
-        RAISE EXCEPTION 'flow: role % may not start commands of definition %', caller::regrole, d.name
-            USING ERRCODE = '42501',
-                  HINT = 'Its owner grants EXECUTE on the handler function (or role membership for external definitions).';
+    IF NOT (pg_has_role(caller, d.owner, 'MEMBER')
+            OR EXISTS (SELECT 1 FROM flow._definition_names n
+                       WHERE n.name = d.name AND flow._among(caller, n.starters))) THEN
+        RAISE EXCEPTION 'flow: no definition named %', d.name USING ERRCODE = 'FL001';
     END IF;
 END $$;
 
@@ -203,8 +357,9 @@ BEGIN
     IF start_after IS NOT NULL AND run_at IS NOT NULL THEN
         RAISE EXCEPTION 'flow: give start_after or run_at, not both' USING ERRCODE = 'FL006';
     END IF;
-    IF start_after < interval '0' THEN
-        RAISE EXCEPTION 'flow: start_after must not be negative, got %', start_after USING ERRCODE = 'FL005';
+    PERFORM flow._require_span('start_after', start_after, zero_ok => true);
+    IF NOT isfinite(run_at) OR run_at > now() + interval '100 years' THEN
+        RAISE EXCEPTION 'flow: run_at must be a finite time within 100 years, got %', run_at USING ERRCODE = 'FL005';
     END IF;
     RETURN greatest(now(), coalesce(run_at, now() + coalesce(start_after, interval '0')));
 END $$;
@@ -215,6 +370,7 @@ BEGIN
     IF deadline <= interval '0' THEN
         RAISE EXCEPTION 'flow: deadline % is already past', deadline USING ERRCODE = 'FL007';
     END IF;
+    PERFORM flow._require_span('deadline', deadline);
     RETURN now() + deadline;
 END $$;
 
@@ -226,15 +382,14 @@ CREATE OR REPLACE FUNCTION flow._plan_enqueue(caller oid, name text, version int
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     d := flow._definition(name, version);
+    PERFORM flow._require_use(caller, d);
     due := flow._first_due(start_after, run_at);
     ends := flow._deadline(deadline);
-    lane := coalesce(queue, d.queue);
-    PERFORM flow._require_use(caller, d);
-    PERFORM flow._require_name('queue', lane);
+    -- the definition's own queue was its owner's choice; another one must be the caller's to use
+    lane := CASE WHEN queue IS NULL THEN d.queue ELSE flow._use_queue(caller, queue) END;
     IF ends IS NOT NULL AND ends <= due THEN
         RAISE EXCEPTION 'flow: deadline % passes before the run is due at %', ends, due USING ERRCODE = 'FL007';
     END IF;
-    INSERT INTO flow._queues (name) VALUES (lane) ON CONFLICT DO NOTHING;
 END $$;
 
 -- The root commands of new runs (run_ids[i] gets args[i]), and the wake-up.
@@ -358,21 +513,27 @@ RETURNS SETOF flow.claimed_command
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     lanes text[];
+    locked text[];
 BEGIN
-    SELECT array_agg(q.name ORDER BY q.name) INTO lanes FROM flow._queues q WHERE NOT q.paused;
+    -- Limited queues with due work are locked first, so the running counts
+    -- read by the next statement (a fresh snapshot) are exact across all
+    -- workers. A queue locked elsewhere (another worker claiming from it, or
+    -- a flow.set_queue in an open transaction) is skipped this turn, never
+    -- waited for: one open transaction can hold up one queue, not the engine.
+    -- (index _commands_due: LIMIT 1 keeps the planner on the index even when
+    -- statistics are stale after a bulk enqueue.)
+    SELECT array_agg(l.name) INTO locked FROM (
+        SELECT q.name FROM flow._queues q
+        WHERE NOT q.paused AND q.concurrency IS NOT NULL
+          AND EXISTS (SELECT 1 FROM flow._commands c
+                      WHERE c.queue = q.name AND c.status IN ('pending', 'waiting') AND c.next_run_at <= now()
+                      LIMIT 1)
+        ORDER BY q.name FOR UPDATE SKIP LOCKED) l;
+    SELECT array_agg(q.name ORDER BY q.name) INTO lanes FROM flow._queues q
+    WHERE NOT q.paused AND (q.concurrency IS NULL OR q.name = ANY (locked));
     IF lanes IS NULL THEN
         RETURN;
     END IF;
-    -- Claims on limited queues with due work serialize here, so the running
-    -- counts read by the next statement (a fresh snapshot) are exact across
-    -- all workers. (index _commands_due: LIMIT 1 keeps the planner on the
-    -- index even when statistics are stale after a bulk enqueue.)
-    PERFORM 1 FROM flow._queues q
-    WHERE q.name = ANY (lanes) AND q.concurrency IS NOT NULL
-      AND EXISTS (SELECT 1 FROM flow._commands c
-                  WHERE c.queue = q.name AND c.status IN ('pending', 'waiting') AND c.next_run_at <= now()
-                  LIMIT 1)
-    ORDER BY q.name FOR UPDATE;
 
     RETURN QUERY
     WITH lane AS (
@@ -667,12 +828,11 @@ CREATE OR REPLACE FUNCTION flow._await(caller oid, run_id uuid, timeout interval
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     r flow._runs;
-    give_up timestamptz := clock_timestamp() + coalesce(timeout, interval '0');
+    give_up timestamptz;
     pause double precision := 0.001;
 BEGIN
-    IF timeout < interval '0' THEN
-        RAISE EXCEPTION 'flow: await timeout must not be negative, got %', timeout USING ERRCODE = 'FL005';
-    END IF;
+    PERFORM flow._require_span('await timeout', timeout, zero_ok => true);
+    give_up := clock_timestamp() + coalesce(timeout, interval '0');
     LOOP
         SELECT * INTO r FROM flow._runs x WHERE x.id = run_id;
         PERFORM flow._require_member(caller, r.owner, 'run', run_id);
@@ -684,12 +844,9 @@ BEGIN
 END $$;
 
 -- Commands waiting on (name, key) events and journal reads of them serialize
--- on this lock, so a wait created while the event is being emitted is never
--- missed by both sides.
-CREATE OR REPLACE FUNCTION flow._lock_event_key(name text, key text) RETURNS void
-LANGUAGE sql SET search_path = pg_catalog, pg_temp AS $$
-    SELECT pg_advisory_xact_lock(hashtextextended('flow.event:' || name || ':' || key, 0))
-$$;
+-- on flow._lock_event_key(name, key) (src/isolation.rs: a lock tag of flow's
+-- own), so a wait created while the event is being emitted is never missed
+-- by both sides.
 
 -- Mark the open waits of one command satisfied by the newest journal entries
 -- and make it due when none is left open.
@@ -708,17 +865,18 @@ BEGIN
     END IF;
 END $$;
 
--- Whose events may satisfy a command's waits: its run owner's and its
--- definition owner's (and their members'; a superuser's). Another role cannot
--- feed inputs into a workflow it does not own.
-CREATE OR REPLACE FUNCTION flow._may_satisfy(emitter_role oid, command_id uuid) RETURNS boolean
+-- Whose events may satisfy a command's waits: those emitted inside its own
+-- run (by any of its handlers or external workers), and those its run's owner
+-- (or a member of it; a superuser) emitted. Another role can neither feed
+-- inputs into a workflow it does not own, nor read its own events back
+-- through one it spawned a definition of.
+CREATE OR REPLACE FUNCTION flow._may_satisfy(emitter_role oid, emitter_run uuid, command_id uuid) RETURNS boolean
 LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
     SELECT EXISTS (
         SELECT 1 FROM flow._commands c
         JOIN flow._runs r ON r.id = c.run_id
-        JOIN flow._definitions d ON d.name = c.name AND d.version = c.version
         WHERE c.id = command_id
-          AND (pg_has_role(emitter_role, r.owner, 'MEMBER') OR pg_has_role(emitter_role, d.owner, 'MEMBER')))
+          AND (c.run_id = emitter_run OR pg_has_role(emitter_role, r.owner, 'MEMBER')))
 $$;
 
 -- emitter: the command whose handler (or external worker) emits, NULL from outside.
@@ -727,6 +885,7 @@ LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     pos bigint;
     waiting uuid;
+    emitter_run uuid := (SELECT c.run_id FROM flow._commands c WHERE c.id = emitter);
 BEGIN
     PERFORM flow._require_name('event name', name);
     IF key IS NULL THEN
@@ -737,13 +896,12 @@ BEGIN
     -- Inside a handler the event rides in the handler's transaction: it is
     -- journaled only if the attempt settles successfully.
     INSERT INTO flow._events (id, name, key, payload, owner, run_id, command_id)
-    VALUES (flow._new_id(), name, key, payload, caller,
-            (SELECT c.run_id FROM flow._commands c WHERE c.id = emitter), emitter)
+    VALUES (flow._new_id(), name, key, payload, caller, emitter_run, emitter)
     RETURNING position INTO pos;
     FOR waiting IN
         UPDATE flow._waits w SET event_position = pos, satisfied_at = now()
         WHERE w.name = _emit.name AND w.key = _emit.key AND w.event_position IS NULL   -- index _waits_open
-          AND flow._may_satisfy(caller, w.command_id)
+          AND flow._may_satisfy(caller, emitter_run, w.command_id)
         RETURNING w.command_id
     LOOP
         PERFORM flow._promote_if_satisfied(waiting);
@@ -775,13 +933,10 @@ BEGIN
     END IF;
     d := flow._definition(name, version);
     PERFORM flow._require_use(caller, d);
-    lane := coalesce(queue, d.queue);
-    PERFORM flow._require_name('queue', lane);
+    lane := CASE WHEN queue IS NULL THEN d.queue ELSE flow._use_queue(caller, queue) END;
     PERFORM flow._require_name('key', key);
     PERFORM flow._require_payload('args', args);
-    IF within <= interval '0' THEN
-        RAISE EXCEPTION 'flow: within must be positive, got %', within USING ERRCODE = 'FL005';
-    END IF;
+    PERFORM flow._require_span('within', within);
     FOREACH spec IN ARRAY coalesce(waits, '{}') LOOP
         PERFORM flow._require_name('wait name', spec.name);
         IF spec.key IS NULL THEN
@@ -792,8 +947,6 @@ BEGIN
         'start_after', start_after, 'within', within,
         'waits', (SELECT coalesce(jsonb_agg(DISTINCT jsonb_build_object('name', w.name, 'key', w.key)), '[]')
                   FROM unnest(waits) w));
-    INSERT INTO flow._queues (name) VALUES (lane) ON CONFLICT DO NOTHING;
-
     INSERT INTO flow._commands (id, run_id, parent_id, key, name, version, queue, args, declaration, status,
         next_run_at, not_before, budget_started_at, deadline)
     VALUES (child, parent.run_id, parent.id, key, d.name, d.version, lane, args, declared,
@@ -819,7 +972,7 @@ BEGIN
         PERFORM flow._lock_event_key(spec.name, spec.key);
         -- An event emitted before the wait existed satisfies it from the journal.
         SELECT max(e.position) INTO journaled FROM flow._events e      -- index _events_name_key
-        WHERE e.name = spec.name AND e.key = spec.key AND flow._may_satisfy(e.owner, child);
+        WHERE e.name = spec.name AND e.key = spec.key AND flow._may_satisfy(e.owner, e.run_id, child);
         INSERT INTO flow._waits (command_id, name, key, event_position, satisfied_at)
         VALUES (child, spec.name, spec.key, journaled, CASE WHEN journaled IS NOT NULL THEN now() END);
     END LOOP;
@@ -842,12 +995,15 @@ BEGIN
     IF command_id IS NULL OR lease_token IS NULL THEN
         RAISE EXCEPTION 'flow: command_id and lease_token must not be NULL' USING ERRCODE = 'FL002';
     END IF;
-    PERFORM flow._lock_runs_of(ARRAY[command_id]);
-    SELECT x.* INTO c FROM flow._commands x WHERE x.id = command_id FOR UPDATE;
-    SELECT d.owner INTO owner_ FROM flow._definitions d WHERE d.name = c.name AND d.version = c.version;
+    -- Ownership first, without a lock: another role's command is reported
+    -- missing at once, never after waiting for its run's lock.
+    SELECT d.owner INTO owner_ FROM flow._commands x
+    JOIN flow._definitions d ON d.name = x.name AND d.version = x.version WHERE x.id = command_id;
     IF NOT FOUND OR NOT pg_has_role(caller, owner_, 'MEMBER') THEN
         RAISE EXCEPTION 'flow: no command with id %', command_id USING ERRCODE = 'FL014';
     END IF;
+    PERFORM flow._lock_runs_of(ARRAY[command_id]);
+    SELECT x.* INTO c FROM flow._commands x WHERE x.id = command_id FOR UPDATE;
     IF c.status = 'running' AND c.lease_token = _leased.lease_token AND c.lease_pid IS NULL THEN
         IF c.lease_expires_at < now() THEN
             RAISE EXCEPTION 'flow: the lease on command % expired at %', command_id, c.lease_expires_at
@@ -878,17 +1034,17 @@ BEGIN
     IF max_count IS NULL OR max_count < 1 OR max_count > 10000 THEN
         RAISE EXCEPTION 'flow: max must be between 1 and 10000, got %', max_count USING ERRCODE = 'FL015';
     END IF;
-    IF lease IS NULL OR lease <= interval '0' THEN
-        RAISE EXCEPTION 'flow: lease must be positive, got %', lease USING ERRCODE = 'FL005';
+    IF lease IS NULL THEN
+        RAISE EXCEPTION 'flow: lease must be positive, got NULL' USING ERRCODE = 'FL005';
     END IF;
+    PERFORM flow._require_span('lease', lease);
     FOREACH wanted IN ARRAY names LOOP
         IF NOT EXISTS (SELECT 1 FROM flow._definitions d WHERE d.name = wanted AND d.handler IS NULL) THEN
             RAISE EXCEPTION 'flow: no external definition named %', wanted USING ERRCODE = 'FL001';
         END IF;
         IF EXISTS (SELECT 1 FROM flow._definitions d WHERE d.name = wanted AND d.handler IS NULL
                    AND NOT pg_has_role(caller, d.owner, 'MEMBER')) THEN
-            RAISE EXCEPTION 'flow: role % may not resolve commands of %', caller::regrole, wanted
-                USING ERRCODE = '42501';
+            RAISE EXCEPTION 'flow: no external definition named %', wanted USING ERRCODE = 'FL001';
         END IF;
     END LOOP;
     -- Expired external leases of these definitions are concluded first, so a
@@ -910,9 +1066,7 @@ LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     c flow._commands;
 BEGIN
-    IF extend <= interval '0' THEN
-        RAISE EXCEPTION 'flow: extend must be positive, got %', extend USING ERRCODE = 'FL005';
-    END IF;
+    PERFORM flow._require_span('extend', extend);
     -- A run cancelled (or failed) under a live lease: tell the worker to stop.
     IF EXISTS (SELECT 1 FROM flow._attempts a JOIN flow._commands x ON x.id = a.command_id
                WHERE a.command_id = _heartbeat.command_id AND a.lease_token = _heartbeat.lease_token
@@ -1014,9 +1168,7 @@ LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     c flow._commands;
 BEGIN
-    IF retry_after <= interval '0' THEN
-        RAISE EXCEPTION 'flow: retry_after must be positive, got %', retry_after USING ERRCODE = 'FL005';
-    END IF;
+    PERFORM flow._require_span('retry_after', retry_after);
     c := flow._leased(caller, command_id, lease_token);
     RETURN flow._settle_failure(c.id, c.lease_token,
         CASE WHEN permanent THEN 'permanent' WHEN retry_after IS NOT NULL THEN 'retry_after' ELSE 'retryable' END,
@@ -1118,7 +1270,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_current_command_wrapper';
 
--- src/executor.rs:105
+-- src/executor.rs:103
 -- flow::executor::_decide
 CREATE OR REPLACE FUNCTION "_decide"(
 	"class" TEXT, /* & str */
@@ -1145,6 +1297,16 @@ CREATE OR REPLACE FUNCTION "_lease_duration_s"() RETURNS INT /* i32 */
 STRICT STABLE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_lease_duration_s_wrapper';
+
+-- src/isolation.rs:192
+-- flow::isolation::_lock_event_key
+CREATE OR REPLACE FUNCTION "_lock_event_key"(
+	"name" TEXT, /* & str */
+	"key" TEXT /* & str */
+) RETURNS void
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', '_lock_event_key_wrapper';
 
 -- src/api.rs:68
 -- flow::api::_max_payload_bytes
@@ -1215,7 +1377,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', 'run_sql_wrapper';
 
--- src/lib.rs:21
+-- src/lib.rs:22
 -- finalize
 -- flow's public SQL surface (names and named parameters are the API, see
 -- DESIGN.md) and the views a person reads.
@@ -1244,6 +1406,33 @@ CREATE OR REPLACE FUNCTION flow.set_queue(name text, concurrency integer DEFAULT
 RETURNS void
 LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
     SELECT flow._set_queue(flow._redeem(caller_ticket), name, concurrency, paused)
+$$;
+
+-- Let `role` ('PUBLIC' for everyone) start commands of a definition you own,
+-- every version of it; by default only the owner's role and its members can.
+CREATE OR REPLACE FUNCTION flow.grant_definition(name text, role text, caller_ticket bigint DEFAULT flow._ticket())
+RETURNS void
+LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT flow._grant_definition(flow._redeem(caller_ticket), name, role, true)
+$$;
+
+CREATE OR REPLACE FUNCTION flow.revoke_definition(name text, role text, caller_ticket bigint DEFAULT flow._ticket())
+RETURNS void
+LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT flow._grant_definition(flow._redeem(caller_ticket), name, role, false)
+$$;
+
+-- Let `role` ('PUBLIC' for everyone) define on, and enqueue into, a queue you own.
+CREATE OR REPLACE FUNCTION flow.grant_queue(name text, role text, caller_ticket bigint DEFAULT flow._ticket())
+RETURNS void
+LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT flow._grant_queue(flow._redeem(caller_ticket), name, role, true)
+$$;
+
+CREATE OR REPLACE FUNCTION flow.revoke_queue(name text, role text, caller_ticket bigint DEFAULT flow._ticket())
+RETURNS void
+LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT flow._grant_queue(flow._redeem(caller_ticket), name, role, false)
 $$;
 
 -- ---------------------------------------------------------------- starting runs
@@ -1336,10 +1525,11 @@ CREATE OR REPLACE FUNCTION flow.retry_after(delay interval, message text DEFAULT
 RETURNS void
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
-    IF delay IS NULL OR delay <= interval '0' THEN
+    IF delay IS NULL OR delay <= interval '0' OR delay > interval '100 years' THEN
         PERFORM flow._decide('permanent', 'invalid_retry_after',
-            format('flow: retry_after delay must be positive, got %s', delay), NULL);
-        RAISE EXCEPTION 'flow: retry_after delay must be positive, got %', delay USING ERRCODE = 'FL005';
+            format('flow: retry_after delay must be positive and at most 100 years, got %s', delay), NULL);
+        RAISE EXCEPTION 'flow: retry_after delay must be positive and at most 100 years, got %', delay
+            USING ERRCODE = 'FL005';
     END IF;
     PERFORM flow._decide('retry_after', 'retry_after', coalesce(message, 'retry requested by its handler'),
                          (extract(epoch FROM delay) * 1000000)::bigint);
@@ -1431,14 +1621,16 @@ FROM flow._commands c JOIN flow._runs r ON r.id = c.run_id
 WHERE c.status = 'running' AND pg_has_role(current_user, r.owner, 'MEMBER');
 
 CREATE OR REPLACE VIEW flow.definitions WITH (security_barrier) AS
-SELECT d.name, d.version, d.handler, d.handler IS NULL AS external, d.takes_context, d.owner::regrole AS owner,
-       d.queue, d.max_attempts, d.backoff, d.backoff_max, d.max_elapsed, d.timeout, d.created_at, d.updated_at
-FROM flow._definitions d
+SELECT d.name, d.version, d.handler, d.handler IS NULL AS external, d.takes_context, d.owner,
+       d.queue, d.max_attempts, d.backoff, d.backoff_max, d.max_elapsed, d.timeout, d.created_at, d.updated_at,
+       n.starters
+FROM flow._definitions d JOIN flow._definition_names n ON n.name = d.name
 WHERE pg_has_role(current_user, d.owner, 'MEMBER');
 
--- Per-queue counts by state (all roles' commands: queues are shared lanes).
-CREATE OR REPLACE VIEW flow.queues AS
-SELECT q.name, q.concurrency, q.paused,
+-- The queues a role owns or may use, with the counts of its own commands
+-- (other roles' work in a shared queue is theirs to see).
+CREATE OR REPLACE VIEW flow.queues WITH (security_barrier) AS
+SELECT q.name, q.owner, q.users, q.concurrency, q.paused,
        count(c.id) FILTER (WHERE c.status = 'pending') AS pending,
        count(c.id) FILTER (WHERE c.status = 'pending' AND c.next_run_at <= now()) AS due,
        count(c.id) FILTER (WHERE c.status = 'waiting') AS waiting,
@@ -1446,8 +1638,12 @@ SELECT q.name, q.concurrency, q.paused,
        count(c.id) FILTER (WHERE c.status = 'succeeded') AS succeeded,
        count(c.id) FILTER (WHERE c.status = 'failed') AS failed,
        count(c.id) FILTER (WHERE c.status = 'cancelled') AS cancelled
-FROM flow._queues q LEFT JOIN flow._commands c ON c.queue = q.name
-GROUP BY q.name, q.concurrency, q.paused;
+FROM flow._queues q
+LEFT JOIN (flow._commands c JOIN flow._runs r ON r.id = c.run_id AND pg_has_role(current_user, r.owner, 'MEMBER'))
+       ON c.queue = q.name
+WHERE coalesce(pg_has_role(current_user, q.owner, 'MEMBER'), false)
+   OR EXISTS (SELECT 1 FROM unnest(q.users) g WHERE g::oid = 0::oid OR pg_has_role(current_user, g, 'MEMBER'))
+GROUP BY q.name, q.owner, q.users, q.concurrency, q.paused;
 
 -- The journal, with the waits each event satisfied.
 CREATE OR REPLACE VIEW flow.events WITH (security_barrier) AS
@@ -1465,7 +1661,11 @@ WHERE pg_has_role(current_user, r.owner, 'MEMBER');
 
 -- What each in-database worker is doing now (shared memory).
 CREATE OR REPLACE VIEW flow.workers AS
-SELECT w.worker, w.pid, w.state, w.command_id, w.since, w.handled
+SELECT w.worker, w.pid, w.state,
+       -- another role's command is not named
+       (SELECT c.id FROM flow._commands c JOIN flow._runs r ON r.id = c.run_id
+        WHERE c.id = w.command_id AND pg_has_role(current_user, r.owner, 'MEMBER')) AS command_id,
+       w.since, w.handled
 FROM flow._worker_states() w;
 
 -- Engine counters since the server started (shared memory), plus recent attempts.
@@ -1498,6 +1698,9 @@ BEGIN
         EXECUTE format('REVOKE ALL ON FUNCTION %s FROM PUBLIC', f);
     END LOOP;
 END $$;
+-- flow.run_sql runs any SQL as a definition's owner: a superuser grants it to
+-- the roles that may schedule SQL of their own (pg_cron style).
+REVOKE ALL ON FUNCTION flow.run_sql(jsonb) FROM PUBLIC;
 REVOKE ALL ON ALL TABLES IN SCHEMA flow FROM PUBLIC;
 GRANT SELECT ON flow.runs, flow.commands, flow.attempts, flow.definitions, flow.queues, flow.events,
     flow.waits, flow.workers, flow.stats, flow.recent_attempts TO PUBLIC;

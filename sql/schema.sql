@@ -69,11 +69,25 @@ CREATE TYPE flow.run_outcome AS (status flow.run_status, result jsonb, error jso
 
 -- ---------------------------------------------------------------- tables
 
+-- Queues are owned like tables: the role that first uses a name owns it and
+-- may pause, limit and share it; others put commands in it only when granted.
+-- The 'default' queue has no owner (only superusers manage it) and is open to all.
 CREATE TABLE flow._queues (
     name         text PRIMARY KEY CHECK (name <> ''),
     concurrency  integer CHECK (concurrency >= 1),   -- NULL: no limit of its own
     paused       boolean NOT NULL DEFAULT false,
-    updated_at   timestamptz NOT NULL DEFAULT now()
+    updated_at   timestamptz NOT NULL DEFAULT now(),
+    owner        regrole,                            -- NULL: the extension's (superusers)
+    users        regrole[] NOT NULL DEFAULT '{}'     -- granted to put commands in it ('-': PUBLIC)
+);
+
+-- Definition names are owned: the first role to define a name owns every
+-- version of it, and only its members (and roles it grants) start its commands.
+-- Defining locks the name's row first, so two roles can never race for it.
+CREATE TABLE flow._definition_names (
+    name      text PRIMARY KEY CHECK (name <> ''),
+    owner     regrole NOT NULL,
+    starters  regrole[] NOT NULL DEFAULT '{}'        -- granted to start its commands ('-': PUBLIC)
 );
 
 CREATE TABLE flow._definitions (
@@ -91,6 +105,7 @@ CREATE TABLE flow._definitions (
     created_at     timestamptz NOT NULL DEFAULT now(),
     updated_at     timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (name, version),
+    FOREIGN KEY (name) REFERENCES flow._definition_names (name),   -- owner equals the name's owner
     CHECK (backoff_max >= backoff),
     CHECK (handler IS NOT NULL OR NOT takes_context)
 );
@@ -225,6 +240,7 @@ GRANT USAGE ON SCHEMA flow TO PUBLIC;
 -- regrole and handlers regprocedure, so a dump names roles and functions and a
 -- restore into another cluster resolves them again.
 SELECT pg_catalog.pg_extension_config_dump('flow._queues', '');
+SELECT pg_catalog.pg_extension_config_dump('flow._definition_names', '');
 SELECT pg_catalog.pg_extension_config_dump('flow._definitions', '');
 SELECT pg_catalog.pg_extension_config_dump('flow._runs', '');
 SELECT pg_catalog.pg_extension_config_dump('flow._commands', '');

@@ -11,7 +11,7 @@
 //! set-based statements (flow._settle_batch). Handlers' writes, events and
 //! children commit with their settlement in the chunk's transaction, or not at all.
 
-use crate::{gucs, shmem};
+use crate::{gucs, isolation, shmem};
 use pgrx::datum::DatumWithOid;
 use pgrx::pg_sys::{self, PgBuiltInOids, PgOid};
 use pgrx::prelude::*;
@@ -41,7 +41,8 @@ pub struct Claimed {
 impl Claimed {
     /// The attempt's deadline for a handler starting at `now` (TimestampTz µs).
     fn deadline(&self, now: i64) -> Option<i64> {
-        let soft = self.timeout_us.map(|t| now.saturating_add(t));
+        let timeout = self.timeout_us.or_else(isolation::default_attempt_timeout_us);
+        let soft = timeout.map(|t| now.saturating_add(t));
         match (soft, self.hard_deadline) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
@@ -81,12 +82,9 @@ struct Decision {
 thread_local! {
     static CURRENT_COMMAND: Cell<Option<[u8; 16]>> = const { Cell::new(None) };
     static DECISION: RefCell<Option<Decision>> = const { RefCell::new(None) };
-    static HANDLER_PLANS: RefCell<HashMap<u32, OwnedPreparedStatement>> = RefCell::new(HashMap::new());
+    static HANDLER_PLANS: RefCell<HashMap<(u32, u32), OwnedPreparedStatement>> = RefCell::new(HashMap::new());
     static ENGINE_PLANS: RefCell<HashMap<&'static str, OwnedPreparedStatement>> = RefCell::new(HashMap::new());
 }
-
-/// The `search_path` every handler starts with, whatever the worker's own is.
-const PINNED_SEARCH_PATH: &std::ffi::CStr = c"\"$user\", public";
 
 // utils/timeout.h is not in pgrx-pg-sys 0.18.1. STATEMENT_TIMEOUT is 3 in
 // PostgreSQL 15's TimeoutId enum (re-check on a new major version).
@@ -171,7 +169,7 @@ pub fn claim(owner: &str, backend_start: Option<TimestampWithTimeZone>, max: i32
         "SELECT command_id, run_id, lease_token,
                 (extract(epoch FROM hard_deadline) * 1000000)::bigint - 946684800000000,
                 (extract(epoch FROM attempt_timeout) * 1000000)::bigint,
-                handler, handler_owner, args, to_jsonb(context)
+                handler, handler_owner, args, pg_catalog.to_jsonb(context)
          FROM flow._claim($1, $2, $3, $4, NULL, NULL, $5)
          ORDER BY run_id, command_id",
         &[TEXT, INT4, TIMESTAMPTZ, INT4, INT4],
@@ -281,7 +279,7 @@ fn attempt(command: &Claimed) -> Result<Option<JsonB>, Failure> {
     let started = std::time::Instant::now();
     let outcome = PgTryBuilder::new(|| {
         CURRENT_COMMAND.with(|c| c.set(Some(*command.command_id.as_bytes())));
-        let result = as_owner(command.owner, || with_deadline(remaining_ms, || call_handler(command)));
+        let result = isolation::run_as_owner(command.owner, || with_deadline(remaining_ms, || call_handler(command)));
         CURRENT_COMMAND.with(|c| c.set(None));
         if gucs::fault_point("before_settle") {
             // Test-only: die with the handler's writes done and nothing settled.
@@ -313,35 +311,8 @@ fn attempt(command: &Claimed) -> Result<Option<JsonB>, Failure> {
         pg_sys::MemoryContextSwitchTo(outer_context);
         pg_sys::CurrentResourceOwner = outer_owner;
     }
+    isolation::after_attempt();
     outcome
-}
-
-/// Run `f` as `owner` with the pinned search_path. On an ERROR the enclosing
-/// subtransaction's abort restores the user and the settings.
-fn as_owner<R>(owner: pg_sys::Oid, f: impl FnOnce() -> R) -> R {
-    unsafe {
-        let (mut saved_user, mut saved_context) = (pg_sys::InvalidOid, 0);
-        pg_sys::GetUserIdAndSecContext(&mut saved_user, &mut saved_context);
-        // SECURITY_LOCAL_USERID_CHANGE: the handler cannot SET ROLE / SET SESSION
-        // AUTHORIZATION its way back to the worker's superuser.
-        pg_sys::SetUserIdAndSecContext(owner, saved_context | pg_sys::SECURITY_LOCAL_USERID_CHANGE as c_int);
-        let nest = pg_sys::NewGUCNestLevel();
-        pg_sys::set_config_option(
-            c"search_path".as_ptr(),
-            PINNED_SEARCH_PATH.as_ptr(),
-            pg_sys::GucContext::PGC_USERSET,
-            pg_sys::GucSource::PGC_S_SESSION,
-            pg_sys::GucAction::GUC_ACTION_SAVE,
-            true,
-            0,
-            false,
-        );
-        let result = f();
-        // false even on success: a handler's own SET must not leak into the engine's SQL.
-        pg_sys::AtEOXact_GUC(false, nest);
-        pg_sys::SetUserIdAndSecContext(saved_user, saved_context);
-        result
-    }
 }
 
 fn with_deadline<R>(remaining_ms: Option<i64>, f: impl FnOnce() -> R) -> R {
@@ -364,24 +335,15 @@ fn stop_deadline_timer() {
     }
 }
 
-/// Call the handler through a plan kept per handler function. SPI inlines SQL
-/// handlers and re-validates the plan when the function is replaced.
+/// Call the handler through a plan kept per (handler function, owner): SPI
+/// inlines SQL handlers, resolving names as the owner, and re-validates the
+/// plan when the function is replaced. The statement names everything with
+/// its schema, so nothing in it resolves through the owner's search_path.
 fn call_handler(command: &Claimed) -> Option<JsonB> {
-    let key = command.handler.to_u32();
+    let key = (command.handler.to_u32(), command.owner.to_u32());
     let missing = HANDLER_PLANS.with(|p| !p.borrow().contains_key(&key));
     if missing {
-        let sql: String = Spi::get_one_with_args(
-            "SELECT format('SELECT %s%I.%I($1%s)',
-                           CASE WHEN p.prorettype = 'void'::regtype THEN 'NULL::jsonb FROM ' ELSE '' END,
-                           n.nspname, p.proname,
-                           CASE WHEN p.pronargs = 2
-                                THEN ', pg_catalog.jsonb_populate_record(NULL::flow.context, $2)' ELSE '' END)
-             FROM pg_catalog.pg_proc p JOIN pg_catalog.pg_namespace n ON n.oid = p.pronamespace
-             WHERE p.oid = $1",
-            &[command.handler.into()],
-        )
-        .unwrap_or_else(|e| error!("flow: {e}"))
-        .unwrap_or_else(|| error!("flow: handler function {} no longer exists", key));
+        let sql = handler_call_sql(command.handler);
         let plan = Spi::connect_mut(|client| {
             client.prepare_mut(sql.as_str(), &[JSONB, JSONB]).unwrap_or_else(|e| error!("flow: {e}")).keep()
         });
@@ -399,10 +361,33 @@ fn call_handler(command: &Claimed) -> Option<JsonB> {
     })
 }
 
+/// `SELECT schema.fn($1 [, context])` for a handler, read from the catalog
+/// caches (no SQL, so nothing a handler left behind can change its meaning).
+fn handler_call_sql(handler: pg_sys::Oid) -> String {
+    unsafe {
+        let name = pg_sys::get_func_name(handler);
+        if name.is_null() {
+            error!("flow: handler function {} no longer exists", handler.to_u32());
+        }
+        let schema = pg_sys::get_namespace_name(pg_sys::get_func_namespace(handler));
+        let quote = |s: *const std::ffi::c_char| {
+            std::ffi::CStr::from_ptr(pg_sys::quote_identifier(s)).to_string_lossy().into_owned()
+        };
+        let function = format!("{}.{}", quote(schema), quote(name));
+        let returns_void = pg_sys::get_func_rettype(handler) == pg_sys::VOIDOID;
+        let takes_context = pg_sys::get_func_nargs(handler) == 2;
+        format!(
+            "SELECT {}{function}($1{})",
+            if returns_void { "NULL::pg_catalog.jsonb FROM " } else { "" },
+            if takes_context { ", pg_catalog.jsonb_populate_record(NULL::flow.context, $2)" } else { "" }
+        )
+    }
+}
+
 fn settle_failure(command: &Claimed, failure: &Failure) -> Settled {
     let status: Option<String> = engine_query(
         "SELECT flow._settle_failure($1, $2, $3, $4, $5,
-                CASE WHEN $6 IS NULL THEN NULL ELSE make_interval(secs => $6 / 1000000.0) END)",
+                CASE WHEN $6 IS NULL THEN NULL ELSE pg_catalog.make_interval(secs => $6 / 1000000.0) END)",
         &[UUID, UUID, TEXT, TEXT, TEXT, INT8],
         &[
             command.command_id.into(),

@@ -2,8 +2,8 @@
 //!
 //! Layout: `gucs` (settings), `shmem` (worker table, counters, wake-ups),
 //! `api` (internal SQL functions the public SQL API in `sql/` stands on),
-//! `handlers` (built-in Rust handlers), `executor` (run and settle one
-//! claimed command), `worker` (the background worker loop).
+//! `handlers` (built-in Rust handlers), `isolation` (what keeps a handler to
+//! its owner's rights), `executor` (run and settle one claimed command), `worker` (the background worker loop).
 
 use pgrx::prelude::*;
 
@@ -11,6 +11,7 @@ mod api;
 mod executor;
 mod gucs;
 mod handlers;
+mod isolation;
 mod shmem;
 mod worker;
 
@@ -29,6 +30,7 @@ pub extern "C-unwind" fn _PG_init() {
         );
     }
     gucs::init();
+    isolation::init();
     shmem::init();
     worker::register();
 }

@@ -9,7 +9,7 @@
 //! subtransaction (see executor.rs).
 
 use crate::executor::{self, Claimed};
-use crate::{api, gucs, shmem};
+use crate::{api, gucs, isolation, shmem};
 use pgrx::bgworkers::{BackgroundWorker, BackgroundWorkerBuilder, SignalWakeFlags};
 use pgrx::prelude::*;
 use pgrx::PgTryBuilder;
@@ -62,6 +62,7 @@ pub extern "C-unwind" fn flow_worker_main(arg: pg_sys::Datum) {
         pg_sys::pqsignal(pg_sys::SIGTERM as c_int, Some(die));
     }
     BackgroundWorker::connect_worker_to_spi(Some(&gucs::database_name()), None);
+    isolation::pin_worker_session();
     shmem::register_worker(index);
     unsafe { pg_sys::before_shmem_exit(Some(on_exit), pg_sys::Datum::from(index)) };
     report_activity("flow: starting");
@@ -243,7 +244,7 @@ impl Worker {
         let seconds = retention.as_secs() as i64;
         let pruned = transaction(|| {
             Spi::get_one_with_args::<i32>(
-                "SELECT flow._prune(make_interval(secs => $1), $2)",
+                "SELECT flow._prune(pg_catalog.make_interval(secs => $1), $2)",
                 &[(seconds as f64).into(), PRUNE_BATCH.into()],
             )
         });

@@ -4,7 +4,7 @@
 -- Owners are regrole, so pg_dump writes role names; the views that read them
 -- are recreated below.
 DROP VIEW flow.runs, flow.commands, flow.attempts, flow.definitions, flow.events, flow.waits,
-    flow.recent_attempts;
+    flow.recent_attempts, flow.queues, flow.workers;
 ALTER TABLE flow._definitions ALTER COLUMN owner TYPE regrole;
 ALTER TABLE flow._runs ALTER COLUMN owner TYPE regrole;
 ALTER TABLE flow._events ALTER COLUMN owner TYPE regrole;
@@ -18,3 +18,26 @@ SELECT pg_catalog.pg_extension_config_dump('flow._attempts', '');
 SELECT pg_catalog.pg_extension_config_dump('flow._events', '');
 SELECT pg_catalog.pg_extension_config_dump('flow._events_position_seq', '');
 SELECT pg_catalog.pg_extension_config_dump('flow._waits', '');
+
+-- Owned queues and definition names (see sql/schema.sql). Existing queues are
+-- owned by the role of their oldest definition; unused ones and 'default' stay
+-- open to everyone.
+ALTER TABLE flow._queues ADD COLUMN owner regrole, ADD COLUMN users regrole[] NOT NULL DEFAULT '{}';
+UPDATE flow._queues q SET owner = (SELECT d.owner FROM flow._definitions d WHERE d.queue = q.name
+                                   ORDER BY d.created_at LIMIT 1)
+WHERE q.name <> 'default';
+UPDATE flow._queues q SET users = '{-}' WHERE q.owner IS NULL;
+CREATE TABLE flow._definition_names (
+    name      text PRIMARY KEY CHECK (name <> ''),
+    owner     regrole NOT NULL,
+    starters  regrole[] NOT NULL DEFAULT '{}'
+);
+INSERT INTO flow._definition_names (name, owner)
+SELECT DISTINCT ON (d.name) d.name, d.owner FROM flow._definitions d ORDER BY d.name, d.version;
+ALTER TABLE flow._definitions ADD CONSTRAINT _definitions_name_fkey
+    FOREIGN KEY (name) REFERENCES flow._definition_names (name);
+SELECT pg_catalog.pg_extension_config_dump('flow._definition_names', '');
+-- Event keys are locked by a C function now (sql/engine.sql had an SQL one).
+DROP FUNCTION flow._lock_event_key(text, text);
+-- Events satisfy waits of their own run too (sql/engine.sql, _may_satisfy).
+DROP FUNCTION flow._may_satisfy(oid, uuid);

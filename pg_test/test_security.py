@@ -1,0 +1,499 @@
+"""Hostile roles: alice and bob are ordinary users, mallory is an attacker with
+only the database defaults (CONNECT, TEMP; no CREATE anywhere). Every attack
+here was reproduced against 0.1.0; each test asserts its outcome: no
+escalation, no effect on another role, no stall of the engine.
+(src/isolation.rs and the README's security model say what holds and why.)"""
+import threading
+import time
+
+import psycopg
+import pytest
+
+from conftest import fresh_cluster, unique
+
+
+@pytest.fixture(scope="module")
+def pg():
+    cluster = fresh_cluster("flow.workers = 2")
+    with cluster.connect() as c:
+        c.execute("""
+            CREATE ROLE alice LOGIN; CREATE ROLE bob LOGIN; CREATE ROLE mallory LOGIN;
+            -- a DBA lets mallory schedule SQL of her own (pg_cron style): the attacks
+            -- below must still run as mallory and nobody else
+            GRANT EXECUTE ON FUNCTION flow.run_sql(jsonb) TO mallory;
+            CREATE SCHEMA app;
+            GRANT USAGE ON SCHEMA app TO alice, bob;
+            CREATE TABLE public.ledger (who text, v int);
+            GRANT SELECT, INSERT ON public.ledger TO alice, bob;
+            CREATE TABLE app.parent (id int PRIMARY KEY);
+            CREATE TABLE app.child (id int PRIMARY KEY,
+                parent int REFERENCES app.parent DEFERRABLE INITIALLY DEFERRED);
+            GRANT SELECT, INSERT ON app.parent, app.child TO alice;
+
+            CREATE FUNCTION app.alice_ledger(args jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
+            BEGIN
+                INSERT INTO ledger VALUES (current_user, (args->>'v')::int);   -- unqualified on purpose
+                RETURN jsonb_build_object('user', current_user);
+            END $$;
+            CREATE FUNCTION app.alice_void(args jsonb) RETURNS void LANGUAGE plpgsql AS $$
+            BEGIN INSERT INTO ledger VALUES (current_user, -1); END $$;
+            -- child before parent: fine with a deferred foreign key, checked at the end
+            CREATE FUNCTION app.alice_family(args jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
+            BEGIN
+                INSERT INTO app.child VALUES ((args->>'id')::int, (args->>'parent')::int);
+                IF (args->>'with_parent')::boolean THEN
+                    INSERT INTO app.parent VALUES ((args->>'parent')::int);
+                END IF;
+                RETURN '{}';
+            END $$;
+            CREATE FUNCTION app.alice_event(args jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
+            BEGIN PERFORM flow.emit('ping', args->>'key'); RETURN '{}'; END $$;
+            ALTER FUNCTION app.alice_ledger(jsonb) OWNER TO alice;
+            ALTER FUNCTION app.alice_void(jsonb) OWNER TO alice;
+            ALTER FUNCTION app.alice_family(jsonb) OWNER TO alice;
+            ALTER FUNCTION app.alice_event(jsonb) OWNER TO alice;
+            -- mallory's SQL runner that also says which worker process ran it
+            GRANT USAGE ON SCHEMA app TO mallory;
+            CREATE FUNCTION app.mallory_sql(args jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
+            BEGIN
+                EXECUTE args->>'sql';
+                RETURN jsonb_build_object('pid', pg_backend_pid());
+            END $$;
+            ALTER FUNCTION app.mallory_sql(jsonb) OWNER TO mallory;
+        """)
+    yield cluster
+
+
+def run_sql_as(pg, user, sql, max_attempts=1, **kw):
+    """Define a flow.run_sql definition as `user`, enqueue `sql`, await it."""
+    name = unique("sql")
+    params = "".join(f", {k} => {v}" for k, v in kw.items())
+    pg.one(f"SELECT flow.define('{name}', 'flow.run_sql'::regproc, max_attempts => {max_attempts}{params})",
+           user=user)
+    run = pg.one("SELECT flow.enqueue(%s, jsonb_build_object('sql', %s::text))", name, sql, user=user)
+    return run, pg.await_run(run, "30s", user=user)
+
+
+def alice_runs(pg, handler, args="{}", **kw):
+    name = unique("a")
+    params = "".join(f", {k} => {v}" for k, v in kw.items())
+    pg.one(f"SELECT flow.define('{name}', '{handler}'::regproc{params})", user="alice")
+    run = pg.one(f"SELECT flow.enqueue('{name}', '{args}')", user="alice")
+    return run, pg.await_run(run, "30s", user="alice")
+
+
+def is_superuser(pg, role):
+    return pg.one("SELECT rolsuper FROM pg_roles WHERE rolname = %s", role)
+
+
+def error_of(pg, run):
+    return pg.all("SELECT last_error_code, last_error_message FROM flow._commands WHERE run_id = %s"
+                  " AND key = 'root'", run)[0]
+
+
+# ---------------------------------------------------------------- 1. commit-time code
+
+PWN = """
+CREATE FUNCTION pg_temp.esc() RETURNS trigger LANGUAGE plpgsql AS $f$
+BEGIN EXECUTE 'ALTER ROLE mallory SUPERUSER'; RETURN NULL; END $f$;
+CREATE TEMP TABLE pwn_t (x int);
+CREATE CONSTRAINT TRIGGER esc AFTER INSERT ON pwn_t DEFERRABLE INITIALLY DEFERRED
+    FOR EACH ROW EXECUTE FUNCTION pg_temp.esc();
+INSERT INTO pwn_t VALUES (1)
+"""
+
+
+def test_a_deferred_trigger_runs_as_its_owner_inside_the_attempt(pg):
+    run, (status, _, _) = run_sql_as(pg, "mallory", PWN)
+    assert is_superuser(pg, "mallory") is False
+    # it fired when the handler returned, as mallory, and failed her command alone
+    assert status == "failed"
+    assert error_of(pg, run)[0] == "42501"
+
+
+def test_deferred_foreign_keys_work_and_a_violation_fails_only_its_command(pg):
+    pg.one("SELECT flow.set_queue('default', paused => true)")
+    try:
+        name = unique("fam")
+        pg.one(f"SELECT flow.define('{name}', 'app.alice_family'::regproc, max_attempts => 1)", user="alice")
+        good = [pg.one(f"SELECT flow.enqueue('{name}', jsonb_build_object('id', {i}, 'parent', {i},"
+                       " 'with_parent', true))", user="alice") for i in range(1, 21)]
+        bad = pg.one(f"SELECT flow.enqueue('{name}', '{{\"id\": 100, \"parent\": 999, \"with_parent\": false}}')",
+                     user="alice")
+    finally:
+        pg.one("SELECT flow.set_queue('default', paused => false)")
+    for run in good:
+        assert pg.await_run(run, user="alice")[0] == "succeeded"
+    assert pg.await_run(bad, user="alice")[0] == "failed"
+    assert error_of(pg, bad)[0] == "23503"
+    # one attempt each: nobody was charged for the violation of another
+    assert pg.one("SELECT max(attempts) FROM flow._commands c JOIN flow._runs r ON r.id = c.run_id"
+                  " WHERE r.name = %s", name) == 1
+    assert pg.one("SELECT count(*) FROM app.child") == 20
+
+
+@pytest.mark.parametrize("sql", [
+    "DECLARE c CURSOR WITH HOLD FOR SELECT 1",
+    "LISTEN flow_worker_channel",
+])
+def test_what_would_linger_in_the_workers_session_is_refused(pg, sql):
+    run, (status, _, _) = run_sql_as(pg, "mallory", sql)
+    assert status == "failed"
+    code, message = error_of(pg, run)
+    assert code == "0A000" and "WITH HOLD cursors or LISTEN" in message
+
+
+def mallory_on_every_worker(pg, sql):
+    """Run `sql` as mallory until it has run in every worker process; returns
+    the definition name."""
+    name = unique("m")
+    pg.one(f"SELECT flow.define('{name}', 'app.mallory_sql'::regproc, max_attempts => 1)", user="mallory")
+    workers = {r[0] for r in pg.all("SELECT pid FROM flow.workers")}
+    seen = set()
+    for _ in range(40):
+        run = pg.one("SELECT flow.enqueue(%s, jsonb_build_object('sql', %s::text))", name, sql, user="mallory")
+        status, result, _ = pg.await_run(run, user="mallory")
+        assert status == "succeeded"
+        seen.add(result["pid"])
+        if seen >= workers:
+            return name
+    pytest.fail(f"mallory's SQL never reached every worker: {seen} of {workers}")
+
+
+def test_session_leftovers_do_not_survive_the_attempt(pg):
+    mallory_on_every_worker(pg, """
+        PREPARE sneaky AS SELECT 1;
+        PERFORM pg_advisory_lock(4242);
+        SET work_mem = '77MB';
+        CREATE TEMP TABLE void (x int);
+        CREATE TEMP TABLE text (x int);
+        CREATE TEMP TABLE jsonb (x int);
+        CREATE TEMP TABLE ledger (who text, v int);
+        GRANT ALL ON ledger TO PUBLIC""".replace("PERFORM", "SELECT"))
+    # the session advisory lock was released with each attempt
+    assert pg.one("SELECT pg_try_advisory_lock(4242)") is True
+    # mallory's temp tables named like types and like alice's table are gone from
+    # every worker: alice's unqualified insert and her void handler use the real things
+    for i in range(4):
+        assert alice_runs(pg, "app.alice_ledger", f'{{"v": {i}}}')[1][0] == "succeeded"
+        assert alice_runs(pg, "app.alice_void")[1][0] == "succeeded"
+    assert pg.one("SELECT count(*) FROM public.ledger WHERE who = 'alice' AND v BETWEEN 0 AND 3") == 4
+    # in every worker, the prepared statement and the setting are gone
+    probe = mallory_on_every_worker(pg, """
+        DO $d$ BEGIN
+            IF current_setting('work_mem') = '77MB' THEN RAISE EXCEPTION 'setting leaked'; END IF;
+            IF EXISTS (SELECT 1 FROM pg_prepared_statements) THEN RAISE EXCEPTION 'statement leaked'; END IF;
+            IF EXISTS (SELECT 1 FROM pg_class WHERE relpersistence = 't') THEN RAISE EXCEPTION 'temp leaked'; END IF;
+        END $d$""")
+    assert probe
+
+
+def test_a_temp_table_with_a_trigger_never_catches_another_roles_rows(pg):
+    mallory_on_every_worker(pg, """
+        CREATE TEMP TABLE ledger (who text, v int);
+        GRANT ALL ON ledger TO PUBLIC;
+        CREATE FUNCTION pg_temp.steal() RETURNS trigger LANGUAGE plpgsql AS $f$
+        BEGIN RETURN NULL; END $f$;
+        CREATE TRIGGER steal BEFORE INSERT ON ledger FOR EACH ROW EXECUTE FUNCTION pg_temp.steal()""")
+    for _ in range(4):
+        assert alice_runs(pg, "app.alice_ledger", '{"v": 500}')[1][0] == "succeeded"
+    assert pg.one("SELECT count(*) FROM public.ledger WHERE v = 500") == 4
+
+
+# ---------------------------------------------------------------- 2. who may start what
+
+def test_run_sql_is_not_for_everyone_and_never_opened_to_others(pg):
+    assert pg.one("SELECT has_function_privilege('bob', 'flow.run_sql(jsonb)', 'EXECUTE')") is False
+    name = unique("dba")
+    pg.one(f"SELECT flow.define('{name}', 'flow.run_sql'::regproc)")
+    assert pg.sqlstate("SELECT flow.enqueue(%s, '{\"sql\": \"ALTER ROLE mallory SUPERUSER\"}')", name,
+                       user="mallory") == "FL001"
+    assert pg.sqlstate(f"SELECT flow.grant_definition('{name}', 'mallory')") == "42501"
+    assert pg.sqlstate(f"SELECT flow.grant_definition('{name}', 'PUBLIC')") == "42501"
+    # and a definition already open cannot be switched to run_sql
+    open_ = unique("open")
+    pg.one(f"SELECT flow.define('{open_}', 'flow.noop'::regproc)")
+    pg.one(f"SELECT flow.grant_definition('{open_}', 'PUBLIC')")
+    assert pg.sqlstate(f"SELECT flow.define('{open_}', 'flow.run_sql'::regproc)") == "42501"
+    assert is_superuser(pg, "mallory") is False
+
+
+def test_a_definition_is_its_owners_until_opened(pg):
+    name = unique("mine")
+    pg.one(f"SELECT flow.define('{name}', 'app.alice_ledger'::regproc)", user="alice")
+    for user in ("bob", "mallory"):
+        assert pg.sqlstate(f"SELECT flow.enqueue('{name}', '{{\"v\": 1}}')", user=user) == "FL001"
+    pg.one(f"SELECT flow.grant_definition('{name}', 'bob')", user="alice")
+    run = pg.one(f"SELECT flow.enqueue('{name}', '{{\"v\": 7}}')", user="bob")
+    status, result, _ = pg.await_run(run, user="bob")
+    assert status == "succeeded" and result == {"user": "alice"}
+    assert pg.sqlstate(f"SELECT flow.enqueue('{name}', '{{\"v\": 1}}')", user="mallory") == "FL001"
+    # names of other roles cannot be probed: unknown and foreign look alike
+    assert pg.sqlstate("SELECT flow.enqueue('no_such_definition_at_all')", user="mallory") == "FL001"
+
+
+def test_a_temporary_function_is_no_handler(pg):
+    with pg.connect("mallory") as m:
+        m.execute("CREATE FUNCTION pg_temp.h(args jsonb) RETURNS jsonb LANGUAGE sql AS 'SELECT args'")
+        with pytest.raises(psycopg.Error) as caught:
+            m.execute(f"SELECT flow.define('{unique('tmp')}', 'pg_temp.h(jsonb)'::regprocedure)")
+        assert caught.value.sqlstate == "FL008"
+
+
+# ---------------------------------------------------------------- 4. planted objects
+
+def test_the_engines_sql_ignores_objects_planted_in_public(pg):
+    pg.all("GRANT CREATE ON SCHEMA public TO mallory")
+    try:
+        with pg.connect("mallory") as m:
+            m.execute("""
+                CREATE FUNCTION public.esc() RETURNS void LANGUAGE plpgsql AS $f$
+                BEGIN
+                    IF (SELECT rolsuper FROM pg_roles WHERE rolname = current_user) THEN
+                        EXECUTE 'ALTER ROLE mallory SUPERUSER';
+                    END IF;
+                END $f$;
+                CREATE FUNCTION public.to_jsonb(flow.context) RETURNS jsonb LANGUAGE plpgsql AS $f$
+                BEGIN PERFORM public.esc(); RETURN '{}'; END $f$;
+                CREATE FUNCTION public.make_interval(secs double precision) RETURNS interval LANGUAGE plpgsql AS $f$
+                BEGIN PERFORM public.esc(); RETURN interval '1 s'; END $f$;
+                CREATE FUNCTION public.eq_oid_regtype(oid, regtype) RETURNS boolean LANGUAGE plpgsql AS $f$
+                BEGIN PERFORM public.esc(); RETURN $1 = $2::oid; END $f$;
+                CREATE OPERATOR public.= (LEFTARG = oid, RIGHTARG = regtype, FUNCTION = public.eq_oid_regtype);
+                CREATE FUNCTION public.jsonb_populate_record(anyelement, jsonb) RETURNS anyelement
+                    LANGUAGE plpgsql AS $f$ BEGIN PERFORM public.esc(); RETURN $1; END $f$;
+            """)
+        # fresh worker sessions prepare every plan again
+        pg.all("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE backend_type = 'flow worker'")
+        pg.wait_for("SELECT count(*) = 2 FROM flow.workers WHERE pid IS NOT NULL")
+        name = unique("ctx")
+        pg.all("CREATE FUNCTION app.ctx_handler(args jsonb, ctx flow.context) RETURNS jsonb LANGUAGE plpgsql AS"
+               " $$ BEGIN IF ctx.attempt = 1 THEN PERFORM flow.retry_after('10 ms'); END IF;"
+               " RETURN jsonb_build_object('attempt', ctx.attempt); END $$")
+        pg.one(f"SELECT flow.define('{name}', 'app.ctx_handler(jsonb, flow.context)'::regprocedure)")
+        run = pg.one(f"SELECT flow.enqueue('{name}')")
+        assert pg.await_run(run)[:2] == ("succeeded", {"attempt": 2})
+        assert alice_runs(pg, "app.alice_void")[1][0] == "succeeded"
+        assert is_superuser(pg, "mallory") is False
+    finally:
+        pg.all("REVOKE CREATE ON SCHEMA public FROM mallory")
+
+
+# ---------------------------------------------------------------- 5. races for a name
+
+def test_no_role_can_take_over_a_definition_name(pg):
+    name = unique("send_welcome")
+    holder = pg.connect("mallory", autocommit=False)
+    holder.execute("SELECT flow.set_queue(%s)", (name + "_trap",))          # holds the queue row
+    outcome = {}
+
+    def mallory_defines():
+        try:
+            with pg.connect("mallory") as m2:
+                m2.execute(f"SELECT flow.define('{name}', 'flow.run_sql'::regproc, queue => '{name}_trap')")
+            outcome["mallory"] = "ok"
+        except psycopg.Error as e:
+            outcome["mallory"] = e.sqlstate
+
+    def alice_defines():
+        try:
+            pg.one(f"SELECT flow.define('{name}', 'app.alice_ledger'::regproc)", user="alice")
+            outcome["alice"] = "ok"
+        except psycopg.Error as e:
+            outcome["alice"] = e.sqlstate
+
+    t1 = threading.Thread(target=mallory_defines)
+    t1.start()
+    time.sleep(0.5)
+    t2 = threading.Thread(target=alice_defines)
+    t2.start()
+    time.sleep(0.5)
+    holder.rollback()
+    holder.close()
+    t1.join(10)
+    t2.join(10)
+    rows = pg.all("SELECT owner::text, handler::text FROM flow._definitions WHERE name = %s", name)
+    # whoever owns the name, its handler is that role's choice
+    assert rows in ([("mallory", "flow.run_sql(jsonb)")], [("alice", "app.alice_ledger(jsonb)")])
+    if rows[0][0] == "mallory":
+        assert outcome == {"mallory": "ok", "alice": "FL011"}
+    # nor can a newer version be slipped under another role's name
+    mine = unique("versioned")
+    pg.one(f"SELECT flow.define('{mine}', 'app.alice_ledger'::regproc)", user="alice")
+    assert pg.sqlstate(f"SELECT flow.define('{mine}', 'flow.run_sql'::regproc, version => 2)",
+                       user="mallory") == "FL011"
+
+
+# ---------------------------------------------------------------- 6. out-of-range values
+
+@pytest.mark.parametrize("call, code", [
+    ("flow.define('{n}', 'flow.noop'::regproc, timeout => '300000 years')", "FL015"),
+    ("flow.define('{n}', 'flow.noop'::regproc, backoff => '300000 years', backoff_max => '300000 years')", "FL015"),
+    ("flow.define('{n}', 'flow.noop'::regproc, backoff_max => '300000 years')", "FL015"),
+    ("flow.define('{n}', 'flow.noop'::regproc, max_elapsed => '300000 years')", "FL015"),
+    ("flow.enqueue('{d}', start_after => '300000 years')", "FL005"),
+    ("flow.enqueue('{d}', run_at => 'infinity')", "FL005"),
+    ("flow.enqueue('{d}', run_at => '200000-01-01')", "FL005"),
+    ("flow.enqueue('{d}', deadline => '300000 years')", "FL005"),
+    ("flow.await(gen_random_uuid(), '300000 years')", "FL005"),
+])
+def test_huge_intervals_and_infinite_times_are_refused(pg, call, code):
+    d = unique("bounded")
+    pg.one(f"SELECT flow.define('{d}', 'flow.noop'::regproc)", user="alice")
+    before = pg.one("SELECT count(*) FROM flow._definitions") , pg.one("SELECT count(*) FROM flow._runs")
+    assert pg.sqlstate("SELECT " + call.format(n=unique("n"), d=d), user="alice") == code
+    assert (pg.one("SELECT count(*) FROM flow._definitions"), pg.one("SELECT count(*) FROM flow._runs")) == before
+
+
+def test_a_huge_retry_after_fails_its_command_and_nothing_else(pg):
+    run, (status, _, _) = run_sql_as(pg, "mallory", "SELECT flow.retry_after('292260 years')", max_attempts=5)
+    assert status == "failed"
+    assert error_of(pg, run)[0] == "invalid_retry_after"
+    assert alice_runs(pg, "app.alice_void")[1][0] == "succeeded"
+
+
+# ---------------------------------------------------------------- 7. queues have owners
+
+def test_queues_belong_to_their_creator(pg):
+    # nobody but a superuser manages the shared default queue
+    assert pg.sqlstate("SELECT flow.set_queue('default', paused => true)", user="mallory") == "FL011"
+    assert pg.one("SELECT paused FROM flow._queues WHERE name = 'default'") is False
+    # alice's limited queue: mallory can neither pause nor flood it
+    q = unique("alice_q")
+    pg.one(f"SELECT flow.set_queue('{q}', concurrency => 1)", user="alice")
+    assert pg.sqlstate(f"SELECT flow.set_queue('{q}', paused => true)", user="mallory") == "FL011"
+    with pg.connect("mallory") as m:
+        m.execute(f"SELECT flow.define('{unique('flood')}', 'flow.run_sql'::regproc)")
+    flood = pg.one("SELECT name FROM flow._definitions WHERE owner = 'mallory'::regrole ORDER BY created_at DESC"
+                   " LIMIT 1")
+    assert pg.sqlstate(f"SELECT flow.enqueue('{flood}', '{{\"sql\": \"SELECT 1\"}}', queue => '{q}')",
+                       user="mallory") == "FL011"
+    assert pg.sqlstate(f"SELECT flow.define('{unique('on_q')}', 'flow.run_sql'::regproc, queue => '{q}')",
+                       user="mallory") == "FL011"
+    # a queue mallory created first is hers; alice uses it only when granted
+    mq = unique("squat")
+    pg.one(f"SELECT flow.set_queue('{mq}', paused => true)", user="mallory")
+    assert pg.sqlstate(f"SELECT flow.define('{unique('x')}', 'app.alice_void'::regproc, queue => '{mq}')",
+                       user="alice") == "FL011"
+    pg.one(f"SELECT flow.grant_queue('{q}', 'bob')", user="alice")
+    assert pg.one(f"SELECT 'bob' = ANY (users::text[]) FROM flow.queues WHERE name = '{q}'", user="alice") is True
+    # mallory sees neither alice's queue nor anyone's counts
+    assert pg.one(f"SELECT count(*) FROM flow.queues WHERE name = '{q}'", user="mallory") == 0
+
+
+# ---------------------------------------------------------------- 9. other roles' events
+
+def test_a_workflow_cannot_read_another_roles_events(pg):
+    key = unique("card")
+    pg.one("SELECT flow.emit('card', %s, '{\"number\": \"4111 1111 1111 1111\"}')", key, user="alice")
+    pg.all("CREATE FUNCTION app.spy_root(args jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$ BEGIN"
+           " PERFORM flow.spawn(args->>'child', '{}', key => 'spy', waits => array[flow.wait('card', args->>'key')],"
+           " within => '1 second'); RETURN '{}'; END $$")
+    pg.all("CREATE FUNCTION app.spy_child(args jsonb, ctx flow.context) RETURNS jsonb LANGUAGE plpgsql AS $$"
+           " BEGIN RETURN jsonb_build_object('inputs', ctx.inputs, 'timed_out', ctx.wait_timed_out); END $$")
+    pg.all("GRANT USAGE ON SCHEMA app TO mallory")
+    pg.all("ALTER FUNCTION app.spy_root(jsonb) OWNER TO mallory")
+    pg.all("ALTER FUNCTION app.spy_child(jsonb, flow.context) OWNER TO mallory")
+    root, child = unique("spy_root"), unique("spy_child")
+    pg.one(f"SELECT flow.define('{child}', 'app.spy_child(jsonb, flow.context)'::regprocedure)", user="mallory")
+    pg.one(f"SELECT flow.define('{root}', 'app.spy_root'::regproc)", user="mallory")
+    run = pg.one(f"SELECT flow.enqueue('{root}', jsonb_build_object('child', '{child}', 'key', '{key}'))",
+                 user="mallory")
+    assert pg.await_run(run, user="mallory")[0] == "succeeded"
+    result = pg.one("SELECT result FROM flow._commands WHERE run_id = %s AND key = 'spy'", run)
+    assert result == {"inputs": [], "timed_out": True}
+    assert "4111" not in str(pg.all("SELECT * FROM flow.events", user="mallory"))
+
+
+# ---------------------------------------------------------------- 10, 11. stalls and leaks
+
+def test_an_open_set_queue_transaction_holds_up_only_its_queue(pg):
+    mine, other = unique("held"), unique("free")
+    pg.one(f"SELECT flow.set_queue('{mine}', concurrency => 1)", user="alice")
+    pg.one(f"SELECT flow.set_queue('{other}', concurrency => 2)", user="bob")
+    pg.all("CREATE FUNCTION app.bob_void(args jsonb) RETURNS void LANGUAGE sql AS 'SELECT'")
+    pg.all("ALTER FUNCTION app.bob_void(jsonb) OWNER TO bob")
+    b = unique("b")
+    pg.one(f"SELECT flow.define('{b}', 'app.bob_void'::regproc, queue => '{other}')", user="bob")
+    a = unique("a")
+    pg.one(f"SELECT flow.define('{a}', 'app.alice_void'::regproc, queue => '{mine}')", user="alice")
+    alice_run = pg.one(f"SELECT flow.enqueue('{a}')", user="alice")
+    blocker = pg.connect("alice", autocommit=False)
+    try:
+        blocker.execute(f"SELECT flow.set_queue('{mine}', concurrency => 1)")
+        started = time.time()
+        runs = [pg.one(f"SELECT flow.enqueue('{b}')", user="bob") for _ in range(5)]
+        for run in runs:
+            assert pg.await_run(run, "10s", user="bob")[0] == "succeeded"
+        assert time.time() - started < 8
+    finally:
+        blocker.rollback()
+        blocker.close()
+    assert pg.await_run(alice_run, user="alice")[0] == "succeeded"
+
+
+def test_another_roles_lease_is_not_found_at_once(pg):
+    name = unique("ext")
+    pg.one(f"SELECT flow.define('{name}', NULL)", user="alice")
+    pg.one(f"SELECT flow.enqueue('{name}')", user="alice")
+    with pg.connect("alice") as a:
+        cmd, token = a.execute(f"SELECT command_id, lease_token FROM flow.claim(array['{name}'], 'w', 1)").fetchone()
+    holder = pg.connect("alice", autocommit=False)
+    try:
+        holder.execute("SELECT flow.heartbeat(%s, %s)", (cmd, token))       # holds the run's lock
+        started = time.time()
+        assert pg.sqlstate("SELECT flow.heartbeat(%s, gen_random_uuid())", cmd, user="mallory") == "FL014"
+        assert pg.sqlstate("SELECT flow.complete(%s, gen_random_uuid())", cmd, user="mallory") == "FL014"
+        assert time.time() - started < 1.0
+    finally:
+        holder.rollback()
+        holder.close()
+
+
+def test_advisory_locks_cannot_stall_another_roles_events(pg):
+    key = unique("k")
+    with pg.connect("mallory") as m:
+        m.execute("SELECT pg_advisory_lock(hashtextextended('flow.event:ping:' || %s, 0))", (key,))
+        for k1, k2 in [(0, 0), (1, 1)]:
+            m.execute("SELECT pg_advisory_lock(%s, %s)", (k1, k2))
+        started = time.time()
+        assert pg.one("SELECT flow.emit('ping', %s) > 0", key, user="alice") is True
+        run, (status, _, _) = alice_runs(pg, "app.alice_event", f'{{"key": "{key}"}}')
+        assert status == "succeeded"
+        assert time.time() - started < 10
+
+
+def test_the_workers_view_names_only_your_own_commands(pg):
+    name = unique("sleepy")
+    pg.one(f"SELECT flow.define('{name}', 'flow.run_sql'::regproc)", user="mallory")
+    run = pg.one(f"SELECT flow.enqueue('{name}', '{{\"sql\": \"SELECT pg_sleep(1.5)\"}}')", user="mallory")
+    pg.wait_for("SELECT count(*) = 1 FROM flow.workers WHERE command_id IS NOT NULL", user="mallory")
+    assert pg.one("SELECT count(*) FROM flow.workers WHERE command_id IS NOT NULL", user="alice") == 0
+    assert pg.await_run(run, user="mallory")[0] == "succeeded"
+
+
+def test_database_and_role_settings_do_not_change_the_workers(pg):
+    pg.all("ALTER DATABASE postgres SET default_transaction_isolation = 'serializable'")
+    pg.all("ALTER DATABASE postgres SET lock_timeout = '1ms'")
+    pg.all("ALTER DATABASE postgres SET session_replication_role = 'replica'")
+    pg.all("ALTER DATABASE postgres SET default_transaction_read_only = on")
+    try:
+        # workers that start now connect under these settings
+        pg.all("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE backend_type = 'flow worker'")
+        time.sleep(1.5)
+        pg.wait_for("SELECT count(*) = 2 FROM flow.workers WHERE pid IS NOT NULL")
+        with pg.connect() as c:
+            assert c.execute("SHOW default_transaction_isolation").fetchone()[0] == "serializable"
+    finally:
+        with pg.connect() as c:
+            c.execute("SET default_transaction_read_only = off")
+            c.execute("ALTER DATABASE postgres RESET ALL")
+    name = unique("fam")
+    pg.one(f"SELECT flow.define('{name}', 'app.alice_family'::regproc, max_attempts => 1)")
+    ok = pg.one(f"SELECT flow.enqueue('{name}', '{{\"id\": 500, \"parent\": 500, \"with_parent\": true}}')")
+    bad = pg.one(f"SELECT flow.enqueue('{name}', '{{\"id\": 501, \"parent\": 9999, \"with_parent\": false}}')")
+    # read-only and serializable defaults did not stop the workers' claims and settlements
+    assert pg.await_run(ok)[0] == "succeeded"
+    # the foreign key is still enforced in the worker (no 'replica' replication role)
+    assert pg.await_run(bad)[0] == "failed" and error_of(pg, bad)[0] == "23503"
+    assert pg.one("SELECT count(*) FROM app.child WHERE id = 501") == 0

@@ -1,0 +1,209 @@
+//! The isolation model: a handler runs with exactly the rights, and the
+//! effects, of its owner running it in a session of their own. All handlers of
+//! all roles share a few worker backends whose session user is a superuser, so
+//! each rule below closes a way one handler could act in another's name:
+//!
+//! - **Rights.** The handler runs as its definition's owner with
+//!   `SECURITY_LOCAL_USERID_CHANGE` (no `SET ROLE` / `SET SESSION
+//!   AUTHORIZATION` back to the superuser), `search_path` pinned to
+//!   `"$user", public`, and every setting it changes (`SET`, `set_config`, even
+//!   without `LOCAL`) reverted when it returns.
+//! - **Commit-time code runs inside the attempt.** Deferred triggers and
+//!   deferred constraints (Django makes every foreign key `DEFERRABLE INITIALLY
+//!   DEFERRED`) fire when the handler returns, still as its owner and inside
+//!   its subtransaction: a violation fails that command alone, and nothing the
+//!   handler queued runs later as the worker's superuser. (PostgreSQL's own
+//!   `SECURITY_RESTRICTED_OPERATION` refuses deferred triggers outright; that
+//!   would shut out such schemas.)
+//! - **Nothing outlives the attempt.** After every attempt, succeeded or not,
+//!   the worker drops the session's temp objects (with their `ON COMMIT`
+//!   actions), deallocates prepared statements and releases session advisory
+//!   locks; a handler's `WITH HOLD` cursor or `LISTEN`, which would run or linger
+//!   in the worker's session after it, is refused with an error. So one role's
+//!   temp table can never shadow another role's table or type.
+//! - **The engine's own SQL resolves nothing through a schema a non-superuser
+//!   can write.** The worker session's `search_path` is `pg_catalog, pg_temp`
+//!   (temp relations last; functions and operators are never looked up in
+//!   `pg_temp`), and the engine's PL/pgSQL functions pin the same path.
+//! - **The worker's session settings are the engine's,** not those of `ALTER
+//!   DATABASE` / `ALTER ROLE`: isolation level, read-only default, lock and
+//!   statement timeouts, `synchronous_commit`, `session_replication_role` and
+//!   `row_security` are pinned at start. A server or database
+//!   `statement_timeout` becomes the default attempt timeout of handlers that
+//!   have none.
+//! - **Event keys are locked under flow's own lock tag**, which
+//!   `pg_advisory_lock` cannot take, so no role can stall another's emits.
+
+use pgrx::pg_sys;
+use pgrx::prelude::*;
+use std::cell::Cell;
+use std::ffi::{c_char, c_int, CStr};
+
+/// The `search_path` every handler starts with, whatever the worker's own is.
+const HANDLER_SEARCH_PATH: &CStr = c"\"$user\", public";
+
+/// Session settings of a worker backend (see the module comment).
+const WORKER_SETTINGS: &[(&CStr, &CStr)] = &[
+    (c"search_path", c"pg_catalog, pg_temp"),
+    (c"default_transaction_isolation", c"read committed"),
+    (c"default_transaction_read_only", c"off"),
+    (c"default_transaction_deferrable", c"off"),
+    (c"lock_timeout", c"0"),
+    (c"statement_timeout", c"0"),
+    (c"idle_in_transaction_session_timeout", c"0"),
+    (c"synchronous_commit", c"on"),
+    (c"session_replication_role", c"origin"),
+    (c"row_security", c"on"),
+];
+
+/// Lock tag field 4 of flow's event-key locks: pg_advisory_lock() only ever
+/// uses 1 (one bigint key) and 2 (two int keys).
+const EVENT_LOCK_TAG: u16 = 0x464C; // "FL"
+
+thread_local! {
+    /// True while a handler runs in this backend.
+    static IN_HANDLER: Cell<bool> = const { Cell::new(false) };
+    /// The statement_timeout the worker inherited (ms, 0: none): the default attempt timeout.
+    static INHERITED_STATEMENT_TIMEOUT_MS: Cell<i32> = const { Cell::new(0) };
+}
+
+static mut PREVIOUS_UTILITY_HOOK: pg_sys::ProcessUtility_hook_type = None;
+
+/// Install the utility hook; called from `_PG_init`. It costs one thread-local
+/// read per utility statement outside handlers.
+pub fn init() {
+    unsafe {
+        PREVIOUS_UTILITY_HOOK = pg_sys::ProcessUtility_hook;
+        pg_sys::ProcessUtility_hook = Some(refuse_what_would_outlive_the_attempt);
+    }
+}
+
+/// Pin the worker session's settings; called once after the worker connects.
+pub fn pin_worker_session() {
+    unsafe {
+        INHERITED_STATEMENT_TIMEOUT_MS.with(|t| t.set(pg_sys::StatementTimeout.max(0)));
+        for (name, value) in WORKER_SETTINGS {
+            pg_sys::SetConfigOption(
+                name.as_ptr(),
+                value.as_ptr(),
+                pg_sys::GucContext::PGC_SUSET,
+                pg_sys::GucSource::PGC_S_SESSION,
+            );
+        }
+    }
+}
+
+/// The attempt timeout of a handler whose definition has none: the
+/// statement_timeout of the server or database, if any (µs).
+pub fn default_attempt_timeout_us() -> Option<i64> {
+    let ms = INHERITED_STATEMENT_TIMEOUT_MS.with(|t| t.get());
+    (ms > 0).then(|| ms as i64 * 1000)
+}
+
+/// Run a handler (`f`) as `owner`, inside the caller's subtransaction, and
+/// fire what it deferred before returning. On an ERROR the subtransaction's
+/// abort restores the user and the settings; the caller then calls
+/// `after_attempt` on both paths.
+pub fn run_as_owner<R>(owner: pg_sys::Oid, f: impl FnOnce() -> R) -> R {
+    unsafe {
+        let (mut saved_user, mut saved_context) = (pg_sys::InvalidOid, 0);
+        pg_sys::GetUserIdAndSecContext(&mut saved_user, &mut saved_context);
+        pg_sys::SetUserIdAndSecContext(owner, saved_context | pg_sys::SECURITY_LOCAL_USERID_CHANGE as c_int);
+        let nest = pg_sys::NewGUCNestLevel();
+        pg_sys::set_config_option(
+            c"search_path".as_ptr(),
+            HANDLER_SEARCH_PATH.as_ptr(),
+            pg_sys::GucContext::PGC_USERSET,
+            pg_sys::GucSource::PGC_S_SESSION,
+            pg_sys::GucAction::GUC_ACTION_SAVE,
+            true,
+            0,
+            false,
+        );
+        IN_HANDLER.with(|h| h.set(true));
+        let result = f();
+        // Deferred triggers and constraints of this handler fire now, as its
+        // owner, under its settings and deadline; an error fails this attempt.
+        pg_sys::AfterTriggerFireDeferred();
+        IN_HANDLER.with(|h| h.set(false));
+        // false even on success: a handler's own SET must not leak into the engine's SQL.
+        pg_sys::AtEOXact_GUC(false, nest);
+        pg_sys::SetUserIdAndSecContext(saved_user, saved_context);
+        result
+    }
+}
+
+/// After every attempt (its subtransaction committed or rolled back), as the
+/// worker: nothing the handler started survives it. Prepared statements and
+/// session advisory locks are not transactional, so a failed attempt needs
+/// this as much as a successful one.
+pub fn after_attempt() {
+    IN_HANDLER.with(|h| h.set(false));
+    unsafe {
+        let (mut temp, mut temp_toast) = (pg_sys::InvalidOid, pg_sys::InvalidOid);
+        pg_sys::GetTempNamespaceState(&mut temp, &mut temp_toast);
+        if temp != pg_sys::InvalidOid {
+            pg_sys::ResetTempTableNamespace();
+        }
+        pg_sys::DropAllPreparedStatements();
+        pg_sys::LockReleaseSession(pg_sys::USER_LOCKMETHOD as pg_sys::LOCKMETHODID);
+    }
+}
+
+#[pg_guard]
+#[allow(clippy::too_many_arguments)]
+unsafe extern "C-unwind" fn refuse_what_would_outlive_the_attempt(
+    pstmt: *mut pg_sys::PlannedStmt,
+    query: *const c_char,
+    read_only_tree: bool,
+    context: pg_sys::ProcessUtilityContext::Type,
+    params: pg_sys::ParamListInfo,
+    query_env: *mut pg_sys::QueryEnvironment,
+    dest: *mut pg_sys::DestReceiver,
+    qc: *mut pg_sys::QueryCompletion,
+) {
+    if IN_HANDLER.with(|h| h.get()) {
+        let stmt = (*pstmt).utilityStmt;
+        let refused = match (*stmt).type_ {
+            pg_sys::NodeTag::T_DeclareCursorStmt => {
+                ((*(stmt as *mut pg_sys::DeclareCursorStmt)).options & pg_sys::CURSOR_OPT_HOLD as c_int) != 0
+            }
+            pg_sys::NodeTag::T_ListenStmt => true,
+            _ => false,
+        };
+        if refused {
+            pgrx::ereport!(
+                ERROR,
+                PgSqlErrorCode::ERRCODE_FEATURE_NOT_SUPPORTED,
+                "flow: a handler cannot use WITH HOLD cursors or LISTEN",
+                "They would outlive the handler's attempt in a worker session that other roles' handlers share."
+            );
+        }
+    }
+    match PREVIOUS_UTILITY_HOOK {
+        Some(previous) => previous(pstmt, query, read_only_tree, context, params, query_env, dest, qc),
+        None => pg_sys::standard_ProcessUtility(pstmt, query, read_only_tree, context, params, query_env, dest, qc),
+    }
+}
+
+/// Lock the event key (name, key) until the end of the transaction, under a
+/// lock tag of flow's own: waits created while the event is being emitted are
+/// never missed by both sides, and no role can take this lock from SQL.
+#[pg_extern(volatile, parallel_unsafe)]
+fn _lock_event_key(name: &str, key: &str) {
+    let hash = {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        (name, key).hash(&mut h);
+        h.finish()
+    };
+    let tag = pg_sys::LOCKTAG {
+        locktag_field1: unsafe { pg_sys::MyDatabaseId }.to_u32(),
+        locktag_field2: (hash >> 32) as u32,
+        locktag_field3: hash as u32,
+        locktag_field4: EVENT_LOCK_TAG,
+        locktag_type: pg_sys::LockTagType::LOCKTAG_ADVISORY as u8,
+        locktag_lockmethodid: pg_sys::USER_LOCKMETHOD as u8,
+    };
+    unsafe { pg_sys::LockAcquire(&tag, pg_sys::ExclusiveLock as pg_sys::LOCKMODE, false, false) };
+}
