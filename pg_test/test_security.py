@@ -497,3 +497,70 @@ def test_database_and_role_settings_do_not_change_the_workers(pg):
     # the foreign key is still enforced in the worker (no 'replica' replication role)
     assert pg.await_run(bad)[0] == "failed" and error_of(pg, bad)[0] == "23503"
     assert pg.one("SELECT count(*) FROM app.child WHERE id = 501") == 0
+
+
+# ---------------------------------------------------------------- 6. containment
+
+def set_faults(pg, value):
+    pg.all(f"ALTER SYSTEM SET flow.fault_points = '{value}'")
+    pg.all("SELECT pg_reload_conf()")
+    time.sleep(0.3)
+
+
+def test_an_engine_error_charges_no_command_that_did_not_cause_it(pg):
+    pids = sorted(pg.worker_pids())
+    name = unique("contained")
+    pg.one(f"SELECT flow.define('{name}', 'app.alice_void'::regproc, max_attempts => 1)", user="alice")
+    pg.one("SELECT flow.set_queue('default', paused => true)")
+    runs = pg.one(f"SELECT flow.enqueue_many('{name}', array_fill('{{}}'::jsonb, array[30]))", user="alice")
+    # every worker process fails the first settlement of successes it tries
+    set_faults(pg, "settle_success:error@1")
+    try:
+        pg.one("SELECT flow.set_queue('default', paused => false)")
+        for run in runs:
+            assert pg.await_run(run, user="alice")[0] == "succeeded"
+    finally:
+        set_faults(pg, "")
+    # nobody was charged for the failed chunk, and no worker exited
+    assert pg.one("SELECT max(c.attempts) FROM flow._commands c JOIN flow._runs r ON r.id = c.run_id"
+                  " WHERE r.name = %s", name) == 1
+    assert sorted(pg.worker_pids()) == pids
+    assert "fault injected at settle_success" in pg.log()
+
+
+def test_a_command_that_breaks_the_engine_fails_alone_with_its_error(pg):
+    pids = sorted(pg.worker_pids())
+    name = unique("poison")
+    pg.one(f"SELECT flow.define('{name}', 'app.alice_void'::regproc, max_attempts => 2, backoff => '10 ms')",
+           user="alice")
+    set_faults(pg, "settle_success:error")
+    try:
+        run = pg.one(f"SELECT flow.enqueue('{name}')", user="alice")
+        assert pg.await_run(run, user="alice")[0] == "failed"
+    finally:
+        set_faults(pg, "")
+    status, attempts, code, message = pg.all(
+        "SELECT status, attempts, last_error_code, last_error_message FROM flow._commands WHERE run_id = %s", run)[0]
+    assert (status, attempts, code) == ("failed", 2, "engine_error")
+    assert "fault injected at settle_success" in message
+    assert sorted(pg.worker_pids()) == pids
+    assert alice_runs(pg, "app.alice_void")[1][0] == "succeeded"
+
+
+def test_a_handler_that_swallows_its_timeout_is_stopped(pg):
+    pg.all("""CREATE FUNCTION app.stubborn(args jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
+              BEGIN
+                  LOOP
+                      BEGIN PERFORM pg_sleep(10); EXCEPTION WHEN query_canceled THEN NULL; END;
+                  END LOOP;
+              END $$""")
+    pg.all("ALTER FUNCTION app.stubborn(jsonb) OWNER TO alice")
+    started = time.time()
+    run, (status, _, _) = alice_runs(pg, "app.stubborn", timeout="'300 ms'", max_attempts=2)
+    assert status == "failed"
+    outcomes = [r[0] for r in pg.all("SELECT outcome FROM flow.attempts WHERE run_id = %s ORDER BY attempt", run)]
+    assert outcomes == ["interrupted", "interrupted"]
+    assert time.time() - started < 20
+    assert "ran past its deadline and ignored its cancel" in pg.log()
+    pg.wait_for("SELECT count(*) = 2 FROM flow.workers WHERE pid IS NOT NULL")
+    assert alice_runs(pg, "app.alice_void")[1][0] == "succeeded"

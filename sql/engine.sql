@@ -15,6 +15,16 @@ BEGIN
     IF value IS NULL OR btrim(value) = '' THEN
         RAISE EXCEPTION 'flow: % must not be NULL or empty', what USING ERRCODE = 'FL002';
     END IF;
+    RETURN flow._require_short(what, value);
+END $$;
+
+-- Names and keys are indexed: at most 1 KiB of UTF-8 each (two fit in one index entry).
+CREATE FUNCTION flow._require_short(what text, value text) RETURNS text
+LANGUAGE plpgsql IMMUTABLE SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF octet_length(value) > 1024 THEN
+        RAISE EXCEPTION 'flow: % is % bytes, over 1024', what, octet_length(value) USING ERRCODE = 'FL002';
+    END IF;
     RETURN value;
 END $$;
 
@@ -73,7 +83,7 @@ BEGIN
     IF lower(role) = 'public' THEN
         RETURN '-'::regrole;                 -- OID 0: everyone
     END IF;
-    found := to_regrole(role);
+    SELECT r.oid::regrole INTO found FROM pg_roles r WHERE r.rolname = role;   -- exact name, no quoting
     IF found IS NULL THEN
         RAISE EXCEPTION 'flow: no role named %', role USING ERRCODE = '42704';
     END IF;
@@ -365,6 +375,7 @@ DECLARE
     existing flow._runs;
 BEGIN
     PERFORM flow._require_payload('args', args);
+    PERFORM flow._require_short('key', key);
     IF key IS NOT NULL AND btrim(key) = '' THEN
         RAISE EXCEPTION 'flow: key must not be empty (NULL for none)' USING ERRCODE = 'FL002';
     END IF;
@@ -608,6 +619,25 @@ BEGIN
         WHERE c.status = 'running' AND c.lease_token = t.token;
 END $$;
 
+-- Hand claimed commands back to their queue: their worker's chunk failed
+-- outside their handlers and rolled back, so nothing of their attempt was
+-- kept, and the attempt the claim counted is given back.
+CREATE FUNCTION flow._release(command_ids uuid[], lease_tokens uuid[]) RETURNS integer
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    released integer;
+BEGIN
+    PERFORM flow._lock_runs_of(command_ids);
+    UPDATE flow._commands c SET status = 'pending', attempts = c.attempts - 1,
+        lease_token = NULL, lease_owner = NULL, lease_pid = NULL, lease_backend_start = NULL,
+        lease_expires_at = NULL, attempt_started_at = NULL, attempt_deadline = NULL
+    FROM unnest(command_ids, lease_tokens) AS t(id, token)
+    WHERE c.id = t.id AND c.status = 'running' AND c.lease_token = t.token;
+    GET DIAGNOSTICS released = ROW_COUNT;
+    PERFORM flow._wake();
+    RETURN released;
+END $$;
+
 -- Settle successful attempts in three set-based statements: a worker chunk's,
 -- or one external completion. The caller holds their runs' locks
 -- (_lock_runs_of). Returns how many settled.
@@ -839,6 +869,7 @@ BEGIN
     IF key IS NULL THEN
         RAISE EXCEPTION 'flow: event key must not be NULL' USING ERRCODE = 'FL002';
     END IF;
+    PERFORM flow._require_short('event key', key);
     PERFORM flow._require_payload('event payload', payload, false);
     PERFORM flow._lock_event_key(name, key);
     -- Inside a handler the event rides in the handler's transaction: it is
@@ -890,6 +921,7 @@ BEGIN
         IF spec.key IS NULL THEN
             RAISE EXCEPTION 'flow: wait key must not be NULL' USING ERRCODE = 'FL002';
         END IF;
+        PERFORM flow._require_short('wait key', spec.key);
     END LOOP;
     declared := jsonb_build_object('name', d.name, 'version', d.version, 'args', args, 'queue', lane,
         'start_after', start_after, 'within', within,

@@ -91,6 +91,7 @@ thread_local! {
 const STATEMENT_TIMEOUT: u32 = 3;
 unsafe extern "C-unwind" {
     fn enable_timeout_after(id: u32, delay_ms: c_int);
+    fn RegisterTimeout(id: u32, handler: Option<unsafe extern "C-unwind" fn()>) -> u32;
     fn disable_timeout(id: u32, keep_indicator: bool);
     fn get_timeout_indicator(id: u32, reset_indicator: bool) -> bool;
 }
@@ -165,6 +166,7 @@ const JSONB_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::JSONBARRAYOID);
 /// Claim up to `max` due commands for this worker process (flow._claim), in
 /// run order so that chunks lock runs in a stable order.
 pub fn claim(owner: &str, backend_start: Option<TimestampWithTimeZone>, max: i32, turn: i32) -> Vec<Claimed> {
+    gucs::inject_fault("claim");
     engine_query(
         "SELECT command_id, run_id, lease_token,
                 (extract(epoch FROM hard_deadline) * 1000000)::bigint - 946684800000000,
@@ -247,6 +249,7 @@ impl Chunk {
             results.push(result);
         }
         let expected = ids.len() as u64;
+        gucs::inject_fault("settle_success");
         let settled = engine_query(
             "SELECT flow._settle_batch($1, $2, $3)",
             &[UUID_ARRAY, UUID_ARRAY, JSONB_ARRAY],
@@ -257,6 +260,36 @@ impl Chunk {
         shmem::bump(&counters.succeeded, settled);
         shmem::bump(&counters.expired, expected.saturating_sub(settled));
     }
+}
+
+/// Run `body` in a subtransaction of the current transaction: kept when it
+/// returns Ok, rolled back when it returns Err or raises (the ERROR becomes
+/// `on_error(caught)`). The one home of that pattern, after PL/pgSQL's
+/// exception blocks: the memory context and resource owner are restored.
+pub fn in_subtransaction<R, E>(
+    body: impl FnOnce() -> Result<R, E>,
+    on_error: impl FnOnce(pg_sys::panic::CaughtError) -> E,
+) -> Result<R, E> {
+    let (outer_context, outer_owner) = unsafe { (pg_sys::CurrentMemoryContext, pg_sys::CurrentResourceOwner) };
+    unsafe {
+        pg_sys::BeginInternalSubTransaction(std::ptr::null());
+        pg_sys::MemoryContextSwitchTo(outer_context);
+    }
+    // catch_others wants an FnMut; on_error runs at most once.
+    let on_error = std::panic::AssertUnwindSafe(Cell::new(Some(on_error)));
+    let outcome = PgTryBuilder::new(std::panic::AssertUnwindSafe(body))
+        .catch_others(move |caught| Err((on_error.take().expect("on_error runs once"))(caught)))
+        .execute();
+    unsafe {
+        if outcome.is_ok() {
+            pg_sys::ReleaseCurrentSubTransaction();
+        } else {
+            pg_sys::RollbackAndReleaseCurrentSubTransaction();
+        }
+        pg_sys::MemoryContextSwitchTo(outer_context);
+        pg_sys::CurrentResourceOwner = outer_owner;
+    }
+    outcome
 }
 
 /// Run a command's handler in its own subtransaction. On success the
@@ -270,54 +303,84 @@ fn attempt(command: &Claimed) -> Result<Option<JsonB>, Failure> {
         return Err(timeout_failure(ms));
     }
 
-    let (outer_context, outer_owner) = unsafe { (pg_sys::CurrentMemoryContext, pg_sys::CurrentResourceOwner) };
-    unsafe {
-        pg_sys::BeginInternalSubTransaction(std::ptr::null());
-        pg_sys::MemoryContextSwitchTo(outer_context);
-    }
     DECISION.with(|d| d.borrow_mut().take());
     let started = std::time::Instant::now();
-    let outcome = PgTryBuilder::new(|| {
-        CURRENT_COMMAND.with(|c| c.set(Some(*command.command_id.as_bytes())));
-        let result = isolation::run_as_owner(command.owner, || with_deadline(remaining_ms, || call_handler(command)));
-        CURRENT_COMMAND.with(|c| c.set(None));
-        if gucs::fault_point("before_settle") {
+    let outcome = in_subtransaction(
+        || {
+            CURRENT_COMMAND.with(|c| c.set(Some(*command.command_id.as_bytes())));
+            gucs::inject_fault("handler_start");
+            let result = isolation::run_as_owner(command.owner, || with_deadline(remaining_ms, || call_handler(command)));
+            CURRENT_COMMAND.with(|c| c.set(None));
+            gucs::inject_fault("handler_return");
             // Test-only: die with the handler's writes done and nothing settled.
-            unsafe { pg_sys::proc_exit(1) };
-        }
-        let size = result.as_ref().map(|r| serde_json::to_string(&r.0).map(|s| s.len()).unwrap_or(usize::MAX));
-        if let Some(size) = size.filter(|s| *s > gucs::max_result_bytes() as usize) {
-            return Err(Failure {
-                class: "permanent",
-                code: "result_too_large".into(),
-                message: format!("handler result is {size} bytes, over flow.max_result_bytes ({})", gucs::max_result_bytes()),
-                delay_us: None,
-            });
-        }
-        Ok(result)
-    })
-    .catch_others(|caught| Err(classify(caught, deadline)))
-    .execute();
+            gucs::inject_fault("before_settle");
+            let size = result.as_ref().map(|r| serde_json::to_string(&r.0).map(|s| s.len()).unwrap_or(usize::MAX));
+            if let Some(size) = size.filter(|s| *s > gucs::max_result_bytes() as usize) {
+                return Err(Failure {
+                    class: "permanent",
+                    code: "result_too_large".into(),
+                    message: format!(
+                        "handler result is {size} bytes, over flow.max_result_bytes ({})",
+                        gucs::max_result_bytes()
+                    ),
+                    delay_us: None,
+                });
+            }
+            Ok(result)
+        },
+        |caught| classify(caught, deadline),
+    );
     CURRENT_COMMAND.with(|c| c.set(None));
     stop_deadline_timer();
     shmem::bump(&shmem::counters().handler_us, started.elapsed().as_micros() as u64);
-
-    unsafe {
-        if outcome.is_ok() {
-            pg_sys::ReleaseCurrentSubTransaction();
-        } else {
-            pg_sys::RollbackAndReleaseCurrentSubTransaction();
-        }
-        pg_sys::MemoryContextSwitchTo(outer_context);
-        pg_sys::CurrentResourceOwner = outer_owner;
-    }
     isolation::after_attempt();
     outcome
 }
 
+/// A handler that swallows its own timeout (catches query_canceled in a
+/// loop) would hold its worker, and the batch it claimed, forever. This long
+/// after its deadline the worker stops itself: `die` makes the handler's next
+/// interrupt check a FATAL, which no exception block catches, and recovery
+/// concludes the attempt as interrupted (so a poison handler still reaches
+/// its attempt limit).
+const HARD_STOP_GRACE_MS: i64 = 2000;
+/// PostgreSQL 15's first user-defined TimeoutId; RegisterTimeout allocates a
+/// free one from there.
+const USER_TIMEOUT: u32 = 12;
+static HARD_STOPPED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+thread_local! {
+    static HARD_STOP_TIMEOUT: Cell<Option<u32>> = const { Cell::new(None) };
+}
+
+unsafe extern "C-unwind" fn hard_stop() {
+    // A signal handler: only flags and the latch, as PostgreSQL's own `die`.
+    HARD_STOPPED.store(true, std::sync::atomic::Ordering::Relaxed);
+    unsafe {
+        pg_sys::ProcDiePending = 1;
+        pg_sys::InterruptPending = 1;
+        pg_sys::SetLatch(pg_sys::MyLatch);
+    }
+}
+
+/// Register the hard-stop timeout; called once when a worker starts.
+pub fn register_hard_stop() {
+    let id = unsafe { RegisterTimeout(USER_TIMEOUT, Some(hard_stop)) };
+    HARD_STOP_TIMEOUT.with(|t| t.set(Some(id)));
+}
+
+/// Whether this process stopped itself because a handler ignored its deadline.
+pub fn hard_stopped() -> bool {
+    HARD_STOPPED.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 fn with_deadline<R>(remaining_ms: Option<i64>, f: impl FnOnce() -> R) -> R {
     if let Some(ms) = remaining_ms {
-        unsafe { enable_timeout_after(STATEMENT_TIMEOUT, ms.clamp(1, i32::MAX as i64) as c_int) };
+        unsafe {
+            enable_timeout_after(STATEMENT_TIMEOUT, ms.clamp(1, i32::MAX as i64) as c_int);
+            if let Some(id) = HARD_STOP_TIMEOUT.with(|t| t.get()) {
+                enable_timeout_after(id, (ms + HARD_STOP_GRACE_MS).clamp(1, i32::MAX as i64) as c_int);
+            }
+        }
     }
     let result = f();
     stop_deadline_timer();
@@ -328,6 +391,9 @@ fn with_deadline<R>(remaining_ms: Option<i64>, f: impl FnOnce() -> R) -> R {
 /// to hit the handler, so it cannot hit the engine's own SQL.
 fn stop_deadline_timer() {
     unsafe {
+        if let Some(id) = HARD_STOP_TIMEOUT.with(|t| t.get()) {
+            disable_timeout(id, false);
+        }
         disable_timeout(STATEMENT_TIMEOUT, false);
         if get_timeout_indicator(STATEMENT_TIMEOUT, true) {
             pg_sys::QueryCancelPending = 0;
@@ -385,6 +451,7 @@ fn handler_call_sql(handler: pg_sys::Oid) -> String {
 }
 
 fn settle_failure(command: &Claimed, failure: &Failure) -> Settled {
+    gucs::inject_fault("settle_failure");
     let status: Option<String> = engine_query(
         "SELECT flow._settle_failure($1, $2, $3, $4, $5,
                 CASE WHEN $6 IS NULL THEN NULL ELSE pg_catalog.make_interval(secs => $6 / 1000000.0) END)",
@@ -414,6 +481,32 @@ fn settle_failure(command: &Claimed, failure: &Failure) -> Settled {
             Settled::Expired
         }
     }
+}
+
+/// Containment after a one-command chunk failed outside its handler (see
+/// worker.rs, `run_batch`): the command is settled with the engine's error
+/// and retried by its policy; should even that fail (its own settlement is
+/// what breaks), it fails permanently with that error. Returns false when
+/// neither could be written.
+pub fn settle_engine_error(command: &Claimed, message: &str) -> bool {
+    let retryable = Failure { class: "retryable", code: "engine_error".into(), message: message.into(), delay_us: None };
+    if in_subtransaction(|| Ok::<_, ()>(settle_failure(command, &retryable)), |_| ()).is_ok() {
+        return true;
+    }
+    let permanent = Failure { class: "permanent", ..retryable };
+    in_subtransaction(|| Ok::<_, ()>(settle_failure(command, &permanent)), |_| ()).is_ok()
+}
+
+/// Hand claimed commands back to their queue with the attempt the claim
+/// counted given back (flow._release): their batch failed and nothing of
+/// their attempt was kept.
+pub fn release(commands: &[Claimed]) {
+    if commands.is_empty() {
+        return;
+    }
+    let ids: Vec<pgrx::Uuid> = commands.iter().map(|c| c.command_id).collect();
+    let tokens: Vec<pgrx::Uuid> = commands.iter().map(|c| c.lease_token).collect();
+    engine_query("SELECT flow._release($1, $2)", &[UUID_ARRAY, UUID_ARRAY], &[ids.into(), tokens.into()], |_| ());
 }
 
 fn timeout_failure(over_ms: i64) -> Failure {

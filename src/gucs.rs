@@ -109,8 +109,8 @@ pub fn init() {
     );
     GucRegistry::define_string_guc(
         c"flow.fault_points",
-        c"Test-only fault injection: comma-separated fault point names.",
-        c"before_settle: the worker exits after running a handler and before settling it.",
+        c"Fault injection for chaos tests: comma-separated point[:error|:die|:stall][@N|%P].",
+        c"Points: claim, handler_start, handler_return, settle_success, settle_failure, before_settle (default action die). error raises an ERROR there, die exits the worker process, stall sleeps 2 s; @N fires on the Nth hit in each worker process only, %P with probability P percent. Empty (the default) costs nothing.",
         &FAULT_POINTS,
         GucContext::Suset,
         GucFlags::default(),
@@ -166,9 +166,68 @@ pub fn log_level() -> pgrx::PgLogLevel {
     }
 }
 
-pub fn fault_point(name: &str) -> bool {
-    FAULT_POINTS
-        .get()
-        .map(|s| s.to_string_lossy().split(',').any(|p| p.trim() == name))
-        .unwrap_or(false)
+/// What a fault point does when it fires (see `flow.fault_points`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Fault {
+    Error,
+    Die,
+    Stall,
+}
+
+thread_local! {
+    /// Hits of each fault point in this process, for `@N`.
+    static FAULT_HITS: std::cell::RefCell<std::collections::HashMap<String, u64>> =
+        std::cell::RefCell::new(std::collections::HashMap::new());
+}
+
+/// Whether the fault point `name` fires now, and how. Points are named in
+/// `flow.fault_points` as `point[:error|:die|:stall][@N|%P]`; the default
+/// action is `die` for `before_settle` and `error` for every other point.
+pub fn fault_point(name: &str) -> Option<Fault> {
+    let setting = FAULT_POINTS.get()?;
+    let setting = setting.to_string_lossy();
+    for entry in setting.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+        let (spec, when) = match entry.find(['@', '%']) {
+            Some(at) => (&entry[..at], Some(&entry[at..])),
+            None => (entry, None),
+        };
+        let (point, action) = spec.split_once(':').unwrap_or((spec, ""));
+        if point.trim() != name {
+            continue;
+        }
+        let hits = FAULT_HITS.with(|h| {
+            let mut h = h.borrow_mut();
+            let n = h.entry(name.to_string()).or_insert(0);
+            *n += 1;
+            *n
+        });
+        let fires = match when {
+            Some(w) if w.starts_with('@') => w[1..].trim().parse::<u64>().is_ok_and(|n| n == hits),
+            Some(w) => w[1..].trim().parse::<f64>().is_ok_and(|p| rand::random::<f64>() * 100.0 < p),
+            None => true,
+        };
+        if !fires {
+            return None;
+        }
+        return Some(match action.trim() {
+            "die" => Fault::Die,
+            "stall" => Fault::Stall,
+            "error" => Fault::Error,
+            _ if name == "before_settle" => Fault::Die,
+            _ => Fault::Error,
+        });
+    }
+    None
+}
+
+/// Fire the fault point `name` if `flow.fault_points` asks for it.
+pub fn inject_fault(name: &str) {
+    match fault_point(name) {
+        None => {}
+        Some(Fault::Error) => {
+            pgrx::ereport!(ERROR, pgrx::PgSqlErrorCode::ERRCODE_SYSTEM_ERROR, format!("flow: fault injected at {name}"));
+        }
+        Some(Fault::Die) => unsafe { pgrx::pg_sys::proc_exit(1) },
+        Some(Fault::Stall) => std::thread::sleep(Duration::from_secs(2)),
+    }
 }

@@ -33,6 +33,11 @@ const PRUNE_BATCH: i32 = 1000;
 /// it (its handlers' results become visible together at commit).
 const CHUNK_BUDGET: Duration = Duration::from_millis(50);
 
+/// After a chunk failed outside its handlers, commands run one per chunk (and
+/// claims are not prefetched) for this long, so a command that makes the
+/// engine's SQL fail is found and settled alone.
+const ISOLATION_PERIOD: Duration = Duration::from_secs(10);
+
 unsafe extern "C-unwind" {
     /// PostgreSQL's SIGTERM handler for backends: a fast shutdown cancels a
     /// running handler at its next interrupt check (pgrx's only sets a flag).
@@ -63,6 +68,7 @@ pub extern "C-unwind" fn flow_worker_main(arg: pg_sys::Datum) {
     }
     BackgroundWorker::connect_worker_to_spi(Some(&gucs::database_name()), None);
     isolation::pin_worker_session();
+    executor::register_hard_stop();
     shmem::register_worker(index);
     unsafe { pg_sys::before_shmem_exit(Some(on_exit), pg_sys::Datum::from(index)) };
     report_activity("flow: starting");
@@ -83,6 +89,9 @@ pub extern "C-unwind" fn flow_worker_main(arg: pg_sys::Datum) {
 
 #[pg_guard]
 unsafe extern "C-unwind" fn on_exit(_code: c_int, arg: pg_sys::Datum) {
+    if executor::hard_stopped() {
+        pgrx::log!("flow: a handler ran past its deadline and ignored its cancel; its worker stopped (the attempt is concluded as interrupted)");
+    }
     shmem::unregister_worker(arg.value());
 }
 
@@ -100,6 +109,8 @@ struct Worker {
     /// Recent time per command (µs, moving average), to size the next claim.
     per_command_us: f64,
     last_prune: Option<Instant>,
+    /// Until when chunks hold one command each (see ISOLATION_PERIOD).
+    isolate_until: Option<Instant>,
 }
 
 impl Worker {
@@ -114,6 +125,7 @@ impl Worker {
             prefetched: Vec::new(),
             per_command_us: 0.0,
             last_prune: None,
+            isolate_until: None,
         }
     }
 
@@ -174,10 +186,13 @@ impl Worker {
         // Chunks commit at least every CHUNK_BUDGET, so a slow handler does not
         // hold back the results of the fast ones claimed with it.
         let mut rest: &[Claimed] = &claimed;
+        let isolating = self.isolate_until.is_some_and(|until| Instant::now() < until);
         while !rest.is_empty() {
             let index = self.index;
             let this = &*self;
-            let ran = transaction(|| {
+            // How many commands of this chunk were entered (1 in isolation: the culprit).
+            let entered = Cell::new(0usize);
+            let ran = try_transaction(|| {
                 let mut chunk = executor::Chunk::begin(rest);
                 let chunk_started = Instant::now();
                 let mut ran = 0;
@@ -187,30 +202,50 @@ impl Worker {
                     // Order matters: a cancel sets its flag before it signals, so
                     // either we see the flag here or its SIGINT reaches the handler.
                     unsafe { pg_sys::QueryCancelPending = 0 };
+                    entered.set(entered.get() + 1);
                     if !shmem::cancel_requested(index, &run) {
                         chunk.execute(command);
                     }
                     ran += 1;
-                    if chunk_started.elapsed() >= CHUNK_BUDGET {
+                    if isolating || chunk_started.elapsed() >= CHUNK_BUDGET {
                         break;
                     }
                 }
                 chunk.finish();
-                let next = if ran == rest.len() && gucs::enabled() { this.claim() } else { Vec::new() };
+                let next = if ran == rest.len() && gucs::enabled() && !isolating { this.claim() } else { Vec::new() };
                 (ran, next)
             });
             shmem::clear_cancel(self.index);
             match ran {
-                Some((ran, next)) => {
+                Ok((ran, next)) => {
                     rest = &rest[ran..];
                     self.prefetched = next;
                 }
-                None => {
-                    // The chunk failed outside any handler: its claims stay
-                    // 'running' under this live process. Exit so recovery (in the
-                    // restarted worker) concludes them as interrupted and retries them.
-                    pgrx::warning!("flow: a batch failed outside its handlers; restarting the worker to recover it");
-                    unsafe { pg_sys::proc_exit(1) };
+                Err(message) => {
+                    // The chunk failed outside its handlers (the engine's SQL
+                    // for one of its commands) and everything in it rolled back,
+                    // so for its commands nothing happened. Contain it: they and
+                    // the rest of the batch go back to their queues uncharged,
+                    // and commands run one per chunk for a while. A one-command
+                    // chunk that fails is the culprit: it alone is settled, with
+                    // the real error, and retried by its policy.
+                    let culprit = if isolating && entered.get() == 1 { &rest[..1] } else { &rest[..0] };
+                    let others = &rest[culprit.len()..];
+                    self.isolate_until = Some(Instant::now() + ISOLATION_PERIOD);
+                    let contained = try_transaction(|| {
+                        culprit.iter().all(|c| executor::settle_engine_error(c, &message)) && {
+                            executor::release(others);
+                            true
+                        }
+                    });
+                    if contained != Ok(true) {
+                        // Not even that could be written: exit, and recovery (in the
+                        // restarted worker) concludes these attempts as interrupted.
+                        pgrx::warning!("flow: a batch failed outside its handlers and could not be settled; restarting the worker");
+                        unsafe { pg_sys::proc_exit(1) };
+                    }
+                    executor::forget_plans();
+                    break;
                 }
             }
         }
@@ -316,12 +351,17 @@ fn next_due_ms() -> Option<i64> {
 /// Run `body` in its own transaction. An ERROR rolls the transaction back and
 /// returns None (logged as a WARNING); the worker lives on.
 fn transaction<R>(body: impl FnOnce() -> R) -> Option<R> {
+    try_transaction(body).ok()
+}
+
+/// `transaction`, returning the ERROR's message.
+fn try_transaction<R>(body: impl FnOnce() -> R) -> Result<R, String> {
     unsafe {
         pg_sys::SetCurrentStatementStartTimestamp();
         pg_sys::StartTransactionCommand();
         pg_sys::PushActiveSnapshot(pg_sys::GetTransactionSnapshot());
     }
-    let outcome = PgTryBuilder::new(std::panic::AssertUnwindSafe(|| Some(body())))
+    let outcome = PgTryBuilder::new(std::panic::AssertUnwindSafe(|| Ok(body())))
         .catch_others(|caught| {
             let message = match &caught {
                 pg_sys::panic::CaughtError::PostgresError(r)
@@ -329,16 +369,16 @@ fn transaction<R>(body: impl FnOnce() -> R) -> Option<R> {
                 | pg_sys::panic::CaughtError::RustPanic { ereport: r, .. } => r.message().to_string(),
             };
             pgrx::warning!("flow worker: {message}");
-            None
+            Err(message)
         })
         .execute();
     unsafe {
         match outcome {
-            Some(_) => {
+            Ok(_) => {
                 pg_sys::PopActiveSnapshot();
                 pg_sys::CommitTransactionCommand();
             }
-            None => {
+            Err(_) => {
                 pg_sys::QueryCancelPending = 0;
                 pg_sys::AbortCurrentTransaction();
             }
