@@ -564,3 +564,18 @@ def test_a_handler_that_swallows_its_timeout_is_stopped(pg):
     assert "ran past its deadline and ignored its cancel" in pg.log()
     pg.wait_for("SELECT count(*) = 2 FROM flow.workers WHERE pid IS NOT NULL")
     assert alice_runs(pg, "app.alice_void")[1][0] == "succeeded"
+
+
+def test_one_role_cannot_flood_the_engine_with_queues(pg):
+    pg.all("ALTER SYSTEM SET flow.max_queues_per_role = 5")
+    pg.all("SELECT pg_reload_conf()")
+    try:
+        owned = pg.one("SELECT count(*) FROM flow._queues WHERE owner = 'bob'::regrole")
+        for _ in range(5 - owned):
+            pg.one(f"SELECT flow.set_queue('{unique('bq')}', paused => true)", user="bob")
+        assert pg.sqlstate(f"SELECT flow.set_queue('{unique('bq')}')", user="bob") == "FL018"
+        # superusers and the shared default queue are not counted against anyone
+        pg.one(f"SELECT flow.set_queue('{unique('sq')}')")
+    finally:
+        pg.all("ALTER SYSTEM RESET flow.max_queues_per_role")
+        pg.all("SELECT pg_reload_conf()")

@@ -105,6 +105,13 @@ DECLARE
 BEGIN
     PERFORM flow._require_name('queue', name);
     SELECT * INTO q FROM flow._queues x WHERE x.name = _queue.name;
+    IF NOT FOUND AND name <> 'default' AND NOT (SELECT r.rolsuper FROM pg_roles r WHERE r.oid = caller)
+       AND (SELECT count(*) FROM flow._queues x WHERE x.owner = caller)
+           >= current_setting('flow.max_queues_per_role')::integer THEN
+        -- every queue costs each claim a probe: one role cannot slow everyone's
+        RAISE EXCEPTION 'flow: role % owns flow.max_queues_per_role (%) queues already', caller::regrole,
+            current_setting('flow.max_queues_per_role') USING ERRCODE = 'FL018';
+    END IF;
     IF NOT FOUND OR for_update THEN
         INSERT INTO flow._queues (name, owner, users)
         VALUES (name, CASE WHEN name = 'default' THEN NULL ELSE caller END,
@@ -488,8 +495,14 @@ BEGIN
                       WHERE c.queue = q.name AND c.status IN ('pending', 'waiting') AND c.next_run_at <= now()
                       LIMIT 1)
         ORDER BY q.name FOR UPDATE SKIP LOCKED) l;
+    -- Only queues that offer due work take part (and count in the rotation).
     SELECT array_agg(q.name ORDER BY q.name) INTO lanes FROM flow._queues q
-    WHERE NOT q.paused AND (q.concurrency IS NULL OR q.name = ANY (locked));
+    WHERE NOT q.paused
+      AND CASE WHEN q.concurrency IS NULL
+               THEN EXISTS (SELECT 1 FROM flow._commands c
+                            WHERE c.queue = q.name AND c.status IN ('pending', 'waiting') AND c.next_run_at <= now()
+                            LIMIT 1)
+               ELSE q.name = ANY (locked) END;
     IF lanes IS NULL THEN
         RETURN;
     END IF;

@@ -16,6 +16,7 @@
 --   FL008 handler has the wrong signature     FL020 flow.fail(): permanent failure
 --   FL009 queue concurrency below 1           FL021 flow.retry_after(): retry later
 --   FL017 settled already under this lease (double completion)
+--   FL018 the role owns flow.max_queues_per_role queues already
 
 -- ---------------------------------------------------------------- types
 

@@ -19,6 +19,7 @@ static BATCH_SIZE: GucSetting<i32> = GucSetting::<i32>::new(100);
 static LEASE_DURATION_S: GucSetting<i32> = GucSetting::<i32>::new(300);
 static MAX_RESULT_BYTES: GucSetting<i32> = GucSetting::<i32>::new(256 * 1024);
 static RETENTION_S: GucSetting<i32> = GucSetting::<i32>::new(7 * 86_400);
+static MAX_QUEUES_PER_ROLE: GucSetting<i32> = GucSetting::<i32>::new(1000);
 static LOG_LEVEL: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(c"debug1"));
 static FAULT_POINTS: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
 
@@ -98,6 +99,16 @@ pub fn init() {
         i32::MAX,
         GucContext::Sighup,
         GucFlags::UNIT_S,
+    );
+    GucRegistry::define_int_guc(
+        c"flow.max_queues_per_role",
+        c"Most queues one role may own (superusers: no limit).",
+        c"Each queue with due work costs every claim an index probe; this keeps one role from slowing every other role's work with a flood of queues.",
+        &MAX_QUEUES_PER_ROLE,
+        1,
+        1_000_000,
+        GucContext::Sighup,
+        GucFlags::default(),
     );
     GucRegistry::define_string_guc(
         c"flow.log_level",
