@@ -112,7 +112,7 @@ def test_a_deferred_trigger_runs_as_its_owner_inside_the_attempt(pg):
 
 
 def test_deferred_foreign_keys_work_and_a_violation_fails_only_its_command(pg):
-    pg.one("SELECT flow.set_queue('default', paused => true)")
+    pg.one("SELECT flow.set_queue('role:alice', paused => true)", user="alice")
     try:
         name = unique("fam")
         pg.one(f"SELECT flow.define('{name}', 'app.alice_family'::regproc, max_attempts => 1)", user="alice")
@@ -121,7 +121,7 @@ def test_deferred_foreign_keys_work_and_a_violation_fails_only_its_command(pg):
         bad = pg.one(f"SELECT flow.enqueue('{name}', '{{\"id\": 100, \"parent\": 999, \"with_parent\": false}}')",
                      user="alice")
     finally:
-        pg.one("SELECT flow.set_queue('default', paused => false)")
+        pg.one("SELECT flow.set_queue('role:alice', paused => false)", user="alice")
     for run in good:
         assert pg.await_run(run, user="alice")[0] == "succeeded"
     assert pg.await_run(bad, user="alice")[0] == "failed"
@@ -511,12 +511,12 @@ def test_an_engine_error_charges_no_command_that_did_not_cause_it(pg):
     pids = sorted(pg.worker_pids())
     name = unique("contained")
     pg.one(f"SELECT flow.define('{name}', 'app.alice_void'::regproc, max_attempts => 1)", user="alice")
-    pg.one("SELECT flow.set_queue('default', paused => true)")
+    pg.one("SELECT flow.set_queue('role:alice', paused => true)", user="alice")
     runs = pg.one(f"SELECT flow.enqueue_many('{name}', array_fill('{{}}'::jsonb, array[30]))", user="alice")
     # every worker process fails the first settlement of successes it tries
     set_faults(pg, "settle_success:error@1")
     try:
-        pg.one("SELECT flow.set_queue('default', paused => false)")
+        pg.one("SELECT flow.set_queue('role:alice', paused => false)", user="alice")
         for run in runs:
             assert pg.await_run(run, user="alice")[0] == "succeeded"
     finally:
@@ -579,3 +579,35 @@ def test_one_role_cannot_flood_the_engine_with_queues(pg):
     finally:
         pg.all("ALTER SYSTEM RESET flow.max_queues_per_role")
         pg.all("SELECT pg_reload_conf()")
+
+
+# ---------------------------------------------------------------- 10. one role's backlog
+
+def test_one_roles_backlog_does_not_hold_up_another_role(pg):
+    flood = unique("flood")
+    pg.one(f"SELECT flow.define('{flood}', 'flow.run_sql'::regproc)", user="mallory")
+    pg.one(f"SELECT flow.enqueue_many('{flood}', array_fill('{{\"sql\": \"SELECT pg_sleep(0.005)\"}}'::jsonb,"
+           " array[3000]))", user="mallory")
+    started = time.time()
+    run, (status, _, _) = alice_runs(pg, "app.alice_void")
+    assert status == "succeeded"
+    # alice's command ran in her own queue, long before mallory's backlog drained
+    assert time.time() - started < 5
+    assert pg.one("SELECT queue FROM flow._commands WHERE run_id = %s", run) == "role:alice"
+    assert pg.one("SELECT count(*) FROM flow._commands c JOIN flow._definitions d ON d.name = c.name"
+                  " WHERE d.name = %s AND c.status = 'pending'", flood) > 1000
+    # nor can mallory take alice's own queue name
+    assert pg.sqlstate("SELECT flow.set_queue('role:alice2')", user="mallory") == "FL011"
+    pg.all(f"SELECT flow.cancel(r.id) FROM flow.runs r WHERE r.name = '{flood}' AND r.status = 'running'")
+
+
+def test_drop_role_refuses_to_leave_flow_objects_without_an_owner(pg):
+    pg.all("CREATE ROLE temp_owner LOGIN; CREATE ROLE heir LOGIN")
+    name = unique("orphan")
+    pg.one(f"SELECT flow.define('{name}', NULL)", user="temp_owner")
+    run = pg.one(f"SELECT flow.enqueue('{name}')", user="temp_owner")
+    assert pg.sqlstate("DROP ROLE temp_owner") == "2BP01"
+    pg.all("REASSIGN OWNED BY temp_owner TO heir")
+    pg.all("DROP ROLE temp_owner")
+    assert pg.one("SELECT owner::text FROM flow._definitions WHERE name = %s", name) == "heir"
+    assert pg.one("SELECT count(*) FROM flow.runs WHERE id = %s", run, user="heir") == 1

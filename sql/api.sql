@@ -9,8 +9,9 @@
 -- ---------------------------------------------------------------- definitions and queues
 
 -- Register or update a kind of command; its handler runs as the calling role.
+-- queue NULL: the role's own queue, 'role:<name>' ('default' for superusers).
 CREATE FUNCTION flow.define(name text, handler regprocedure, version integer DEFAULT 1,
-    queue text DEFAULT 'default', max_attempts integer DEFAULT 5, backoff interval DEFAULT '1 second',
+    queue text DEFAULT NULL, max_attempts integer DEFAULT 5, backoff interval DEFAULT '1 second',
     backoff_max interval DEFAULT '1 hour', max_elapsed interval DEFAULT NULL, timeout interval DEFAULT NULL,
     caller_ticket bigint DEFAULT flow._ticket())
 RETURNS void

@@ -105,6 +105,11 @@ DECLARE
 BEGIN
     PERFORM flow._require_name('queue', name);
     SELECT * INTO q FROM flow._queues x WHERE x.name = _queue.name;
+    IF NOT FOUND AND name LIKE 'role:%' AND name <> flow._own_queue(caller)
+       AND NOT (SELECT r.rolsuper FROM pg_roles r WHERE r.oid = caller) THEN
+        RAISE EXCEPTION 'flow: queue % is another role''s own queue (names starting with "role:" are reserved)', name
+            USING ERRCODE = 'FL011', HINT = 'Name no queue to use your own, or choose another name.';
+    END IF;
     IF NOT FOUND AND name <> 'default' AND NOT (SELECT r.rolsuper FROM pg_roles r WHERE r.oid = caller)
        AND (SELECT count(*) FROM flow._queues x WHERE x.owner = caller)
            >= current_setting('flow.max_queues_per_role')::integer THEN
@@ -125,6 +130,15 @@ BEGIN
     END IF;
     RETURN q;
 END $$;
+
+-- Where a role's definitions go when they name no queue: its own queue,
+-- 'role:<name>' (superusers: 'default'). Roles never share a lane unless
+-- they choose to, so one role's backlog cannot hold up another's: queues are
+-- served round-robin, while one queue runs in due order whoever enqueued.
+CREATE FUNCTION flow._own_queue(caller oid) RETURNS text
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT CASE WHEN r.rolsuper THEN 'default' ELSE 'role:' || r.rolname END FROM pg_roles r WHERE r.oid = caller
+$$;
 
 -- Put commands in a queue: its owner's members and the roles it was granted to.
 CREATE FUNCTION flow._use_queue(caller oid, name text) RETURNS text
@@ -163,7 +177,7 @@ DECLARE
     named flow._definition_names;
 BEGIN
     PERFORM flow._require_name('name', name);
-    PERFORM flow._require_name('queue', queue);
+    queue := flow._require_name('queue', coalesce(queue, flow._own_queue(caller)));
     IF version IS NULL OR version < 1 THEN
         RAISE EXCEPTION 'flow: version must be 1 or more, got %', version USING ERRCODE = 'FL015';
     END IF;
@@ -280,6 +294,27 @@ BEGIN
     WHERE x.name = q.name;
     PERFORM flow._wake();
 END $$;
+
+-- REASSIGN OWNED BY ... TO ... moves flow's ownership too (src/roles.rs calls
+-- this after PostgreSQL checked the caller may act for both roles).
+CREATE FUNCTION flow._reassign_owned(old_roles oid[], new_role oid) RETURNS void
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    UPDATE flow._definition_names n SET owner = new_role WHERE n.owner = ANY (old_roles);
+    UPDATE flow._definitions d SET owner = new_role WHERE d.owner = ANY (old_roles);
+    UPDATE flow._queues q SET owner = new_role WHERE q.owner = ANY (old_roles);
+    UPDATE flow._runs r SET owner = new_role WHERE r.owner = ANY (old_roles);
+    UPDATE flow._events e SET owner = new_role WHERE e.owner = ANY (old_roles);
+END $$;
+
+-- What keeps DROP ROLE from leaving flow objects with a dangling owner: the
+-- role still owns definitions, queues or unfinished runs here.
+CREATE FUNCTION flow._owns_anything(role oid) RETURNS boolean
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT EXISTS (SELECT 1 FROM flow._definition_names n WHERE n.owner = role)
+        OR EXISTS (SELECT 1 FROM flow._queues q WHERE q.owner = role)
+        OR EXISTS (SELECT 1 FROM flow._runs r WHERE r.owner = role AND r.status = 'running')   -- index _runs_owner_key_key
+$$;
 
 -- ---------------------------------------------------------------- enqueue
 

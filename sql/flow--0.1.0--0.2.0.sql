@@ -46,7 +46,7 @@ DROP FUNCTION flow._lock_event_key(text, text);
 -- Events satisfy waits of their own run too (sql/engine.sql, _may_satisfy).
 DROP FUNCTION flow._may_satisfy(oid, uuid);
 
--- src/lib.rs:21
+-- src/lib.rs:24
 -- requires:
 --   schema
 
@@ -157,6 +157,11 @@ DECLARE
 BEGIN
     PERFORM flow._require_name('queue', name);
     SELECT * INTO q FROM flow._queues x WHERE x.name = _queue.name;
+    IF NOT FOUND AND name LIKE 'role:%' AND name <> flow._own_queue(caller)
+       AND NOT (SELECT r.rolsuper FROM pg_roles r WHERE r.oid = caller) THEN
+        RAISE EXCEPTION 'flow: queue % is another role''s own queue (names starting with "role:" are reserved)', name
+            USING ERRCODE = 'FL011', HINT = 'Name no queue to use your own, or choose another name.';
+    END IF;
     IF NOT FOUND AND name <> 'default' AND NOT (SELECT r.rolsuper FROM pg_roles r WHERE r.oid = caller)
        AND (SELECT count(*) FROM flow._queues x WHERE x.owner = caller)
            >= current_setting('flow.max_queues_per_role')::integer THEN
@@ -177,6 +182,15 @@ BEGIN
     END IF;
     RETURN q;
 END $$;
+
+-- Where a role's definitions go when they name no queue: its own queue,
+-- 'role:<name>' (superusers: 'default'). Roles never share a lane unless
+-- they choose to, so one role's backlog cannot hold up another's: queues are
+-- served round-robin, while one queue runs in due order whoever enqueued.
+CREATE OR REPLACE FUNCTION flow._own_queue(caller oid) RETURNS text
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT CASE WHEN r.rolsuper THEN 'default' ELSE 'role:' || r.rolname END FROM pg_roles r WHERE r.oid = caller
+$$;
 
 -- Put commands in a queue: its owner's members and the roles it was granted to.
 CREATE OR REPLACE FUNCTION flow._use_queue(caller oid, name text) RETURNS text
@@ -215,7 +229,7 @@ DECLARE
     named flow._definition_names;
 BEGIN
     PERFORM flow._require_name('name', name);
-    PERFORM flow._require_name('queue', queue);
+    queue := flow._require_name('queue', coalesce(queue, flow._own_queue(caller)));
     IF version IS NULL OR version < 1 THEN
         RAISE EXCEPTION 'flow: version must be 1 or more, got %', version USING ERRCODE = 'FL015';
     END IF;
@@ -332,6 +346,27 @@ BEGIN
     WHERE x.name = q.name;
     PERFORM flow._wake();
 END $$;
+
+-- REASSIGN OWNED BY ... TO ... moves flow's ownership too (src/roles.rs calls
+-- this after PostgreSQL checked the caller may act for both roles).
+CREATE OR REPLACE FUNCTION flow._reassign_owned(old_roles oid[], new_role oid) RETURNS void
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    UPDATE flow._definition_names n SET owner = new_role WHERE n.owner = ANY (old_roles);
+    UPDATE flow._definitions d SET owner = new_role WHERE d.owner = ANY (old_roles);
+    UPDATE flow._queues q SET owner = new_role WHERE q.owner = ANY (old_roles);
+    UPDATE flow._runs r SET owner = new_role WHERE r.owner = ANY (old_roles);
+    UPDATE flow._events e SET owner = new_role WHERE e.owner = ANY (old_roles);
+END $$;
+
+-- What keeps DROP ROLE from leaving flow objects with a dangling owner: the
+-- role still owns definitions, queues or unfinished runs here.
+CREATE OR REPLACE FUNCTION flow._owns_anything(role oid) RETURNS boolean
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT EXISTS (SELECT 1 FROM flow._definition_names n WHERE n.owner = role)
+        OR EXISTS (SELECT 1 FROM flow._queues q WHERE q.owner = role)
+        OR EXISTS (SELECT 1 FROM flow._runs r WHERE r.owner = role AND r.status = 'running')   -- index _runs_owner_key_key
+$$;
 
 -- ---------------------------------------------------------------- enqueue
 
@@ -1343,7 +1378,7 @@ STRICT STABLE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_lease_duration_s_wrapper';
 
--- src/isolation.rs:192
+-- src/isolation.rs:170
 -- flow::isolation::_lock_event_key
 CREATE OR REPLACE FUNCTION "_lock_event_key"(
 	"name" TEXT, /* & str */
@@ -1422,7 +1457,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', 'run_sql_wrapper';
 
--- src/lib.rs:22
+-- src/lib.rs:25
 -- finalize
 -- flow's public SQL surface (names and named parameters are the API, see
 -- DESIGN.md) and the views a person reads.
@@ -1435,8 +1470,9 @@ AS 'MODULE_PATHNAME', 'run_sql_wrapper';
 -- ---------------------------------------------------------------- definitions and queues
 
 -- Register or update a kind of command; its handler runs as the calling role.
+-- queue NULL: the role's own queue, 'role:<name>' ('default' for superusers).
 CREATE OR REPLACE FUNCTION flow.define(name text, handler regprocedure, version integer DEFAULT 1,
-    queue text DEFAULT 'default', max_attempts integer DEFAULT 5, backoff interval DEFAULT '1 second',
+    queue text DEFAULT NULL, max_attempts integer DEFAULT 5, backoff interval DEFAULT '1 second',
     backoff_max interval DEFAULT '1 hour', max_elapsed interval DEFAULT NULL, timeout interval DEFAULT NULL,
     caller_ticket bigint DEFAULT flow._ticket())
 RETURNS void

@@ -37,7 +37,7 @@
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 use std::cell::Cell;
-use std::ffi::{c_char, c_int, CStr};
+use std::ffi::{c_int, CStr};
 
 /// The `search_path` every handler starts with, whatever the worker's own is.
 const HANDLER_SEARCH_PATH: &CStr = c"\"$user\", public";
@@ -65,17 +65,6 @@ thread_local! {
     static IN_HANDLER: Cell<bool> = const { Cell::new(false) };
     /// The statement_timeout the worker inherited (ms, 0: none): the default attempt timeout.
     static INHERITED_STATEMENT_TIMEOUT_MS: Cell<i32> = const { Cell::new(0) };
-}
-
-static mut PREVIOUS_UTILITY_HOOK: pg_sys::ProcessUtility_hook_type = None;
-
-/// Install the utility hook; called from `_PG_init`. It costs one thread-local
-/// read per utility statement outside handlers.
-pub fn init() {
-    unsafe {
-        PREVIOUS_UTILITY_HOOK = pg_sys::ProcessUtility_hook;
-        pg_sys::ProcessUtility_hook = Some(refuse_what_would_outlive_the_attempt);
-    }
 }
 
 /// Pin the worker session's settings; called once after the worker connects.
@@ -150,39 +139,28 @@ pub fn after_attempt() {
     }
 }
 
-#[pg_guard]
-#[allow(clippy::too_many_arguments)]
-unsafe extern "C-unwind" fn refuse_what_would_outlive_the_attempt(
-    pstmt: *mut pg_sys::PlannedStmt,
-    query: *const c_char,
-    read_only_tree: bool,
-    context: pg_sys::ProcessUtilityContext::Type,
-    params: pg_sys::ParamListInfo,
-    query_env: *mut pg_sys::QueryEnvironment,
-    dest: *mut pg_sys::DestReceiver,
-    qc: *mut pg_sys::QueryCompletion,
-) {
-    if IN_HANDLER.with(|h| h.get()) {
-        let stmt = (*pstmt).utilityStmt;
-        let refused = match (*stmt).type_ {
+/// Before a utility statement (src/hooks.rs): inside a handler, refuse what
+/// would outlive its attempt in the shared worker session.
+pub fn check_utility(stmt: *mut pg_sys::Node) {
+    if !IN_HANDLER.with(|h| h.get()) {
+        return;
+    }
+    let refused = unsafe {
+        match (*stmt).type_ {
             pg_sys::NodeTag::T_DeclareCursorStmt => {
                 ((*(stmt as *mut pg_sys::DeclareCursorStmt)).options & pg_sys::CURSOR_OPT_HOLD as c_int) != 0
             }
             pg_sys::NodeTag::T_ListenStmt => true,
             _ => false,
-        };
-        if refused {
-            pgrx::ereport!(
-                ERROR,
-                PgSqlErrorCode::ERRCODE_FEATURE_NOT_SUPPORTED,
-                "flow: a handler cannot use WITH HOLD cursors or LISTEN",
-                "They would outlive the handler's attempt in a worker session that other roles' handlers share."
-            );
         }
-    }
-    match PREVIOUS_UTILITY_HOOK {
-        Some(previous) => previous(pstmt, query, read_only_tree, context, params, query_env, dest, qc),
-        None => pg_sys::standard_ProcessUtility(pstmt, query, read_only_tree, context, params, query_env, dest, qc),
+    };
+    if refused {
+        pgrx::ereport!(
+            ERROR,
+            PgSqlErrorCode::ERRCODE_FEATURE_NOT_SUPPORTED,
+            "flow: a handler cannot use WITH HOLD cursors or LISTEN",
+            "They would outlive the handler's attempt in a worker session that other roles' handlers share."
+        );
     }
 }
 

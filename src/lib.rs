@@ -3,7 +3,8 @@
 //! Layout: `gucs` (settings), `shmem` (worker table, counters, wake-ups),
 //! `api` (internal SQL functions the public SQL API in `sql/` stands on),
 //! `handlers` (built-in Rust handlers), `isolation` (what keeps a handler to
-//! its owner's rights), `executor` (run and settle one claimed command), `worker` (the background worker loop).
+//! its owner's rights), `roles` (ownership and the role commands), `hooks`
+//! (the utility hook), `executor` (run and settle one claimed command), `worker` (the background worker loop).
 
 use pgrx::prelude::*;
 
@@ -11,7 +12,9 @@ mod api;
 mod executor;
 mod gucs;
 mod handlers;
+mod hooks;
 mod isolation;
+mod roles;
 mod shmem;
 mod worker;
 
@@ -30,7 +33,7 @@ pub extern "C-unwind" fn _PG_init() {
         );
     }
     gucs::init();
-    isolation::init();
+    hooks::init();
     shmem::init();
     worker::register();
 }

@@ -1,0 +1,82 @@
+//! Roles and flow's ownership. flow's owners (of definitions, queues, runs,
+//! events) are rows in its tables, which PostgreSQL's dependency tracking
+//! does not see, so this module makes the role commands aware of them, in the
+//! database where flow is installed:
+//! - DROP ROLE fails while the role still owns definitions, queues or
+//!   unfinished runs here (as it fails for tables the role owns);
+//! - REASSIGN OWNED BY old TO new moves them to the new role.
+//! (As for PostgreSQL's own objects, run REASSIGN OWNED in each database.)
+
+use pgrx::pg_sys;
+use pgrx::prelude::*;
+
+/// Whether flow is installed in the current database.
+fn flow_installed() -> bool {
+    unsafe { pg_sys::get_extension_oid(c"flow".as_ptr(), true) != pg_sys::InvalidOid }
+}
+
+/// The OIDs of a list of RoleSpec nodes (roles that do not exist are skipped).
+fn role_oids(list: *mut pg_sys::List) -> Vec<pg_sys::Oid> {
+    if list.is_null() {
+        return Vec::new();
+    }
+    unsafe {
+        (0..(*list).length as usize)
+            .map(|i| (*(*list).elements.add(i)).ptr_value as *const pg_sys::RoleSpec)
+            .map(|spec| pg_sys::get_rolespec_oid(spec, true))
+            .filter(|oid| *oid != pg_sys::InvalidOid)
+            .collect()
+    }
+}
+
+/// Run flow's own SQL about roles as the bootstrap superuser: the statement's
+/// privileges were checked by PostgreSQL, and flow's tables are not the
+/// caller's to read or write.
+fn as_superuser<R>(f: impl FnOnce() -> R) -> R {
+    unsafe {
+        let (mut saved_user, mut saved_context) = (pg_sys::InvalidOid, 0);
+        pg_sys::GetUserIdAndSecContext(&mut saved_user, &mut saved_context);
+        pg_sys::SetUserIdAndSecContext(
+            pg_sys::Oid::from(pg_sys::BOOTSTRAP_SUPERUSERID),
+            saved_context | pg_sys::SECURITY_LOCAL_USERID_CHANGE as i32,
+        );
+        let result = f();
+        pg_sys::SetUserIdAndSecContext(saved_user, saved_context);
+        result
+    }
+}
+
+pub fn before_utility(stmt: *mut pg_sys::Node) {
+    if unsafe { (*stmt).type_ } != pg_sys::NodeTag::T_DropRoleStmt || !flow_installed() {
+        return;
+    }
+    for role in role_oids(unsafe { (*(stmt as *mut pg_sys::DropRoleStmt)).roles }) {
+        let owns = as_superuser(|| {
+            Spi::get_one_with_args::<bool>("SELECT flow._owns_anything($1)", &[role.into()])
+        });
+        if let Ok(Some(true)) = owns {
+            let name = unsafe { std::ffi::CStr::from_ptr(pg_sys::GetUserNameFromId(role, false)) }
+                .to_string_lossy()
+                .into_owned();
+            pgrx::ereport!(
+                ERROR,
+                PgSqlErrorCode::ERRCODE_DEPENDENT_OBJECTS_STILL_EXIST,
+                format!("role \"{name}\" cannot be dropped because it owns flow definitions, queues or unfinished runs"),
+                "REASSIGN OWNED BY the role TO another role first (it moves flow's ownership too)."
+            );
+        }
+    }
+}
+
+pub fn after_utility(stmt: *mut pg_sys::Node) {
+    if unsafe { (*stmt).type_ } != pg_sys::NodeTag::T_ReassignOwnedStmt || !flow_installed() {
+        return;
+    }
+    let reassign = stmt as *mut pg_sys::ReassignOwnedStmt;
+    let old = role_oids(unsafe { (*reassign).roles });
+    let new = unsafe { pg_sys::get_rolespec_oid((*reassign).newrole, false) };
+    as_superuser(|| {
+        Spi::run_with_args("SELECT flow._reassign_owned($1, $2)", &[old.into(), new.into()])
+            .unwrap_or_else(|e| pgrx::error!("flow: {e}"))
+    });
+}
