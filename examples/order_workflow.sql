@@ -1,6 +1,7 @@
 -- An order workflow in plain SQL: the root command spawns `charge` and
 -- `reserve_stock`; each emits an event; `ship` waits on both events (within
--- 30 s) and ships, or compensates (refunds) when an event never arrived.
+-- 30 s, or args.within) and ships, or compensates when an event never
+-- arrived: it refunds the charge and fails the order, keeping the refund.
 CREATE SCHEMA IF NOT EXISTS shop;
 CREATE TABLE IF NOT EXISTS shop.charges (order_id text PRIMARY KEY, amount numeric, refunded boolean DEFAULT false);
 CREATE TABLE IF NOT EXISTS shop.reservations (order_id text PRIMARY KEY, sku text);
@@ -15,7 +16,7 @@ BEGIN
     PERFORM flow.spawn('reserve_stock', jsonb_build_object('order', o, 'sku', args->'sku'), key => 'reserve');
     PERFORM flow.spawn('ship', jsonb_build_object('order', o), key => 'ship',
                        waits => array[flow.wait('charged', o), flow.wait('reserved', o)],
-                       within => '30 seconds');
+                       within => coalesce((args->>'within')::interval, '30 seconds'));
     RETURN jsonb_build_object('order', o, 'placed_by', current_user, 'run', ctx.run_id);
 END $$;
 
@@ -28,6 +29,9 @@ END $$;
 
 CREATE OR REPLACE FUNCTION shop.reserve_stock(args jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
 BEGIN
+    IF args->>'sku' = 'unicorn' THEN
+        RETURN jsonb_build_object('reserved', false, 'reason', 'out of stock');   -- no event: ship will wait in vain
+    END IF;
     INSERT INTO shop.reservations VALUES (args->>'order', args->>'sku');
     PERFORM flow.emit('reserved', args->>'order', jsonb_build_object('sku', args->'sku'));
     RETURN jsonb_build_object('reserved', args->'sku');
@@ -36,9 +40,11 @@ END $$;
 CREATE OR REPLACE FUNCTION shop.ship(args jsonb, ctx flow.context) RETURNS jsonb LANGUAGE plpgsql AS $$
 BEGIN
     IF ctx.wait_timed_out THEN
-        -- the saga's compensation: refund what was charged, then fail for good
+        -- the saga's compensation: refund what was charged, then fail the
+        -- order for good; keep_writes => true commits the refund with the failure
         UPDATE shop.charges SET refunded = true WHERE order_id = args->>'order';
-        PERFORM flow.fail('not shipped, still missing: ' || ctx.missing::text);
+        PERFORM flow.fail('not shipped, still missing: ' || ctx.missing::text, keep_writes => true);
+        RETURN NULL;
     END IF;
     INSERT INTO shop.shipments (order_id) VALUES (args->>'order');
     RETURN jsonb_build_object('shipped', args->>'order', 'inputs', ctx.inputs);

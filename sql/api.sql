@@ -130,12 +130,21 @@ $$;
 
 -- ---------------------------------------------------------------- decisions inside a handler
 
--- Fail the current command permanently: no retry.
-CREATE FUNCTION flow.fail(message text) RETURNS void
+-- Fail the current command permanently: no retry. It raises, rolling back
+-- the handler's writes; with keep_writes => true it returns instead, and the
+-- handler's writes, events and children commit with the failed settlement
+-- (a saga's compensation: refund, then fail).
+CREATE FUNCTION flow.fail(message text, keep_writes boolean DEFAULT false) RETURNS void
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     text_ text := coalesce(message, 'failed by its handler');
 BEGIN
+    IF keep_writes THEN
+        IF NOT flow._decide('kept_failure', 'permanent', text_, NULL) THEN
+            RAISE EXCEPTION 'flow: fail(keep_writes => true) needs a running handler' USING ERRCODE = 'FL012';
+        END IF;
+        RETURN;
+    END IF;
     PERFORM flow._decide('permanent', 'permanent', text_, NULL);
     RAISE EXCEPTION USING ERRCODE = 'FL020', MESSAGE = text_;
 END $$;

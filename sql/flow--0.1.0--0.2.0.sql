@@ -45,6 +45,15 @@ SELECT pg_catalog.pg_extension_config_dump('flow._definition_names', '');
 DROP FUNCTION flow._lock_event_key(text, text);
 -- Events satisfy waits of their own run too (sql/engine.sql, _may_satisfy).
 DROP FUNCTION flow._may_satisfy(oid, uuid);
+-- Functions whose signature or result changed.
+DROP FUNCTION flow.fail(text);
+DROP FUNCTION flow._decide(text, text, text, bigint);
+DROP FUNCTION flow._begin_batch(uuid[], uuid[]);
+-- Claims keep their interleaving; external leases remember their length.
+ALTER TYPE flow.claimed_command ADD ATTRIBUTE claim_order integer;
+ALTER TABLE flow._commands ADD COLUMN lease_interval interval;
+UPDATE flow._commands SET lease_interval = lease_expires_at - attempt_started_at
+WHERE status = 'running' AND lease_pid IS NULL;
 
 -- src/lib.rs:24
 -- requires:
@@ -605,9 +614,14 @@ BEGIN
                END AS room
         FROM flow._queues q WHERE q.name = ANY (lanes)
     ), candidate AS (
-        SELECT h.id, l.ord, row_number() OVER (PARTITION BY l.ord ORDER BY h.next_run_at, h.id) AS rank
+        SELECT h.id, h.budget_start, l.ord,
+               row_number() OVER (PARTITION BY l.ord ORDER BY h.next_run_at, h.id) AS rank
         FROM lane l CROSS JOIN LATERAL (
-            SELECT c.id, c.next_run_at
+            -- max_elapsed counts from when a command first became due: a wait
+            -- that timed out started its budget when `within` passed
+            SELECT c.id, c.next_run_at,
+                   CASE WHEN c.status = 'waiting' AND c.attempts = 0 THEN c.next_run_at
+                        ELSE c.budget_started_at END AS budget_start
             FROM flow._commands c                                   -- index _commands_due
             JOIN flow._definitions d ON d.name = c.name AND d.version = c.version
             WHERE c.queue = l.name AND c.status IN ('pending', 'waiting') AND c.next_run_at <= now()
@@ -619,7 +633,12 @@ BEGIN
         ) h
         WHERE l.room > 0
     ), picked AS (
-        SELECT p.id FROM candidate p
+        -- the interleaving is kept: workers run a batch in claim_order
+        SELECT p.id, p.budget_start,
+               row_number() OVER (ORDER BY p.rank,
+                                  ((p.ord - turn) % cardinality(lanes) + cardinality(lanes)) % cardinality(lanes))::integer
+                   AS claim_order
+        FROM candidate p
         ORDER BY p.rank, ((p.ord - turn) % cardinality(lanes) + cardinality(lanes)) % cardinality(lanes)
         LIMIT max_count
     ), claimed AS (
@@ -631,22 +650,25 @@ BEGIN
             lease_owner = owner_name,
             lease_pid = owner_pid,
             lease_backend_start = owner_started,
-            attempt_deadline = least(now() + d.timeout, c.budget_started_at + d.max_elapsed, c.deadline),
+            budget_started_at = p.budget_start,
+            attempt_deadline = least(now() + d.timeout, p.budget_start + d.max_elapsed, c.deadline),
             lease_expires_at = CASE WHEN owner_pid IS NULL THEN now() + lease
-                                    ELSE coalesce(least(now() + d.timeout, c.budget_started_at + d.max_elapsed,
+                                    ELSE coalesce(least(now() + d.timeout, p.budget_start + d.max_elapsed,
                                                         c.deadline), 'infinity') END,
+            lease_interval = CASE WHEN owner_pid IS NULL THEN lease END,
             wait_timed_out = c.wait_timed_out OR c.status = 'waiting'
         FROM picked p, flow._definitions d
         WHERE c.id = p.id AND d.name = c.name AND d.version = c.version
         RETURNING c AS cmd, d.handler::oid AS handler_oid, d.owner::oid AS handler_owner, d.takes_context,
-                  d.timeout AS attempt_timeout, least(c.budget_started_at + d.max_elapsed, c.deadline) AS hard_deadline
+                  d.timeout AS attempt_timeout, least(p.budget_start + d.max_elapsed, c.deadline) AS hard_deadline,
+                  p.claim_order
     )
     SELECT (k.cmd).id, (k.cmd).run_id, (k.cmd).name, (k.cmd).version, (k.cmd).queue, (k.cmd).args,
            (k.cmd).attempts, (k.cmd).lease_token, (k.cmd).lease_expires_at, (k.cmd).attempt_deadline,
            k.handler_oid, k.handler_owner,
            -- the context costs ~20 µs: only for handlers that take it, and external workers
            CASE WHEN k.takes_context OR names IS NOT NULL THEN flow._context(k.cmd) END,
-           k.attempt_timeout, k.hard_deadline
+           k.attempt_timeout, k.hard_deadline, k.claim_order
     FROM claimed k;
 END $$;
 
@@ -701,7 +723,7 @@ BEGIN
     FROM flow._commands c WHERE c.run_id = _close_open_commands.run_id AND c.status = 'running';
     UPDATE flow._commands c SET status = 'cancelled', stop_reason = reason, finished_at = clock_timestamp(),
         lease_token = NULL, lease_owner = NULL, lease_pid = NULL, lease_backend_start = NULL,
-        lease_expires_at = NULL, attempt_started_at = NULL, attempt_deadline = NULL
+        lease_expires_at = NULL, lease_interval = NULL, attempt_started_at = NULL, attempt_deadline = NULL
     WHERE c.run_id = _close_open_commands.run_id AND c.finished_at IS NULL;
 END $$;
 
@@ -709,33 +731,52 @@ END $$;
 -- each: _begin_batch locks the chunk's runs (in id order: two chunks never
 -- deadlock, and cancel / run failure / external settlements of those runs
 -- wait for the chunk's commit) and returns the commands whose lease is still
--- held; those whose run was cancelled or failed since the claim never run.
-CREATE OR REPLACE FUNCTION flow._begin_batch(command_ids uuid[], lease_tokens uuid[]) RETURNS SETOF uuid
+-- held, each with whether its run's lock was had (those whose run was
+-- cancelled or failed since the claim are not returned). A run locked
+-- elsewhere (a cancel, an external client idle in its transaction) is
+-- skipped, never waited for: its commands are handed back (_release).
+CREATE OR REPLACE FUNCTION flow._begin_batch(command_ids uuid[], lease_tokens uuid[])
+RETURNS TABLE (command_id uuid, run_locked boolean)
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    locked uuid[];
 BEGIN
-    PERFORM flow._lock_runs_of(command_ids);
+    SELECT array_agg(r.id) INTO locked FROM (
+        SELECT x.id FROM flow._runs x
+        WHERE x.id IN (SELECT c.run_id FROM flow._commands c WHERE c.id = ANY (command_ids))
+        ORDER BY x.id FOR UPDATE SKIP LOCKED) r;
     RETURN QUERY
-        SELECT c.id FROM flow._commands c JOIN unnest(command_ids, lease_tokens) AS t(id, token) ON c.id = t.id
+        SELECT c.id, c.run_id = ANY (coalesce(locked, '{}'))
+        FROM flow._commands c JOIN unnest(command_ids, lease_tokens) AS t(id, token) ON c.id = t.id
         WHERE c.status = 'running' AND c.lease_token = t.token;
 END $$;
 
--- Hand claimed commands back to their queue: their worker's chunk failed
--- outside their handlers and rolled back, so nothing of their attempt was
--- kept, and the attempt the claim counted is given back.
-CREATE OR REPLACE FUNCTION flow._release(command_ids uuid[], lease_tokens uuid[]) RETURNS integer
+-- Hand claimed commands back to their queue, giving back the attempt the
+-- claim counted: nothing of their attempt was kept (their chunk failed
+-- outside their handlers, a cancel stopped them, or their run was locked
+-- elsewhere). Takes no run lock and skips a command row locked elsewhere;
+-- returns those still held, so the worker tries again later.
+CREATE OR REPLACE FUNCTION flow._release(command_ids uuid[], lease_tokens uuid[]) RETURNS SETOF uuid
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
-    released integer;
+    released uuid[];
 BEGIN
-    PERFORM flow._lock_runs_of(command_ids);
-    UPDATE flow._commands c SET status = 'pending', attempts = c.attempts - 1,
-        lease_token = NULL, lease_owner = NULL, lease_pid = NULL, lease_backend_start = NULL,
-        lease_expires_at = NULL, attempt_started_at = NULL, attempt_deadline = NULL
-    FROM unnest(command_ids, lease_tokens) AS t(id, token)
-    WHERE c.id = t.id AND c.status = 'running' AND c.lease_token = t.token;
-    GET DIAGNOSTICS released = ROW_COUNT;
+    WITH mine AS (
+        SELECT c.id FROM flow._commands c JOIN unnest(command_ids, lease_tokens) AS t(id, token) ON c.id = t.id
+        WHERE c.status = 'running' AND c.lease_token = t.token
+        FOR UPDATE OF c SKIP LOCKED
+    ), done AS (
+        UPDATE flow._commands c SET status = 'pending', attempts = c.attempts - 1,
+            lease_token = NULL, lease_owner = NULL, lease_pid = NULL, lease_backend_start = NULL,
+            lease_expires_at = NULL, lease_interval = NULL, attempt_started_at = NULL, attempt_deadline = NULL
+        FROM mine WHERE c.id = mine.id
+        RETURNING c.id
+    )
+    SELECT coalesce(array_agg(done.id), '{}') INTO released FROM done;
     PERFORM flow._wake();
-    RETURN released;
+    RETURN QUERY
+        SELECT c.id FROM flow._commands c JOIN unnest(command_ids, lease_tokens) AS t(id, token) ON c.id = t.id
+        WHERE c.status = 'running' AND c.lease_token = t.token AND c.id <> ALL (released);
 END $$;
 
 -- Settle successful attempts in three set-based statements: a worker chunk's,
@@ -753,7 +794,7 @@ BEGIN
     ), done AS (
         UPDATE flow._commands c SET status = 'succeeded', result = old.result, finished_at = clock_timestamp(),
             lease_token = NULL, lease_owner = NULL, lease_pid = NULL, lease_backend_start = NULL,
-            lease_expires_at = NULL, attempt_started_at = NULL, attempt_deadline = NULL
+            lease_expires_at = NULL, lease_interval = NULL, attempt_started_at = NULL, attempt_deadline = NULL
         FROM old WHERE c.id = old.id
         RETURNING old.*
     )
@@ -815,7 +856,7 @@ BEGIN
         finished_at = CASE WHEN stop IS NULL THEN NULL ELSE clock_timestamp() END,
         stop_reason = stop, last_error_code = code, last_error_message = cut,
         lease_token = NULL, lease_owner = NULL, lease_pid = NULL, lease_backend_start = NULL,
-        lease_expires_at = NULL, attempt_started_at = NULL, attempt_deadline = NULL
+        lease_expires_at = NULL, lease_interval = NULL, attempt_started_at = NULL, attempt_deadline = NULL
     WHERE x.id = c.id;
 
     IF stop IS NOT NULL THEN
@@ -888,14 +929,25 @@ BEGIN
     SELECT * INTO r FROM flow._runs x WHERE x.id = run_id;
     PERFORM flow._require_member(caller, r.owner, 'run', run_id);
     -- A worker chunk running this run's commands holds its lock: interrupt
-    -- the handler so the lock comes free and nothing is settled as success.
+    -- the handler so the lock comes free and nothing is settled as success
+    -- (the worker hands the command back, whatever attempt it was on).
     PERFORM flow._interrupt_run(run_id);
-    SELECT * INTO r FROM flow._runs x WHERE x.id = run_id FOR UPDATE;
+    BEGIN
+        PERFORM set_config('lock_timeout', '3s', true);
+        SELECT * INTO r FROM flow._runs x WHERE x.id = run_id FOR UPDATE;
+    EXCEPTION WHEN lock_not_available THEN
+        -- A handler of the run ignored the cancel: stop its worker (recovery
+        -- concludes that attempt), then wait for whoever else holds the run.
+        PERFORM flow._stop_workers_of(run_id);
+        SELECT * INTO r FROM flow._runs x WHERE x.id = run_id FOR UPDATE;
+    END;
+    PERFORM set_config('lock_timeout', '0', true);
     IF r.status <> 'running' THEN
         RETURN false;
     END IF;
     UPDATE flow._runs x SET status = 'cancelled', finished_at = now() WHERE x.id = run_id;
     PERFORM flow._close_open_commands(run_id, 'cancelled');
+    PERFORM flow._wake();   -- a limited queue may have room now
     RETURN true;
 END $$;
 
@@ -937,7 +989,10 @@ BEGIN
     -- two concurrent emitters could each leave the command waiting forever.)
     PERFORM 1 FROM flow._commands c WHERE c.id = command_id AND c.status = 'waiting' FOR UPDATE;
     IF FOUND THEN
-        UPDATE flow._commands c SET status = 'pending', next_run_at = greatest(c.not_before, now())
+        UPDATE flow._commands c SET status = 'pending', next_run_at = greatest(c.not_before, now()),
+            -- max_elapsed counts from when it first became due, not from its spawn
+            budget_started_at = CASE WHEN c.attempts = 0 THEN greatest(c.not_before, now())
+                                     ELSE c.budget_started_at END
         WHERE c.id = command_id AND c.status = 'waiting'
           AND NOT EXISTS (SELECT 1 FROM flow._waits w WHERE w.command_id = c.id AND w.event_position IS NULL);
     END IF;
@@ -987,6 +1042,12 @@ BEGIN
     END LOOP;
     PERFORM flow._wake();
     RETURN pos;
+EXCEPTION WHEN SQLSTATE 'FL002' OR SQLSTATE 'FL003' OR SQLSTATE 'FL004' THEN
+    -- inside a handler an invalid emit is an invalid decision (see _spawn)
+    IF emitter IS NOT NULL THEN
+        PERFORM flow._decide('invalid_decision', 'invalid_decision', SQLERRM, NULL);
+    END IF;
+    RAISE;
 END $$;
 
 -- parent_id: the command whose handler (or external worker) spawns; NULL is an error.
@@ -997,7 +1058,7 @@ LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     parent flow._commands;
     d flow._definitions;
-    due timestamptz := flow._first_due(start_after, NULL);
+    due timestamptz;
     lane text;
     spec flow.wait_spec;
     declared jsonb;
@@ -1010,6 +1071,8 @@ BEGIN
         RAISE EXCEPTION 'flow: spawn is only possible inside a running handler' USING ERRCODE = 'FL012',
             HINT = 'Use flow.enqueue to start a new run.';
     END IF;
+    waits := coalesce(waits, '{}');
+    due := flow._first_due(start_after, NULL);
     d := flow._definition(name, version);
     PERFORM flow._require_use(caller, d);
     lane := CASE WHEN queue IS NULL THEN d.queue ELSE flow._use_queue(caller, queue) END;
@@ -1031,8 +1094,10 @@ BEGIN
         next_run_at, not_before, budget_started_at, deadline)
     VALUES (child, parent.run_id, parent.id, key, d.name, d.version, lane, args, declared,
         CASE WHEN cardinality(waits) > 0 THEN 'waiting' ELSE 'pending' END::flow.command_status,
-        CASE WHEN cardinality(waits) = 0 THEN due WHEN within IS NULL THEN 'infinity'
-             ELSE greatest(now() + within, due) END,
+        -- a wait ends at `within`, and at the run's deadline at the latest
+        CASE WHEN cardinality(waits) = 0 THEN due
+             ELSE least(CASE WHEN within IS NULL THEN 'infinity' ELSE greatest(now() + within, due) END,
+                        coalesce(parent.deadline, 'infinity')) END,
         due, due, parent.deadline)
     ON CONFLICT ON CONSTRAINT _commands_run_id_key_key DO NOTHING;
     IF NOT FOUND THEN
@@ -1040,8 +1105,6 @@ BEGIN
         -- (a retried attempt re-spawns safely), another one is an invalid decision.
         SELECT * INTO existing FROM flow._commands c WHERE c.run_id = parent.run_id AND c.key = _spawn.key;
         IF existing.declaration IS DISTINCT FROM declared THEN
-            PERFORM flow._decide('permanent', 'invalid_decision',
-                format('flow: child key %s was already spawned with another declaration', key), NULL);
             RAISE EXCEPTION 'flow: child key % was already spawned with another declaration', key
                 USING ERRCODE = 'FL016';
         END IF;
@@ -1059,6 +1122,13 @@ BEGIN
     PERFORM flow._promote_if_satisfied(child);
     PERFORM flow._wake();
     RETURN child;
+EXCEPTION WHEN SQLSTATE 'FL001' OR SQLSTATE 'FL002' OR SQLSTATE 'FL003' OR SQLSTATE 'FL004'
+              OR SQLSTATE 'FL005' OR SQLSTATE 'FL006' OR SQLSTATE 'FL011' OR SQLSTATE 'FL016'
+              OR SQLSTATE 'FL018' THEN
+    -- An invalid spawn is the handler's decision: it fails the command even
+    -- if the handler catches the error (the first one counts, as the reference).
+    PERFORM flow._decide('invalid_decision', 'invalid_decision', SQLERRM, NULL);
+    RAISE;
 END $$;
 
 -- ---------------------------------------------------------------- external workers
@@ -1156,7 +1226,7 @@ BEGIN
         RETURN;
     END IF;
     c := flow._leased(caller, command_id, lease_token);
-    UPDATE flow._commands x SET lease_expires_at = now() + coalesce(extend, x.lease_expires_at - x.attempt_started_at)
+    UPDATE flow._commands x SET lease_expires_at = now() + coalesce(extend, x.lease_interval)
     WHERE x.id = c.id
     RETURNING x.lease_expires_at INTO c.lease_expires_at;
     RETURN QUERY SELECT c.lease_expires_at, false;
@@ -1333,7 +1403,7 @@ BEGIN
     RETURN format(E'flowchart LR\n%s\n', array_to_string(lines, E'\n'));
 END $$;
 
--- src/api.rs:121
+-- src/api.rs:127
 -- flow::api::_counters
 CREATE OR REPLACE FUNCTION "_counters"() RETURNS TABLE (
 	"name" TEXT,  /* String */
@@ -1343,21 +1413,21 @@ STRICT VOLATILE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_counters_wrapper';
 
--- src/api.rs:80
+-- src/api.rs:86
 -- flow::api::_current_command
 CREATE OR REPLACE FUNCTION "_current_command"() RETURNS uuid /* Option < pgrx :: Uuid > */
 STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_current_command_wrapper';
 
--- src/executor.rs:104
+-- src/executor.rs:112
 -- flow::executor::_decide
 CREATE OR REPLACE FUNCTION "_decide"(
 	"class" TEXT, /* & str */
 	"code" TEXT, /* & str */
 	"message" TEXT, /* & str */
 	"delay_us" bigint /* Option < i64 > */
-) RETURNS void
+) RETURNS bool /* bool */
 VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_decide_wrapper';
@@ -1371,7 +1441,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_interrupt_run_wrapper';
 
--- src/api.rs:74
+-- src/api.rs:80
 -- flow::api::_lease_duration_s
 CREATE OR REPLACE FUNCTION "_lease_duration_s"() RETURNS INT /* i32 */
 STRICT STABLE PARALLEL SAFE
@@ -1388,14 +1458,14 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_lock_event_key_wrapper';
 
--- src/api.rs:68
+-- src/api.rs:74
 -- flow::api::_max_payload_bytes
 CREATE OR REPLACE FUNCTION "_max_payload_bytes"() RETURNS INT /* i32 */
 STRICT STABLE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_max_payload_bytes_wrapper';
 
--- src/api.rs:62
+-- src/api.rs:68
 -- flow::api::_new_id
 CREATE OR REPLACE FUNCTION "_new_id"() RETURNS uuid /* pgrx :: Uuid */
 STRICT VOLATILE PARALLEL SAFE
@@ -1411,6 +1481,15 @@ VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_redeem_wrapper';
 
+-- src/api.rs:62
+-- flow::api::_stop_workers_of
+CREATE OR REPLACE FUNCTION "_stop_workers_of"(
+	"run" uuid /* pgrx :: Uuid */
+) RETURNS INT /* i32 */
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', '_stop_workers_of_wrapper';
+
 -- src/api.rs:19
 -- flow::api::_ticket
 CREATE OR REPLACE FUNCTION "_ticket"() RETURNS bigint /* i64 */
@@ -1425,7 +1504,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_wake_wrapper';
 
--- src/api.rs:86
+-- src/api.rs:92
 -- flow::api::_worker_states
 CREATE OR REPLACE FUNCTION "_worker_states"() RETURNS TABLE (
 	"worker" INT,  /* i32 */
@@ -1591,12 +1670,21 @@ $$;
 
 -- ---------------------------------------------------------------- decisions inside a handler
 
--- Fail the current command permanently: no retry.
-CREATE OR REPLACE FUNCTION flow.fail(message text) RETURNS void
+-- Fail the current command permanently: no retry. It raises, rolling back
+-- the handler's writes; with keep_writes => true it returns instead, and the
+-- handler's writes, events and children commit with the failed settlement
+-- (a saga's compensation: refund, then fail).
+CREATE OR REPLACE FUNCTION flow.fail(message text, keep_writes boolean DEFAULT false) RETURNS void
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     text_ text := coalesce(message, 'failed by its handler');
 BEGIN
+    IF keep_writes THEN
+        IF NOT flow._decide('kept_failure', 'permanent', text_, NULL) THEN
+            RAISE EXCEPTION 'flow: fail(keep_writes => true) needs a running handler' USING ERRCODE = 'FL012';
+        END IF;
+        RETURN;
+    END IF;
     PERFORM flow._decide('permanent', 'permanent', text_, NULL);
     RAISE EXCEPTION USING ERRCODE = 'FL020', MESSAGE = text_;
 END $$;

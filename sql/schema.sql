@@ -62,7 +62,8 @@ CREATE TYPE flow.claimed_command AS (
     -- for in-database workers, which may start a claimed command a while after
     -- the claim: the attempt deadline is min(start + attempt_timeout, hard_deadline)
     attempt_timeout   interval,
-    hard_deadline     timestamptz     -- min(retry budget end, run deadline)
+    hard_deadline     timestamptz,    -- min(retry budget end, run deadline)
+    claim_order       integer         -- run a batch in this order: it keeps the queues interleaved
 );
 
 -- What flow.await returns.
@@ -164,6 +165,7 @@ CREATE TABLE flow._commands (
     wait_timed_out    boolean NOT NULL DEFAULT false,
     created_at        timestamptz NOT NULL DEFAULT now(),
     finished_at       timestamptz,
+    lease_interval    interval,              -- an external lease's length: what a heartbeat extends by
     FOREIGN KEY (name, version) REFERENCES flow._definitions (name, version),
     UNIQUE (run_id, key),
     CHECK ((status = 'running') = (lease_token IS NOT NULL)),

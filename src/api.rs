@@ -58,6 +58,12 @@ fn _interrupt_run(run: pgrx::Uuid) {
     shmem::interrupt_run(*run.as_bytes());
 }
 
+/// Stop the workers running handlers of `run` that ignored flow.cancel.
+#[pg_extern(volatile, parallel_unsafe)]
+fn _stop_workers_of(run: pgrx::Uuid) -> i32 {
+    shmem::stop_workers_of(*run.as_bytes())
+}
+
 /// A new time-ordered id (UUIDv7).
 #[pg_extern(volatile, parallel_safe)]
 fn _new_id() -> pgrx::Uuid {

@@ -68,10 +68,10 @@ struct Failure {
     delay_us: Option<i64>,
 }
 
-/// A decision a handler announced just before raising (flow.fail,
-/// flow.retry_after, an invalid spawn). pgrx reports flow's own SQLSTATEs as
-/// XX000, so the class travels beside the error; it only counts when the
-/// caught error carries the same message.
+/// A decision a handler announced (flow.fail, flow.retry_after, an invalid
+/// spawn or emit). pgrx reports flow's own SQLSTATEs as XX000, so the class
+/// travels beside the error; it only counts when the caught error carries the
+/// same message.
 struct Decision {
     class: &'static str,
     code: String,
@@ -82,6 +82,12 @@ struct Decision {
 thread_local! {
     static CURRENT_COMMAND: Cell<Option<[u8; 16]>> = const { Cell::new(None) };
     static DECISION: RefCell<Option<Decision>> = const { RefCell::new(None) };
+    /// flow.fail(message, keep_writes => true): the handler returns normally,
+    /// its writes commit, and the command fails permanently.
+    static KEPT_FAILURE: RefCell<Option<Decision>> = const { RefCell::new(None) };
+    /// The first invalid decision (a bad spawn or emit) of this attempt: it
+    /// fails the command even if the handler caught the error (as the reference).
+    static INVALID_DECISION: RefCell<Option<Decision>> = const { RefCell::new(None) };
     static HANDLER_PLANS: RefCell<HashMap<(u32, u32), OwnedPreparedStatement>> = RefCell::new(HashMap::new());
     static ENGINE_PLANS: RefCell<HashMap<&'static str, OwnedPreparedStatement>> = RefCell::new(HashMap::new());
 }
@@ -100,22 +106,38 @@ pub fn current_command() -> Option<[u8; 16]> {
     CURRENT_COMMAND.with(|c| c.get())
 }
 
-/// Called by flow.fail / flow.retry_after / a conflicting spawn before they raise.
+/// Called by flow.fail / flow.retry_after / an invalid spawn or emit. Returns
+/// whether a handler is running in this backend (flow.fail with keep_writes
+/// needs one).
 #[pg_extern(volatile, parallel_unsafe)]
-fn _decide(class: &str, code: &str, message: &str, delay_us: Option<i64>) {
-    decide(class, code, message, delay_us)
+fn _decide(class: &str, code: &str, message: &str, delay_us: Option<i64>) -> bool {
+    decide(class, code, message, delay_us);
+    current_command().is_some()
 }
 
 pub fn decide(class: &str, code: &str, message: &str, delay_us: Option<i64>) {
-    let class = match class {
-        "permanent" => "permanent",
-        "retry_after" => "retry_after",
-        _ => "retryable",
+    let decision = |class| Decision { class, code: code.to_string(), message: message.to_string(), delay_us };
+    match class {
+        "kept_failure" => KEPT_FAILURE.with(|k| k.borrow_mut().get_or_insert(decision("permanent")).class),
+        "invalid_decision" => {
+            INVALID_DECISION.with(|d| d.borrow_mut().get_or_insert(decision("permanent")).class);
+            DECISION.with(|d| *d.borrow_mut() = Some(decision("permanent")));
+            "permanent"
+        }
+        _ => {
+            let class = match class {
+                "permanent" => "permanent",
+                "retry_after" => "retry_after",
+                _ => "retryable",
+            };
+            DECISION.with(|d| *d.borrow_mut() = Some(decision(class)));
+            class
+        }
     };
-    DECISION.with(|d| {
-        *d.borrow_mut() =
-            Some(Decision { class, code: code.to_string(), message: message.to_string(), delay_us })
-    });
+}
+
+fn decided_failure(decision: Decision) -> Failure {
+    Failure { class: decision.class, code: decision.code, message: decision.message, delay_us: decision.delay_us }
 }
 
 /// Forget every cached plan: after an error outside a handler, or when the
@@ -173,7 +195,7 @@ pub fn claim(owner: &str, backend_start: Option<TimestampWithTimeZone>, max: i32
                 (extract(epoch FROM attempt_timeout) * 1000000)::bigint,
                 handler, handler_owner, args, pg_catalog.to_jsonb(context)
          FROM flow._claim($1, $2, $3, $4, NULL, NULL, $5)
-         ORDER BY run_id, command_id",
+         ORDER BY claim_order",
         &[TEXT, INT4, TIMESTAMPTZ, INT4, INT4],
         &[owner.into(), unsafe { pg_sys::MyProcPid }.into(), backend_start.into(), max.into(), turn.into()],
         |rows| {
@@ -196,46 +218,77 @@ pub fn claim(owner: &str, backend_start: Option<TimestampWithTimeZone>, max: i32
 /// Claimed commands executed in one transaction: `begin` locks their runs and
 /// tells which still hold their lease (flow._begin_batch); successes are
 /// settled together by `finish` (flow._settle_batch), failures one by one as
-/// they happen, after the successes before them.
+/// they happen, after the successes before them. Commands whose run is locked
+/// elsewhere (a cancel, an external client's open transaction) or that a
+/// cancel stopped are handed back to their queue, never waited for.
 pub struct Chunk {
     live: HashSet<[u8; 16]>,
     /// Runs that failed in this chunk: their other commands were cancelled.
     failed_runs: HashSet<[u8; 16]>,
     successes: Vec<(pgrx::Uuid, pgrx::Uuid, Option<JsonB>)>,
+    /// Commands to hand back uncharged (see `finish`).
+    handed_back: Vec<(pgrx::Uuid, pgrx::Uuid)>,
 }
 
 impl Chunk {
     pub fn begin(commands: &[Claimed]) -> Chunk {
         let ids: Vec<pgrx::Uuid> = commands.iter().map(|c| c.command_id).collect();
         let tokens: Vec<pgrx::Uuid> = commands.iter().map(|c| c.lease_token).collect();
-        let live = engine_query(
-            "SELECT flow._begin_batch($1, $2)",
+        let states: Vec<([u8; 16], bool)> = engine_query(
+            "SELECT command_id, run_locked FROM flow._begin_batch($1, $2)",
             &[UUID_ARRAY, UUID_ARRAY],
             &[ids.into(), tokens.into()],
-            |rows| rows.filter_map(|row| row.get::<pgrx::Uuid>(1).ok().flatten()).map(|id| *id.as_bytes()).collect(),
+            |rows| {
+                rows.filter_map(|row| {
+                    let id = row.get::<pgrx::Uuid>(1).ok().flatten()?;
+                    Some((*id.as_bytes(), row.get::<bool>(2).ok().flatten().unwrap_or(false)))
+                })
+                .collect()
+            },
         );
-        Chunk { live, failed_runs: HashSet::new(), successes: Vec::new() }
+        let locked: HashSet<[u8; 16]> = states.iter().filter(|(_, locked)| *locked).map(|(id, _)| *id).collect();
+        let handed_back = commands
+            .iter()
+            .filter(|c| !locked.contains(c.command_id.as_bytes()) && states.iter().any(|(id, _)| id == c.command_id.as_bytes()))
+            .map(|c| (c.command_id, c.lease_token))
+            .collect();
+        Chunk { live: locked, failed_runs: HashSet::new(), successes: Vec::new(), handed_back }
     }
 
-    /// Run one command of the chunk; commands whose lease or run is gone are skipped.
-    pub fn execute(&mut self, command: &Claimed) {
-        if !self.live.contains(command.command_id.as_bytes()) || self.failed_runs.contains(command.run_id.as_bytes()) {
+    /// Run one command of the chunk for worker `index`; commands whose lease
+    /// or run is gone are skipped, those a cancel asked for are handed back
+    /// (the cancel closes them once it has the run's lock).
+    pub fn execute(&mut self, index: usize, command: &Claimed) {
+        let run = *command.run_id.as_bytes();
+        if !self.live.contains(command.command_id.as_bytes()) || self.failed_runs.contains(&run) {
             return;
         }
-        match attempt(command) {
+        if shmem::cancel_requested(index, &run) {
+            self.handed_back.push((command.command_id, command.lease_token));
+            return;
+        }
+        match attempt(index, command) {
             Ok(result) => self.successes.push((command.command_id, command.lease_token, result)),
+            Err(failure) if failure.class == "cancelled" => {
+                self.handed_back.push((command.command_id, command.lease_token));
+            }
             Err(failure) => {
                 // Successes before this failure settle first: they happened first.
                 self.settle_successes();
                 if settle_failure(command, &failure) == (Settled::Failed { retry: false }) {
-                    self.failed_runs.insert(*command.run_id.as_bytes());
+                    self.failed_runs.insert(run);
                 }
             }
         }
     }
 
-    pub fn finish(mut self) {
+    /// Settle the successes; returns the commands to hand back. The worker
+    /// releases them a moment later (HAND_BACK_DELAY): a cancel waiting for
+    /// their run's lock closes them first, and if it rolled back instead, they
+    /// go back to their queue and run again.
+    pub fn finish(mut self) -> Vec<(pgrx::Uuid, pgrx::Uuid)> {
         self.settle_successes();
+        std::mem::take(&mut self.handed_back)
     }
 
     fn settle_successes(&mut self) {
@@ -295,7 +348,7 @@ pub fn in_subtransaction<R, E>(
 /// Run a command's handler in its own subtransaction. On success the
 /// subtransaction is kept (its writes commit with the chunk's settlement); on
 /// failure it is rolled back and the failure classified.
-fn attempt(command: &Claimed) -> Result<Option<JsonB>, Failure> {
+fn attempt(index: usize, command: &Claimed) -> Result<Option<JsonB>, Failure> {
     let now = unsafe { pg_sys::GetCurrentTimestamp() };
     let deadline = command.deadline(now);
     let remaining_ms = deadline.map(|d| (d - now) / 1000);
@@ -304,6 +357,9 @@ fn attempt(command: &Claimed) -> Result<Option<JsonB>, Failure> {
     }
 
     DECISION.with(|d| d.borrow_mut().take());
+    KEPT_FAILURE.with(|d| d.borrow_mut().take());
+    INVALID_DECISION.with(|d| d.borrow_mut().take());
+    let run = *command.run_id.as_bytes();
     let started = std::time::Instant::now();
     let outcome = in_subtransaction(
         || {
@@ -314,6 +370,21 @@ fn attempt(command: &Claimed) -> Result<Option<JsonB>, Failure> {
             gucs::inject_fault("handler_return");
             // Test-only: die with the handler's writes done and nothing settled.
             gucs::inject_fault("before_settle");
+            // What happened to the attempt beats what the handler returned: a
+            // handler that caught its own timeout or a cancel and returned
+            // normally is still timed out or cancelled, and one that caught an
+            // invalid spawn or emit still made an invalid decision.
+            // (PostgreSQL resets the timer's indicator when it raises the
+            // cancel, so the clock tells whether the deadline passed.)
+            if deadline.is_some_and(|d| unsafe { pg_sys::GetCurrentTimestamp() } >= d) {
+                return Err(timeout_failure(0));
+            }
+            if shmem::cancel_requested(index, &run) {
+                return Err(cancelled_failure());
+            }
+            if let Some(invalid) = INVALID_DECISION.with(|d| d.borrow_mut().take()) {
+                return Err(decided_failure(invalid));
+            }
             let size = result.as_ref().map(|r| serde_json::to_string(&r.0).map(|s| s.len()).unwrap_or(usize::MAX));
             if let Some(size) = size.filter(|s| *s > gucs::max_result_bytes() as usize) {
                 return Err(Failure {
@@ -326,15 +397,23 @@ fn attempt(command: &Claimed) -> Result<Option<JsonB>, Failure> {
                     delay_us: None,
                 });
             }
-            Ok(result)
+            // flow.fail(keep_writes => true): keep the subtransaction, fail the command.
+            if let Some(kept) = KEPT_FAILURE.with(|d| d.borrow_mut().take()) {
+                return Ok(Err(decided_failure(kept)));
+            }
+            Ok(Ok(result))
         },
-        |caught| classify(caught, deadline),
+        |caught| classify(caught, deadline, shmem::cancel_requested(index, &run)),
     );
     CURRENT_COMMAND.with(|c| c.set(None));
     stop_deadline_timer();
     shmem::bump(&shmem::counters().handler_us, started.elapsed().as_micros() as u64);
     isolation::after_attempt();
-    outcome
+    outcome.and_then(|kept| kept)
+}
+
+fn cancelled_failure() -> Failure {
+    Failure { class: "cancelled", code: "cancelled".into(), message: "the run was cancelled".into(), delay_us: None }
 }
 
 /// A handler that swallows its own timeout (catches query_canceled in a
@@ -498,15 +577,16 @@ pub fn settle_engine_error(command: &Claimed, message: &str) -> bool {
 }
 
 /// Hand claimed commands back to their queue with the attempt the claim
-/// counted given back (flow._release): their batch failed and nothing of
-/// their attempt was kept.
-pub fn release(commands: &[Claimed]) {
-    if commands.is_empty() {
-        return;
+/// counted given back (flow._release): nothing of their attempt was kept.
+/// Returns those whose row was locked elsewhere: try them again later.
+pub fn release(ids: Vec<pgrx::Uuid>, tokens: Vec<pgrx::Uuid>) -> Vec<(pgrx::Uuid, pgrx::Uuid)> {
+    if ids.is_empty() {
+        return Vec::new();
     }
-    let ids: Vec<pgrx::Uuid> = commands.iter().map(|c| c.command_id).collect();
-    let tokens: Vec<pgrx::Uuid> = commands.iter().map(|c| c.lease_token).collect();
-    engine_query("SELECT flow._release($1, $2)", &[UUID_ARRAY, UUID_ARRAY], &[ids.into(), tokens.into()], |_| ());
+    let pairs: HashMap<pgrx::Uuid, pgrx::Uuid> = ids.iter().copied().zip(tokens.iter().copied()).collect();
+    engine_query("SELECT flow._release($1, $2)", &[UUID_ARRAY, UUID_ARRAY], &[ids.into(), tokens.into()], |rows| {
+        rows.filter_map(|row| row.get::<pgrx::Uuid>(1).ok().flatten()).map(|id| (id, pairs[&id])).collect()
+    })
 }
 
 fn timeout_failure(over_ms: i64) -> Failure {
@@ -523,7 +603,7 @@ fn timeout_failure(over_ms: i64) -> Failure {
 }
 
 /// Classify a caught handler error (rule 5).
-fn classify(caught: pg_sys::panic::CaughtError, deadline: Option<i64>) -> Failure {
+fn classify(caught: pg_sys::panic::CaughtError, deadline: Option<i64>, cancel_requested: bool) -> Failure {
     use pg_sys::panic::CaughtError;
     let report = match &caught {
         CaughtError::PostgresError(r) | CaughtError::ErrorReport(r) => r,
@@ -537,6 +617,15 @@ fn classify(caught: pg_sys::panic::CaughtError, deadline: Option<i64>) -> Failur
         }
     };
     let message = report.message().to_string();
+    // The attempt's cause beats the handler's error (as the reference's
+    // context cause): past the deadline it timed out, under a cancel it was cancelled.
+    let now = unsafe { pg_sys::GetCurrentTimestamp() };
+    if deadline.is_some_and(|d| now >= d) {
+        return timeout_failure(0);
+    }
+    if cancel_requested {
+        return cancelled_failure();
+    }
     if let Some(decision) = DECISION.with(|d| d.borrow_mut().take()).filter(|d| d.message == message) {
         return Failure {
             class: decision.class,

@@ -13,6 +13,10 @@ use pgrx::{pg_shmem_init, PGRXSharedMemory, PgAtomic, PgLwLock};
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+/// How many cancels a worker remembers at once (more concurrent cancels of
+/// runs it holds than this are served when its chunk commits).
+pub const CANCEL_SLOTS: usize = 16;
+
 /// What one worker process is doing, for the `flow.workers` view and wake-ups.
 #[derive(Copy, Clone)]
 pub struct WorkerSlot {
@@ -24,8 +28,10 @@ pub struct WorkerSlot {
     /// The command whose handler runs right now, and its run (all zero when none).
     pub command: [u8; 16],
     pub run: [u8; 16],
-    /// A run flow.cancel asked this worker to stop working on (see `interrupt_run`).
-    pub cancel_run: [u8; 16],
+    /// Runs flow.cancel asked this worker to stop working on (see
+    /// `interrupt_run`): a ring, so concurrent cancels never overwrite each other.
+    pub cancel_runs: [[u8; 16]; CANCEL_SLOTS],
+    pub next_cancel: usize,
     /// When the worker entered its current state (TimestampTz, µs).
     pub since: i64,
     /// Handlers this process has run since it started.
@@ -40,7 +46,8 @@ impl Default for WorkerSlot {
             busy: false,
             command: [0; 16],
             run: [0; 16],
-            cancel_run: [0; 16],
+            cancel_runs: [[0; 16]; CANCEL_SLOTS],
+            next_cancel: 0,
             since: 0,
             handled: 0,
         }
@@ -167,30 +174,59 @@ pub fn set_worker_state(index: usize, busy: bool, command: Option<([u8; 16], [u8
     slot.handled += handled;
 }
 
-/// flow.cancel: every worker is told not to start commands of `run`, and the
-/// one running a handler of it gets a statement cancel (SIGINT), so the run's
-/// lock is released soon and no handler of it is settled as a success.
+/// flow.cancel: every worker is told not to run or settle commands of
+/// `run`, and the one running a handler of it gets a statement cancel
+/// (SIGINT), so the run's lock is released soon. A handler cancelling its own
+/// run is not signalled: it holds the run's lock already.
 pub fn interrupt_run(run: [u8; 16]) {
+    let me = unsafe { pg_sys::MyProcPid };
     let mut table = WORKERS.exclusive();
-    for slot in table.slots.iter_mut().filter(|s| s.procno >= 0) {
-        slot.cancel_run = run;
+    // This backend's own slot is left alone: a handler cancelling its own run
+    // holds the run's lock, and its cancel commits with its attempt.
+    for slot in table.slots.iter_mut().filter(|s| s.procno >= 0 && s.pid != me) {
+        if !slot.cancel_runs.contains(&run) {
+            let at = slot.next_cancel % CANCEL_SLOTS;
+            slot.cancel_runs[at] = run;
+            slot.next_cancel = at + 1;
+        }
         if slot.busy && slot.run == run {
             unsafe { libc_kill(slot.pid, SIGINT) };
         }
     }
 }
 
-/// Whether flow.cancel asked worker `index` to leave `run` alone.
-pub fn cancel_requested(index: usize, run: &[u8; 16]) -> bool {
-    WORKERS.share().slots[index].cancel_run == *run
+/// A handler of `run` ignored flow.cancel: stop the worker running it (as
+/// PostgreSQL's pg_terminate_backend would; recovery concludes the attempt).
+/// Returns how many workers were told to stop.
+pub fn stop_workers_of(run: [u8; 16]) -> i32 {
+    let me = unsafe { pg_sys::MyProcPid };
+    let table = WORKERS.share();
+    let mut stopped = 0;
+    for slot in table.slots.iter().filter(|s| s.procno >= 0 && s.busy && s.run == run && s.pid != me) {
+        unsafe { libc_kill(slot.pid, SIGTERM) };
+        stopped += 1;
+    }
+    stopped
 }
 
-/// A chunk committed: its runs' cancels (if any) can now take their locks.
-pub fn clear_cancel(index: usize) {
-    WORKERS.exclusive().slots[index].cancel_run = [0; 16];
+/// Whether flow.cancel asked worker `index` to leave `run` alone.
+pub fn cancel_requested(index: usize, run: &[u8; 16]) -> bool {
+    WORKERS.share().slots[index].cancel_runs.contains(run)
+}
+
+/// A chunk committed: the cancels of its runs can take their locks now; the
+/// cancels of other runs stay for the chunks that hold them.
+pub fn clear_cancels(index: usize, runs: &[[u8; 16]]) {
+    let mut table = WORKERS.exclusive();
+    for entry in table.slots[index].cancel_runs.iter_mut() {
+        if runs.contains(entry) {
+            *entry = [0; 16];
+        }
+    }
 }
 
 const SIGINT: std::ffi::c_int = 2;
+const SIGTERM: std::ffi::c_int = 15;
 unsafe extern "C" {
     #[link_name = "kill"]
     fn libc_kill(pid: i32, signal: std::ffi::c_int) -> std::ffi::c_int;

@@ -38,6 +38,11 @@ const CHUNK_BUDGET: Duration = Duration::from_millis(50);
 /// engine's SQL fail is found and settled alone.
 const ISOLATION_PERIOD: Duration = Duration::from_secs(10);
 
+/// Commands a cancel stopped, or whose run was locked elsewhere, stay claimed
+/// this long before they are handed back: long enough for a cancel waiting on
+/// their run's lock to close them first.
+const HAND_BACK_DELAY: Duration = Duration::from_millis(1000);
+
 unsafe extern "C-unwind" {
     /// PostgreSQL's SIGTERM handler for backends: a fast shutdown cancels a
     /// running handler at its next interrupt check (pgrx's only sets a flag).
@@ -78,7 +83,10 @@ pub extern "C-unwind" fn flow_worker_main(arg: pg_sys::Datum) {
         if BackgroundWorker::sighup_received() {
             unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
         }
-        let sleep = worker.turn();
+        let mut sleep = worker.turn();
+        if !worker.unreleased.is_empty() {
+            sleep = sleep.min(HAND_BACK_DELAY / 4);
+        }
         if !sleep.is_zero() {
             shmem::set_worker_state(index, false, None, 0);
             report_activity("flow: idle");
@@ -111,6 +119,10 @@ struct Worker {
     last_prune: Option<Instant>,
     /// Until when chunks hold one command each (see ISOLATION_PERIOD).
     isolate_until: Option<Instant>,
+    /// Claimed commands to hand back to their queue (flow._release), with
+    /// when they were put aside: released HAND_BACK_DELAY later, and tried
+    /// again each turn while their row is locked elsewhere.
+    unreleased: Vec<(pgrx::Uuid, pgrx::Uuid, Instant)>,
 }
 
 impl Worker {
@@ -126,6 +138,7 @@ impl Worker {
             per_command_us: 0.0,
             last_prune: None,
             isolate_until: None,
+            unreleased: Vec::new(),
         }
     }
 
@@ -154,6 +167,7 @@ impl Worker {
                 None => {}
             }
         }
+        self.release_handed_back();
         if !self.prefetched.is_empty() {
             let claimed = std::mem::take(&mut self.prefetched);
             return self.run_batch(claimed);
@@ -173,6 +187,21 @@ impl Worker {
             };
         }
         self.run_batch(claimed)
+    }
+
+    /// Release the handed-back commands put aside at least HAND_BACK_DELAY ago.
+    fn release_handed_back(&mut self) {
+        let (due, waiting): (Vec<_>, Vec<_>) =
+            std::mem::take(&mut self.unreleased).into_iter().partition(|(_, _, at)| at.elapsed() >= HAND_BACK_DELAY);
+        self.unreleased = waiting;
+        if due.is_empty() {
+            return;
+        }
+        let (ids, tokens): (Vec<_>, Vec<_>) = due.iter().map(|(id, token, _)| (*id, *token)).unzip();
+        let still_locked = transaction(|| executor::release(ids, tokens))
+            .unwrap_or_else(|| due.iter().map(|(id, token, _)| (*id, *token)).collect());
+        let at = Instant::now() - HAND_BACK_DELAY;   // locked elsewhere: try again next turn
+        self.unreleased.extend(still_locked.into_iter().map(|(id, token)| (id, token, at)));
     }
 
     /// Execute a claimed batch in chunks. The last chunk's transaction also
@@ -200,24 +229,25 @@ impl Worker {
                     let (id, run) = (*command.command_id.as_bytes(), *command.run_id.as_bytes());
                     shmem::set_worker_state(index, true, Some((id, run)), 1);
                     // Order matters: a cancel sets its flag before it signals, so
-                    // either we see the flag here or its SIGINT reaches the handler.
+                    // either the chunk sees the flag or its SIGINT reaches the handler.
                     unsafe { pg_sys::QueryCancelPending = 0 };
                     entered.set(entered.get() + 1);
-                    if !shmem::cancel_requested(index, &run) {
-                        chunk.execute(command);
-                    }
+                    chunk.execute(index, command);
                     ran += 1;
                     if isolating || chunk_started.elapsed() >= CHUNK_BUDGET {
                         break;
                     }
                 }
-                chunk.finish();
+                let handed_back = chunk.finish();
                 let next = if ran == rest.len() && gucs::enabled() && !isolating { this.claim() } else { Vec::new() };
-                (ran, next)
+                (ran, next, handed_back)
             });
-            shmem::clear_cancel(self.index);
             match ran {
-                Ok((ran, next)) => {
+                Ok((ran, next, handed_back)) => {
+                    let at = Instant::now();
+                    self.unreleased.extend(handed_back.into_iter().map(|(id, token)| (id, token, at)));
+                    let runs: Vec<[u8; 16]> = rest[..ran].iter().map(|c| *c.run_id.as_bytes()).collect();
+                    shmem::clear_cancels(self.index, &runs);
                     rest = &rest[ran..];
                     self.prefetched = next;
                 }
@@ -233,12 +263,17 @@ impl Worker {
                     let others = &rest[culprit.len()..];
                     self.isolate_until = Some(Instant::now() + ISOLATION_PERIOD);
                     let contained = try_transaction(|| {
-                        culprit.iter().all(|c| executor::settle_engine_error(c, &message)) && {
-                            executor::release(others);
-                            true
-                        }
+                        culprit.iter().all(|c| executor::settle_engine_error(c, &message)).then(|| {
+                            executor::release(
+                                others.iter().map(|c| c.command_id).collect(),
+                                others.iter().map(|c| c.lease_token).collect(),
+                            )
+                        })
                     });
-                    if contained != Ok(true) {
+                    if let Ok(Some(locked_elsewhere)) = contained {
+                        let at = Instant::now() - HAND_BACK_DELAY;
+                        self.unreleased.extend(locked_elsewhere.into_iter().map(|(id, token)| (id, token, at)));
+                    } else {
                         // Not even that could be written: exit, and recovery (in the
                         // restarted worker) concludes these attempts as interrupted.
                         pgrx::warning!("flow: a batch failed outside its handlers and could not be settled; restarting the worker");

@@ -17,4 +17,8 @@ psql -c "SELECT status, result FROM flow.await('$run', '30 seconds')"
 psql -c "SELECT key, name, status, attempts, result FROM flow.commands WHERE run_id = '$run' ORDER BY created_at"
 echo "== run graph (Graphviz DOT; render with: dot -Tsvg)"
 psql -At -c "SELECT flow.run_graph('$run', 'dot')"
+saga=$(psql -At -c "SELECT flow.enqueue('place_order', '{\"order\": \"order-8\", \"amount\": 5, \"sku\": \"unicorn\", \"within\": \"3 seconds\"}', key => 'order-8')")
+echo "== order-8 asks for a unicorn: the stock never arrives, so ship compensates (run $saga)"
+psql -c "SELECT status, error->>'message' AS error FROM flow.await('$saga', '30 seconds')"
+psql -c "SELECT order_id, amount, refunded FROM shop.charges ORDER BY order_id"
 echo "== the server is still running: FLOW_PGDIR=$FLOW_PGDIR FLOW_PGPORT=$FLOW_PGPORT tools/cluster.sh psql"

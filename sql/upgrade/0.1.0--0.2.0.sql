@@ -41,3 +41,12 @@ SELECT pg_catalog.pg_extension_config_dump('flow._definition_names', '');
 DROP FUNCTION flow._lock_event_key(text, text);
 -- Events satisfy waits of their own run too (sql/engine.sql, _may_satisfy).
 DROP FUNCTION flow._may_satisfy(oid, uuid);
+-- Functions whose signature or result changed.
+DROP FUNCTION flow.fail(text);
+DROP FUNCTION flow._decide(text, text, text, bigint);
+DROP FUNCTION flow._begin_batch(uuid[], uuid[]);
+-- Claims keep their interleaving; external leases remember their length.
+ALTER TYPE flow.claimed_command ADD ATTRIBUTE claim_order integer;
+ALTER TABLE flow._commands ADD COLUMN lease_interval interval;
+UPDATE flow._commands SET lease_interval = lease_expires_at - attempt_started_at
+WHERE status = 'running' AND lease_pid IS NULL;

@@ -1,0 +1,278 @@
+"""Rules of the reference runtime that 0.1.0 broke: sagas that compensate,
+cancel, waits, fairness, heartbeats, head-of-line blocking, decisions and
+budgets. Each test failed against 0.1.0."""
+import threading
+import time
+
+import pytest
+
+from conftest import fresh_cluster, unique
+
+
+@pytest.fixture(scope="module")
+def pg():
+    # a long poll interval: anything that is quick here was woken, not polled
+    cluster = fresh_cluster("flow.workers = 2", "flow.poll_interval = '10s'")
+    with cluster.connect() as c:
+        c.execute("""
+            CREATE SCHEMA app;
+            CREATE TABLE app.effects (tag text, at timestamptz DEFAULT clock_timestamp());
+            CREATE FUNCTION app.act(args jsonb, ctx flow.context) RETURNS jsonb LANGUAGE plpgsql AS $$
+            BEGIN
+                INSERT INTO app.effects (tag) VALUES (coalesce(args->>'tag', ctx.command_key));
+                CASE args->>'do'
+                    WHEN 'compensate' THEN
+                        INSERT INTO app.effects (tag) VALUES ('refund:' || (args->>'tag'));
+                        PERFORM flow.emit('refunded', args->>'tag');
+                        PERFORM flow.fail('could not ship', keep_writes => true);
+                        RETURN '{"returned": "after fail"}';
+                    WHEN 'sleep' THEN PERFORM pg_sleep((args->>'seconds')::float);
+                    WHEN 'sleep_first' THEN
+                        IF NOT EXISTS (SELECT 1 FROM app.effects WHERE tag = 'slept:' || (args->>'tag')) THEN
+                            INSERT INTO app.effects (tag) VALUES ('slept:' || (args->>'tag'));
+                            PERFORM pg_sleep((args->>'seconds')::float);
+                        END IF;
+                    WHEN 'cancel_self' THEN PERFORM flow.cancel(ctx.run_id);
+                    WHEN 'stubborn' THEN
+                        LOOP BEGIN PERFORM pg_sleep(10); EXCEPTION WHEN query_canceled THEN NULL; END; END LOOP;
+                    WHEN 'swallow_timeout' THEN
+                        BEGIN PERFORM pg_sleep(5); EXCEPTION WHEN query_canceled THEN NULL; END;
+                    WHEN 'bad_spawn' THEN
+                        BEGIN PERFORM flow.spawn('no_such_definition', '{}', key => 'x');
+                        EXCEPTION WHEN OTHERS THEN NULL; END;
+                    WHEN 'spawn_no_waits' THEN
+                        PERFORM flow.spawn(args->>'child', '{}', key => 'child', waits => NULL);
+                    WHEN 'spawn_waiting' THEN
+                        PERFORM flow.spawn(args->>'child', '{}', key => 'child',
+                                           waits => array[flow.wait('never', ctx.run_id::text)]);
+                    WHEN 'spawn_for_event' THEN
+                        PERFORM flow.spawn(args->>'child', jsonb_build_object('do', 'fail_first'), key => 'child',
+                                           waits => array[flow.wait('go', args->>'tag')], within => '1 minute');
+                    WHEN 'fail_first' THEN
+                        IF ctx.attempt = 1 THEN RAISE EXCEPTION 'first attempt fails'; END IF;
+                    ELSE NULL;
+                END CASE;
+                RETURN jsonb_build_object('attempt', ctx.attempt);
+            END $$;
+        """)
+    yield cluster
+    cluster.stop()
+
+
+def define(pg, **kw):
+    name = unique("d")
+    params = "".join(f", {k} => {v}" for k, v in kw.items())
+    pg.one(f"SELECT flow.define('{name}', 'app.act(jsonb, flow.context)'::regprocedure{params})")
+    return name
+
+
+def enqueue(pg, name, args="{}", **kw):
+    params = "".join(f", {k} => {v}" for k, v in kw.items())
+    return pg.one(f"SELECT flow.enqueue('{name}', '{args}'{params})")
+
+
+def root(pg, run):
+    return pg.all("SELECT status::text, attempts, stop_reason, last_error_code FROM flow._commands"
+                  " WHERE run_id = %s AND key = 'root'", run)[0]
+
+
+def effects(pg, tag):
+    return pg.one("SELECT count(*) FROM app.effects WHERE tag = %s", tag)
+
+
+# ---------------------------------------------------------------- 1. sagas
+
+def test_fail_keeping_writes_commits_the_compensation(pg):
+    tag = unique("order")
+    run = enqueue(pg, define(pg), f'{{"do": "compensate", "tag": "{tag}"}}')
+    status, result, error = pg.await_run(run)
+    assert status == "failed" and result is None
+    assert error["message"] == "could not ship" and error["stop_reason"] == "permanent"
+    assert root(pg, run)[:3] == ("failed", 1, "permanent")
+    # the refund and the event committed with the failed settlement
+    assert effects(pg, "refund:" + tag) == 1 and effects(pg, tag) == 1
+    assert pg.one("SELECT count(*) FROM flow.events WHERE name = 'refunded' AND key = %s", tag) == 1
+    assert pg.sqlstate("SELECT flow.fail('x', keep_writes => true)") == "FL012"
+
+
+def test_the_demo_saga_refunds(pg):
+    from pathlib import Path
+    sql = (Path(__file__).resolve().parent.parent / "examples" / "order_workflow.sql").read_text()
+    with pg.connect() as c:
+        c.execute(sql)
+    run = pg.one("""SELECT flow.enqueue('place_order', '{"order": "o-9", "amount": 5, "sku": "unicorn",
+                                                          "within": "3 seconds"}')""")
+    assert pg.await_run(run)[0] == "failed"
+    assert pg.one("SELECT refunded FROM shop.charges WHERE order_id = 'o-9'") is True
+    assert pg.one("SELECT count(*) FROM shop.shipments WHERE order_id = 'o-9'") == 0
+
+
+# ---------------------------------------------------------------- 2. cancel
+
+def test_cancel_on_the_last_attempt_ends_the_run_cancelled(pg):
+    run = enqueue(pg, define(pg, max_attempts=1), '{"do": "sleep", "seconds": 3}')
+    pg.wait_for("SELECT status = 'running' FROM flow._commands WHERE run_id = %s", run)
+    time.sleep(0.3)
+    assert pg.one("SELECT flow.cancel(%s)", run) is True
+    assert pg.await_run(run)[0] == "cancelled"
+    assert root(pg, run)[0] == "cancelled"
+
+
+def test_a_cancel_that_rolls_back_leaves_nothing_stuck(pg):
+    tag = unique("rb")
+    run = enqueue(pg, define(pg), f'{{"do": "sleep_first", "seconds": 2, "tag": "{tag}"}}')
+    pg.wait_for("SELECT status = 'running' FROM flow._commands WHERE run_id = %s", run)
+    time.sleep(0.3)
+    with pg.connect(autocommit=False) as c:
+        assert c.execute("SELECT flow.cancel(%s)", (run,)).fetchone()[0] is True
+        c.rollback()
+    # the handed-back command runs again and the run finishes
+    assert pg.await_run(run)[0] == "succeeded"
+    assert root(pg, run)[0] == "succeeded"
+
+
+def test_concurrent_cancels_each_end_their_run(pg):
+    name = define(pg)
+    runs = [enqueue(pg, name, '{"do": "sleep", "seconds": 5}') for _ in range(2)]
+    pg.wait_for("SELECT count(*) = 2 FROM flow._commands WHERE run_id = ANY(%s::uuid[]) AND status = 'running'",
+                runs)
+    results = {}
+    threads = [threading.Thread(target=lambda r=r: results.__setitem__(r, pg.one("SELECT flow.cancel(%s)", r)))
+               for r in runs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(15)
+    assert results == {runs[0]: True, runs[1]: True}
+    assert [pg.await_run(r)[0] for r in runs] == ["cancelled", "cancelled"]
+
+
+def test_a_handler_can_cancel_its_own_run(pg):
+    run = enqueue(pg, define(pg), '{"do": "cancel_self"}')
+    assert pg.await_run(run)[0] == "cancelled"
+    assert root(pg, run)[:2] == ("cancelled", 1)
+
+
+def test_cancel_wakes_the_workers(pg):
+    q = unique("one")
+    pg.one(f"SELECT flow.set_queue('{q}', concurrency => 1)")
+    name = define(pg, queue=f"'{q}'")
+    first = enqueue(pg, name, '{"do": "sleep", "seconds": 30}')
+    pg.wait_for("SELECT status = 'running' FROM flow._commands WHERE run_id = %s", first)
+    second = enqueue(pg, name, '{"tag": "after_cancel"}')
+    time.sleep(0.5)
+    started = time.time()
+    pg.one("SELECT flow.cancel(%s)", first)
+    assert pg.await_run(second, "5s")[0] == "succeeded"
+    assert time.time() - started < 3      # not the 10 s poll interval
+
+
+def test_a_handler_that_ignores_cancel_is_stopped(pg):
+    run = enqueue(pg, define(pg), '{"do": "stubborn"}')
+    pg.wait_for("SELECT status = 'running' FROM flow._commands WHERE run_id = %s", run)
+    time.sleep(0.3)
+    started = time.time()
+    assert pg.one("SELECT flow.cancel(%s)", run) is True
+    assert time.time() - started < 10
+    assert pg.await_run(run)[0] == "cancelled"
+    pg.wait_for("SELECT count(*) = 2 FROM flow.workers WHERE pid IS NOT NULL")
+    assert pg.await_run(enqueue(pg, define(pg)))[0] == "succeeded"
+
+
+# ---------------------------------------------------------------- 3. waits
+
+def test_spawn_with_null_waits_runs_the_child(pg):
+    child = define(pg)
+    run = enqueue(pg, define(pg), f'{{"do": "spawn_no_waits", "child": "{child}"}}')
+    assert pg.await_run(run)[0] == "succeeded"
+
+
+def test_a_wait_without_within_ends_at_the_run_deadline(pg):
+    child = define(pg)
+    run = enqueue(pg, define(pg), f'{{"do": "spawn_waiting", "child": "{child}"}}', deadline="'2 seconds'")
+    status, _, error = pg.await_run(run, "15s")
+    assert status == "failed"
+    assert pg.one("SELECT stop_reason FROM flow._commands WHERE run_id = %s AND key = 'child'", run) in (
+        "deadline_before_next_attempt", "attempt_limit")
+
+
+# ---------------------------------------------------------------- 4. fairness
+
+def test_queues_without_work_take_no_turns_and_batches_keep_the_interleaving(pg):
+    queues = [unique(f"f{i}") for i in range(5)]
+    for q in queues:
+        pg.one(f"SELECT flow.set_queue('{q}', paused => true)")
+    a, e = queues[0], queues[4]
+    for q in (a, e):
+        name = define(pg, queue=f"'{q}'")
+        pg.one(f"SELECT flow.enqueue_many('{name}', array_agg(jsonb_build_object('tag', '{q}', 'do', 'sleep',"
+               f" 'seconds', 0.15)), queue => '{q}') FROM generate_series(1, 12)")
+    for q in queues:
+        pg.one(f"SELECT flow.set_queue('{q}', paused => false)")
+    pg.wait_for(f"SELECT count(*) >= 12 FROM app.effects WHERE tag IN ('{a}', '{e}')", timeout=60)
+    first = [r[0] for r in pg.all(f"SELECT tag FROM app.effects WHERE tag IN ('{a}', '{e}') ORDER BY at LIMIT 12")]
+    # the two busy queues share the first turns: neither gets 4 of every 5
+    assert 4 <= first.count(a) <= 8, first
+
+
+# ---------------------------------------------------------------- 5, 6. leases and locks
+
+def test_a_heartbeat_extends_by_the_original_lease(pg):
+    name = unique("ext")
+    pg.one(f"SELECT flow.define('{name}', NULL)")
+    pg.one(f"SELECT flow.enqueue('{name}')")
+    with pg.connect() as c:
+        cmd, token = c.execute(f"SELECT command_id, lease_token FROM flow.claim(array['{name}'], 'w', 1, '2 s')"
+                               ).fetchone()
+        for _ in range(3):
+            time.sleep(0.6)
+            left = c.execute("SELECT extract(epoch FROM lease_expires_at - now()) FROM flow.heartbeat(%s, %s)",
+                             (cmd, token)).fetchone()[0]
+            assert 1.5 <= float(left) <= 2.1
+        c.execute("SELECT flow.complete(%s, %s)", (cmd, token))
+
+
+def test_a_run_locked_elsewhere_does_not_hold_up_the_batch(pg):
+    q = unique("hol")
+    pg.one(f"SELECT flow.set_queue('{q}', paused => true)")
+    name = define(pg, queue=f"'{q}'")
+    blocked = enqueue(pg, name, '{"tag": "blocked"}')
+    others = pg.one(f"SELECT flow.enqueue_many('{name}', array_fill('{{}}'::jsonb, array[20]))")
+    with pg.connect(autocommit=False) as holder:
+        holder.execute("SELECT 1 FROM flow._runs WHERE id = %s FOR UPDATE", (blocked,))   # like an idle client
+        pg.one(f"SELECT flow.set_queue('{q}', paused => false)")
+        started = time.time()
+        for run in others:
+            assert pg.await_run(run, "10s")[0] == "succeeded"
+        assert time.time() - started < 8
+        assert pg.one("SELECT status FROM flow._runs WHERE id = %s", blocked) == "running"
+        holder.rollback()
+    assert pg.await_run(blocked, "30s")[0] == "succeeded"
+    assert root(pg, blocked)[1] == 1       # handed back uncharged, then run once
+
+
+# ---------------------------------------------------------------- 7. decisions
+
+def test_a_caught_invalid_spawn_is_still_an_invalid_decision(pg):
+    run = enqueue(pg, define(pg), '{"do": "bad_spawn"}')
+    assert pg.await_run(run)[0] == "failed"
+    assert root(pg, run)[2:] == ("permanent", "invalid_decision")
+
+
+def test_a_caught_timeout_is_still_a_timeout(pg):
+    run = enqueue(pg, define(pg, timeout="'300 ms'", max_attempts=1), '{"do": "swallow_timeout"}')
+    assert pg.await_run(run)[0] == "failed"
+    assert pg.one("SELECT outcome FROM flow.attempts WHERE run_id = %s", run) == "timeout"
+
+
+# ---------------------------------------------------------------- 8. budgets
+
+def test_the_retry_budget_starts_when_the_command_is_first_due(pg):
+    tag = unique("budget")
+    child = define(pg, max_elapsed="'1500 ms'", backoff="'100 ms'", backoff_max="'100 ms'")
+    run = enqueue(pg, define(pg), f'{{"do": "spawn_for_event", "child": "{child}", "tag": "{tag}"}}')
+    pg.wait_for("SELECT status = 'waiting' FROM flow._commands WHERE run_id = %s AND key = 'child'", run)
+    time.sleep(2.0)    # longer than max_elapsed: waiting must not use up the budget
+    pg.one("SELECT flow.emit('go', %s)", tag)
+    assert pg.await_run(run)[0] == "succeeded"
+    assert pg.one("SELECT attempts FROM flow._commands WHERE run_id = %s AND key = 'child'", run) == 2
