@@ -460,3 +460,4 @@ def test_workers_wait_calmly_without_the_extension(app):
     assert app.await_run(run, "15s") == ("succeeded", {"back": True}, None)
     # no error loop in the log while the extension was missing
     assert app.log().count("flow worker:") < 5
+

@@ -254,3 +254,58 @@ def test_complete_many_settles_what_it_holds_and_reports_the_rest(pg):
     assert pg.sqlstate("SELECT * FROM flow.complete_many(%s, %s)", [d], [td], user="bob") == "FL014"
     assert sorted(pg.one("SELECT array_agg(status::text) FROM flow.runs WHERE id = ANY(%s)", runs)) == \
         ["running", "succeeded", "succeeded"]
+
+
+def test_resolve_tells_a_worker_what_became_of_its_attempt(pg):
+    name = external(pg, max_attempts=3, backoff="'10 ms'", backoff_max="'10 ms'")
+    run = pg.one(f"SELECT flow.enqueue('{name}')")
+    with pg.connect() as c:
+        [(cmd, token, *_)] = claim(c, name, lease="1 s")
+        assert c.execute("SELECT state FROM flow.resolve(%s, %s)", (cmd, token)).fetchone()[0] == "held"
+        time.sleep(1.2)
+        # expired, until the workers' recovery (every second) concludes it as lease_lost
+        assert c.execute("SELECT state FROM flow.resolve(%s, %s)", (cmd, token)).fetchone()[0] in (
+            "expired", "concluded")
+        # a second claim completes
+        pg.wait_for("SELECT status = 'pending' FROM flow._commands WHERE id = %s", cmd)
+        assert c.execute("SELECT state, outcome FROM flow.resolve(%s, %s)", (cmd, token)).fetchone() == (
+            "concluded", "lease_lost")
+        time.sleep(0.2)    # the retry's 10 ms backoff
+        [(cmd2, token2, *_)] = claim(c, name)
+        c.execute("SELECT flow.complete(%s, %s)", (cmd2, token2))
+        assert c.execute("SELECT state, outcome FROM flow.resolve(%s, %s)", (cmd2, token2)).fetchone() == (
+            "concluded", "succeeded")
+    assert pg.sqlstate("SELECT * FROM flow.resolve(%s, gen_random_uuid())", cmd) == "FL013"
+    pg.all("DO $$ BEGIN CREATE ROLE res_other LOGIN; EXCEPTION WHEN duplicate_object THEN NULL; END $$")
+    assert pg.sqlstate("SELECT * FROM flow.resolve(%s, %s)", cmd, token, user="res_other") == "FL014"
+    assert pg.await_run(run)[0] == "succeeded"
+
+
+def test_a_stale_fail_from_an_external_worker_changes_nothing(pg):
+    name = external(pg, max_attempts=3)
+    run = pg.one(f"SELECT flow.enqueue('{name}')")
+    with pg.connect() as c:
+        [(cmd, token, *_)] = claim(c, name)
+        c.execute("SELECT flow.complete(%s, %s)", (cmd, token))
+    before = state(pg)
+    assert pg.sqlstate("SELECT flow.fail(%s, %s, 'too late')", cmd, token) in ("FL013", "FL017")
+    assert state(pg) == before
+    assert pg.await_run(run)[0] == "succeeded"
+
+
+def test_a_concurrency_limit_is_shared_by_workers_and_external_claimers(pg):
+    q = unique("shared")
+    pg.one(f"SELECT flow.set_queue('{q}', concurrency => 1)")
+    ext = external(pg, queue=f"'{q}'")
+    pg.one(f"SELECT flow.enqueue('{ext}')")
+    with pg.connect() as c:
+        [(cmd, token, *_)] = claim(c, ext)
+        pg.all("CREATE OR REPLACE FUNCTION public.quick(args jsonb) RETURNS jsonb LANGUAGE sql AS 'SELECT args'")
+        indb = unique("indb")
+        pg.one(f"SELECT flow.define('{indb}', 'public.quick'::regproc, queue => '{q}')")
+        run = pg.one(f"SELECT flow.enqueue('{indb}')")
+        time.sleep(1.5)
+        # the external claim holds the queue's only slot
+        assert pg.one("SELECT status FROM flow._commands WHERE run_id = %s", run) == "pending"
+        c.execute("SELECT flow.complete(%s, %s)", (cmd, token))
+    assert pg.await_run(run, "10s")[0] == "succeeded"

@@ -276,3 +276,85 @@ def test_the_retry_budget_starts_when_the_command_is_first_due(pg):
     pg.one("SELECT flow.emit('go', %s)", tag)
     assert pg.await_run(run)[0] == "succeeded"
     assert pg.one("SELECT attempts FROM flow._commands WHERE run_id = %s AND key = 'child'", run) == 2
+
+
+# ---------------------------------------------------------------- handler context
+
+def test_the_context_tells_the_enforced_deadline_and_the_times(pg):
+    pg.all("""CREATE FUNCTION app.ctx(args jsonb, ctx flow.context) RETURNS jsonb LANGUAGE sql AS $$
+              SELECT jsonb_build_object('deadline_ms', extract(epoch FROM ctx.deadline - ctx.attempt_started_at) * 1000,
+                                        'started_late', ctx.attempt_started_at >= ctx.created_at,
+                                        'budget', ctx.budget_started_at IS NOT NULL,
+                                        'now_after_start', clock_timestamp() >= ctx.attempt_started_at) $$""")
+    name = unique("ctx")
+    pg.one(f"SELECT flow.define('{name}', 'app.ctx(jsonb, flow.context)'::regprocedure, timeout => '2 s')")
+    run = pg.one(f"SELECT flow.enqueue('{name}')")
+    status, result, _ = pg.await_run(run)
+    assert status == "succeeded"
+    # the deadline is the one enforced: the handler's start plus its timeout
+    assert abs(float(result["deadline_ms"]) - 2000) < 5
+    assert result["started_late"] and result["budget"] and result["now_after_start"]
+
+
+# ---------------------------------------------------------------- more classification
+
+def attempt_outcomes(pg, run):
+    return [r[0] for r in pg.all("SELECT outcome FROM flow.attempts WHERE run_id = %s ORDER BY attempt", run)]
+
+
+def test_a_deadline_already_past_when_the_handler_would_start(pg):
+    # the first command holds the only slot of its queue past the second's run deadline
+    q = unique("late")
+    pg.one(f"SELECT flow.set_queue('{q}', concurrency => 1)")
+    enqueue(pg, define(pg, queue=f"'{q}'"), '{"do": "sleep", "seconds": 1.5}')
+    time.sleep(0.2)
+    tag = unique("late")
+    run = enqueue(pg, define(pg, queue=f"'{q}'", max_attempts=1), f'{{"tag": "{tag}"}}', deadline="'1 second'")
+    assert pg.await_run(run, "10s")[0] == "failed"
+    assert effects(pg, tag) == 0          # the handler never ran
+    assert attempt_outcomes(pg, run) == ["timeout"]
+
+
+def test_pg_cancel_backend_interrupts_a_handler_and_it_is_retried(pg):
+    tag = unique("pgcancel")
+    run = enqueue(pg, define(pg, max_attempts=3, backoff="'10 ms'"),
+                  f'{{"do": "sleep_first", "seconds": 5, "tag": "{tag}"}}')
+    pg.wait_for("SELECT status = 'running' FROM flow._commands WHERE run_id = %s", run)
+    time.sleep(0.3)
+    pg.all("SELECT pg_cancel_backend(pid) FROM flow.workers WHERE command_id IS NOT NULL")
+    assert pg.await_run(run, "10s")[0] == "succeeded"
+    assert attempt_outcomes(pg, run) == ["interrupted", "succeeded"]
+
+
+def test_a_long_multibyte_message_is_cut_at_1_kib_without_splitting_a_character(pg):
+    pg.all("CREATE FUNCTION app.multibyte(args jsonb) RETURNS jsonb LANGUAGE plpgsql AS"
+           " $$ BEGIN RAISE EXCEPTION '%', repeat('é', 1000) || repeat('🙂', 100); END $$")
+    name = unique("mb")
+    pg.one(f"SELECT flow.define('{name}', 'app.multibyte'::regproc, max_attempts => 1)")
+    run = pg.one(f"SELECT flow.enqueue('{name}')")
+    assert pg.await_run(run, "10s")[0] == "failed"
+    message = pg.one("SELECT last_error_message FROM flow._commands WHERE run_id = %s", run)
+    assert 1000 < len(message.encode()) <= 1024
+    assert message == ("é" * 1000)[:len(message)]
+
+
+def test_retry_after_above_backoff_max_is_honoured(pg):
+    pg.all("CREATE FUNCTION app.later(args jsonb, ctx flow.context) RETURNS jsonb LANGUAGE plpgsql AS"
+           " $$ BEGIN IF ctx.attempt = 1 THEN PERFORM flow.retry_after('1500 ms'); END IF;"
+           " RETURN jsonb_build_object('attempt', ctx.attempt); END $$")
+    name = unique("later")
+    pg.one(f"SELECT flow.define('{name}', 'app.later(jsonb, flow.context)'::regprocedure, backoff => '100 ms',"
+           " backoff_max => '200 ms')")
+    run = pg.one(f"SELECT flow.enqueue('{name}')")
+    assert pg.await_run(run, "10s")[0] == "succeeded"
+    started = [r[0] for r in pg.all("SELECT started_at FROM flow.attempts WHERE run_id = %s ORDER BY attempt", run)]
+    assert (started[1] - started[0]).total_seconds() >= 1.4
+
+
+def test_a_rust_panic_in_a_handler_is_the_crash_class(pg):
+    name = unique("panic")
+    pg.one(f"SELECT flow.define('{name}', 'flow._test_panic'::regproc, max_attempts => 1)")
+    run = pg.one(f"SELECT flow.enqueue('{name}')")
+    assert pg.await_run(run, "10s")[0] == "failed"
+    assert attempt_outcomes(pg, run) == ["crash"]
+    assert pg.await_run(enqueue(pg, define(pg)), "10s")[0] == "succeeded"

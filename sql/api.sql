@@ -190,6 +190,14 @@ LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
     SELECT * FROM flow._heartbeat(flow._redeem(caller_ticket), command_id, lease_token, extend)
 $$;
 
+-- What became of an attempt: 'held', 'expired', or 'concluded' with its
+-- outcome (for a worker that lost a reply and must know whether it still owns it).
+CREATE FUNCTION flow.resolve(command_id uuid, lease_token uuid, caller_ticket bigint DEFAULT flow._ticket())
+RETURNS TABLE (state text, outcome text, lease_expires_at timestamptz)
+LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT * FROM flow._resolve(flow._redeem(caller_ticket), command_id, lease_token)
+$$;
+
 -- Settle success, with events [{name, key, payload}] and children
 -- [{name, args, key, start_after, waits: [{name, key}], within, version, queue}].
 CREATE FUNCTION flow.complete(command_id uuid, lease_token uuid, result jsonb DEFAULT NULL,

@@ -498,7 +498,8 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
                c.wait_timed_out,
                coalesce((SELECT jsonb_agg(jsonb_build_object('name', w.name, 'key', w.key) ORDER BY w.name, w.key)
                          FROM flow._waits w WHERE w.command_id = c.id AND w.event_position IS NULL),
-                        '[]'::jsonb))::flow.context
+                        '[]'::jsonb),
+               c.created_at, c.budget_started_at, c.attempt_started_at)::flow.context
 $$;
 
 -- Claim up to max_count due commands in one short transaction (rule 3): the
@@ -1107,6 +1108,38 @@ BEGIN
     END IF;
     RAISE EXCEPTION 'flow: lease token % does not hold command % (it is %)', lease_token, command_id, c.status
         USING ERRCODE = 'FL013', HINT = 'The lease expired or was never yours; claim the command again.';
+END $$;
+
+-- What became of an external attempt (the reference's ResolveCommandAttempt),
+-- for a worker that lost the reply to a claim, heartbeat or settlement:
+-- 'held' (the lease is yours, until lease_expires_at), 'expired' (its lease ran
+-- out and nobody concluded it yet: settle it now or lose it), or 'concluded'
+-- with the attempt's outcome ('succeeded', 'lease_lost', 'cancelled', ...).
+CREATE FUNCTION flow._resolve(caller oid, command_id uuid, lease_token uuid)
+RETURNS TABLE (state text, outcome text, lease_expires_at timestamptz)
+LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    c flow._commands;
+    owner_ oid;
+    concluded text;
+BEGIN
+    SELECT * INTO c FROM flow._commands x WHERE x.id = command_id;
+    SELECT d.owner INTO owner_ FROM flow._definitions d WHERE d.name = c.name AND d.version = c.version;
+    IF NOT FOUND OR NOT pg_has_role(caller, owner_, 'MEMBER') THEN
+        RAISE EXCEPTION 'flow: no command with id %', command_id USING ERRCODE = 'FL014';
+    END IF;
+    IF c.status = 'running' AND c.lease_token = _resolve.lease_token AND c.lease_pid IS NULL THEN
+        RETURN QUERY SELECT CASE WHEN c.lease_expires_at >= now() THEN 'held' ELSE 'expired' END, NULL::text,
+                            c.lease_expires_at;
+        RETURN;
+    END IF;
+    SELECT a.outcome INTO concluded FROM flow._attempts a
+    WHERE a.command_id = _resolve.command_id AND a.lease_token = _resolve.lease_token;
+    IF FOUND THEN
+        RETURN QUERY SELECT 'concluded', concluded, NULL::timestamptz;
+        RETURN;
+    END IF;
+    RAISE EXCEPTION 'flow: lease token % never held command %', lease_token, command_id USING ERRCODE = 'FL013';
 END $$;
 
 CREATE FUNCTION flow._claim_external(caller oid, names text[], worker text, max_count integer, lease interval)

@@ -54,6 +54,10 @@ ALTER TYPE flow.claimed_command ADD ATTRIBUTE claim_order integer;
 ALTER TABLE flow._commands ADD COLUMN lease_interval interval;
 UPDATE flow._commands SET lease_interval = lease_expires_at - attempt_started_at
 WHERE status = 'running' AND lease_pid IS NULL;
+-- The handler context says when the command was created, when its budget
+-- started and when this attempt started.
+ALTER TYPE flow.context ADD ATTRIBUTE created_at timestamptz, ADD ATTRIBUTE budget_started_at timestamptz,
+    ADD ATTRIBUTE attempt_started_at timestamptz;
 
 -- src/lib.rs:24
 -- requires:
@@ -559,7 +563,8 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
                c.wait_timed_out,
                coalesce((SELECT jsonb_agg(jsonb_build_object('name', w.name, 'key', w.key) ORDER BY w.name, w.key)
                          FROM flow._waits w WHERE w.command_id = c.id AND w.event_position IS NULL),
-                        '[]'::jsonb))::flow.context
+                        '[]'::jsonb),
+               c.created_at, c.budget_started_at, c.attempt_started_at)::flow.context
 $$;
 
 -- Claim up to max_count due commands in one short transaction (rule 3): the
@@ -1170,6 +1175,38 @@ BEGIN
         USING ERRCODE = 'FL013', HINT = 'The lease expired or was never yours; claim the command again.';
 END $$;
 
+-- What became of an external attempt (the reference's ResolveCommandAttempt),
+-- for a worker that lost the reply to a claim, heartbeat or settlement:
+-- 'held' (the lease is yours, until lease_expires_at), 'expired' (its lease ran
+-- out and nobody concluded it yet: settle it now or lose it), or 'concluded'
+-- with the attempt's outcome ('succeeded', 'lease_lost', 'cancelled', ...).
+CREATE OR REPLACE FUNCTION flow._resolve(caller oid, command_id uuid, lease_token uuid)
+RETURNS TABLE (state text, outcome text, lease_expires_at timestamptz)
+LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    c flow._commands;
+    owner_ oid;
+    concluded text;
+BEGIN
+    SELECT * INTO c FROM flow._commands x WHERE x.id = command_id;
+    SELECT d.owner INTO owner_ FROM flow._definitions d WHERE d.name = c.name AND d.version = c.version;
+    IF NOT FOUND OR NOT pg_has_role(caller, owner_, 'MEMBER') THEN
+        RAISE EXCEPTION 'flow: no command with id %', command_id USING ERRCODE = 'FL014';
+    END IF;
+    IF c.status = 'running' AND c.lease_token = _resolve.lease_token AND c.lease_pid IS NULL THEN
+        RETURN QUERY SELECT CASE WHEN c.lease_expires_at >= now() THEN 'held' ELSE 'expired' END, NULL::text,
+                            c.lease_expires_at;
+        RETURN;
+    END IF;
+    SELECT a.outcome INTO concluded FROM flow._attempts a
+    WHERE a.command_id = _resolve.command_id AND a.lease_token = _resolve.lease_token;
+    IF FOUND THEN
+        RETURN QUERY SELECT 'concluded', concluded, NULL::timestamptz;
+        RETURN;
+    END IF;
+    RAISE EXCEPTION 'flow: lease token % never held command %', lease_token, command_id USING ERRCODE = 'FL013';
+END $$;
+
 CREATE OR REPLACE FUNCTION flow._claim_external(caller oid, names text[], worker text, max_count integer, lease interval)
 RETURNS SETOF flow.claimed_command
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
@@ -1490,6 +1527,15 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_stop_workers_of_wrapper';
 
+-- src/handlers.rs:33
+-- flow::handlers::_test_panic
+CREATE OR REPLACE FUNCTION "_test_panic"(
+	"_args" jsonb /* JsonB */
+) RETURNS jsonb /* Option < JsonB > */
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', '_test_panic_wrapper';
+
 -- src/api.rs:19
 -- flow::api::_ticket
 CREATE OR REPLACE FUNCTION "_ticket"() RETURNS bigint /* i64 */
@@ -1728,6 +1774,14 @@ CREATE OR REPLACE FUNCTION flow.heartbeat(command_id uuid, lease_token uuid, ext
 RETURNS TABLE (lease_expires_at timestamptz, cancelled boolean)
 LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
     SELECT * FROM flow._heartbeat(flow._redeem(caller_ticket), command_id, lease_token, extend)
+$$;
+
+-- What became of an attempt: 'held', 'expired', or 'concluded' with its
+-- outcome (for a worker that lost a reply and must know whether it still owns it).
+CREATE OR REPLACE FUNCTION flow.resolve(command_id uuid, lease_token uuid, caller_ticket bigint DEFAULT flow._ticket())
+RETURNS TABLE (state text, outcome text, lease_expires_at timestamptz)
+LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT * FROM flow._resolve(flow._redeem(caller_ticket), command_id, lease_token)
 $$;
 
 -- Settle success, with events [{name, key, payload}] and children

@@ -35,10 +35,13 @@ CREATE TYPE flow.context AS (
     version         integer,
     queue           text,
     attempt         integer,
-    deadline        timestamptz,    -- when this attempt is cut off
+    deadline        timestamptz,    -- when this attempt is cut off (the deadline actually enforced)
     inputs          jsonb,          -- {"event_name/key": payload, ...} of satisfied waits
     wait_timed_out  boolean,        -- true when `within` passed before every wait was met
-    missing         jsonb           -- [{"name":..,"key":..}] waits that never arrived
+    missing         jsonb,          -- [{"name":..,"key":..}] waits that never arrived
+    created_at      timestamptz,    -- when the command was enqueued or spawned
+    budget_started_at timestamptz,  -- max_elapsed counts from here (when it first became due)
+    attempt_started_at timestamptz  -- when this attempt's handler started
 );
 
 -- An event a spawned command waits for; built by flow.wait(name, key).

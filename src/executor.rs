@@ -356,6 +356,16 @@ fn attempt(index: usize, command: &Claimed) -> Result<Option<JsonB>, Failure> {
         return Err(timeout_failure(ms));
     }
 
+    // The context tells the handler the deadline actually enforced and when
+    // its attempt started (the claim computed them for a start at claim time).
+    let context = command.context.as_ref().map(|c| {
+        let mut c = c.0.clone();
+        if let Some(fields) = c.as_object_mut() {
+            fields.insert("attempt_started_at".into(), timestamp_json(now));
+            fields.insert("deadline".into(), deadline.map(timestamp_json).unwrap_or(serde_json::Value::Null));
+        }
+        JsonB(c)
+    });
     DECISION.with(|d| d.borrow_mut().take());
     KEPT_FAILURE.with(|d| d.borrow_mut().take());
     INVALID_DECISION.with(|d| d.borrow_mut().take());
@@ -365,7 +375,9 @@ fn attempt(index: usize, command: &Claimed) -> Result<Option<JsonB>, Failure> {
         || {
             CURRENT_COMMAND.with(|c| c.set(Some(*command.command_id.as_bytes())));
             gucs::inject_fault("handler_start");
-            let result = isolation::run_as_owner(command.owner, || with_deadline(remaining_ms, || call_handler(command)));
+            let result = isolation::run_as_owner(command.owner, || {
+                with_deadline(remaining_ms, || call_handler(command, context.as_ref()))
+            });
             CURRENT_COMMAND.with(|c| c.set(None));
             gucs::inject_fault("handler_return");
             // Test-only: die with the handler's writes done and nothing settled.
@@ -410,6 +422,31 @@ fn attempt(index: usize, command: &Claimed) -> Result<Option<JsonB>, Failure> {
     shmem::bump(&shmem::counters().handler_us, started.elapsed().as_micros() as u64);
     isolation::after_attempt();
     outcome.and_then(|kept| kept)
+}
+
+/// A TimestampTz (µs since 2000-01-01) as ISO 8601 UTC text, as to_jsonb
+/// writes timestamps (jsonb_populate_record reads it back).
+pub(crate) fn timestamp_json(ts: i64) -> serde_json::Value {
+    const UNIX_TO_PG_EPOCH_US: i64 = 946_684_800_000_000;
+    let unix_us = ts + UNIX_TO_PG_EPOCH_US;
+    let (secs, micros) = (unix_us.div_euclid(1_000_000), unix_us.rem_euclid(1_000_000));
+    let (days, day_secs) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    // days since 1970-01-01 to a civil date (Howard Hinnant's algorithm)
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    serde_json::Value::String(format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{micros:06}+00:00",
+        day_secs / 3600,
+        day_secs / 60 % 60,
+        day_secs % 60
+    ))
 }
 
 fn cancelled_failure() -> Failure {
@@ -484,7 +521,7 @@ fn stop_deadline_timer() {
 /// inlines SQL handlers, resolving names as the owner, and re-validates the
 /// plan when the function is replaced. The statement names everything with
 /// its schema, so nothing in it resolves through the owner's search_path.
-fn call_handler(command: &Claimed) -> Option<JsonB> {
+fn call_handler(command: &Claimed, context: Option<&JsonB>) -> Option<JsonB> {
     let key = (command.handler.to_u32(), command.owner.to_u32());
     let missing = HANDLER_PLANS.with(|p| !p.borrow().contains_key(&key));
     if missing {
@@ -497,7 +534,7 @@ fn call_handler(command: &Claimed) -> Option<JsonB> {
     Spi::connect_mut(|client| {
         HANDLER_PLANS.with(|plans| {
             let plans = plans.borrow();
-            let args = [DatumWithOid::from(JsonB(command.args.0.clone())), DatumWithOid::from(command.context.as_ref().map(|c| JsonB(c.0.clone())))];
+            let args = [DatumWithOid::from(JsonB(command.args.0.clone())), DatumWithOid::from(context.map(|c| JsonB(c.0.clone())))];
             client
                 .update(&plans[&key], Some(1), &args)
                 .and_then(|t| t.first().get_one::<JsonB>())
@@ -641,6 +678,10 @@ fn classify(caught: pg_sys::panic::CaughtError, deadline: Option<i64>, cancel_re
             return timeout_failure(0);
         }
         return Failure { class: "interrupted", code: "cancelled".into(), message, delay_us: None };
+    }
+    if code == PgSqlErrorCode::ERRCODE_INTERNAL_ERROR {
+        // a Rust panic (pgrx reports it as XX000) or an internal error in C code
+        return Failure { class: "crash", code: "XX000".into(), message, delay_us: None };
     }
     Failure { class: "retryable", code: sqlstate(code), message, delay_us: None }
 }

@@ -27,3 +27,10 @@ fn run_sql(args: JsonB) -> JsonB {
         .unwrap_or_else(|e| pgrx::error!("flow.run_sql: {e}"));
     JsonB(serde_json::json!({ "rows": rows }))
 }
+
+/// Panics: lets the tests check that a Rust panic in a handler is contained
+/// and classified as a crash. Internal (not executable by PUBLIC).
+#[pg_extern(volatile, parallel_unsafe)]
+fn _test_panic(_args: JsonB) -> Option<JsonB> {
+    panic!("flow._test_panic was called");
+}

@@ -50,3 +50,7 @@ ALTER TYPE flow.claimed_command ADD ATTRIBUTE claim_order integer;
 ALTER TABLE flow._commands ADD COLUMN lease_interval interval;
 UPDATE flow._commands SET lease_interval = lease_expires_at - attempt_started_at
 WHERE status = 'running' AND lease_pid IS NULL;
+-- The handler context says when the command was created, when its budget
+-- started and when this attempt started.
+ALTER TYPE flow.context ADD ATTRIBUTE created_at timestamptz, ADD ATTRIBUTE budget_started_at timestamptz,
+    ADD ATTRIBUTE attempt_started_at timestamptz;
