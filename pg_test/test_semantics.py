@@ -207,8 +207,8 @@ def test_queues_without_work_take_no_turns_and_batches_keep_the_interleaving(pg)
         name = define(pg, queue=f"'{q}'")
         pg.one(f"SELECT flow.enqueue_many('{name}', array_agg(jsonb_build_object('tag', '{q}', 'do', 'sleep',"
                f" 'seconds', 0.15)), queue => '{q}') FROM generate_series(1, 12)")
-    for q in queues:
-        pg.one(f"SELECT flow.set_queue('{q}', paused => false)")
+    # all at once, so no queue gets a head start
+    pg.one("SELECT count(flow.set_queue(q, paused => false)) FROM unnest(%s::text[]) q", queues)
     pg.wait_for(f"SELECT count(*) >= 12 FROM app.effects WHERE tag IN ('{a}', '{e}')", timeout=60)
     first = [r[0] for r in pg.all(f"SELECT tag FROM app.effects WHERE tag IN ('{a}', '{e}') ORDER BY at LIMIT 12")]
     # the two busy queues share the first turns: neither gets 4 of every 5
@@ -269,12 +269,14 @@ def test_a_caught_timeout_is_still_a_timeout(pg):
 
 def test_the_retry_budget_starts_when_the_command_is_first_due(pg):
     tag = unique("budget")
-    child = define(pg, max_elapsed="'1500 ms'", backoff="'100 ms'", backoff_max="'100 ms'")
+    child = define(pg, max_elapsed="'3 s'", backoff="'100 ms'", backoff_max="'100 ms'")
     run = enqueue(pg, define(pg), f'{{"do": "spawn_for_event", "child": "{child}", "tag": "{tag}"}}')
     pg.wait_for("SELECT status = 'waiting' FROM flow._commands WHERE run_id = %s AND key = 'child'", run)
-    time.sleep(2.0)    # longer than max_elapsed: waiting must not use up the budget
+    time.sleep(3.5)    # longer than max_elapsed: waiting must not use up the budget
     pg.one("SELECT flow.emit('go', %s)", tag)
-    assert pg.await_run(run)[0] == "succeeded"
+    assert pg.await_run(run)[0] == "succeeded", pg.all(
+        "SELECT key, status, attempts, stop_reason, last_error_code, last_error_message, budget_started_at, created_at"
+        " FROM flow._commands WHERE run_id = %s", run)
     assert pg.one("SELECT attempts FROM flow._commands WHERE run_id = %s AND key = 'child'", run) == 2
 
 
@@ -358,3 +360,50 @@ def test_a_rust_panic_in_a_handler_is_the_crash_class(pg):
     assert pg.await_run(run, "10s")[0] == "failed"
     assert attempt_outcomes(pg, run) == ["crash"]
     assert pg.await_run(enqueue(pg, define(pg)), "10s")[0] == "succeeded"
+
+
+# ---------------------------------------------------------------- observations
+
+def counters(pg):
+    return dict(pg.all("SELECT name, value FROM flow.stats"))
+
+
+def test_counters_count_what_committed_by_outcome_stop_and_status(pg):
+    before = counters(pg)
+    ok, fails = define(pg), define(pg, max_attempts=1)
+    retried = define(pg, backoff="'10 ms'", backoff_max="'10 ms'")
+    runs = [enqueue(pg, ok, '{"do": "compensate", "tag": "obs"}'),          # permanent (kept), 1 event
+            enqueue(pg, fails, '{"do": "bad_spawn"}'),                     # permanent invalid_decision
+            enqueue(pg, retried, '{"do": "fail_first"}'),                  # retryable, then succeeded
+            enqueue(pg, ok), enqueue(pg, ok)]                              # succeeded
+    for run in runs:
+        pg.await_run(run)
+    cancelled = enqueue(pg, ok, start_after="'1 hour'")
+    pg.one("SELECT flow.cancel(%s)", cancelled)
+    after = counters(pg)
+    delta = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+    assert delta["attempts_succeeded"] == 3
+    assert delta["attempts_permanent"] == 2
+    assert delta["attempts_retryable"] == 1
+    assert delta["stops_permanent"] == 2
+    assert delta["runs_succeeded"] == 3 and delta["runs_failed"] == 2 and delta["runs_cancelled"] == 1
+    assert delta["events"] == 1                 # the kept failure's event; nothing rolled back is counted
+    assert delta["claimed"] >= 6 and delta["claim_us"] > 0 and delta["handler_us"] > 0
+    lines = [r[0] for r in pg.all("SELECT line FROM flow.prometheus")]
+    assert f'flow_attempts_total{{outcome="succeeded"}} {after["attempts_succeeded"]}' in lines
+    assert "# TYPE flow_runs_ended_total counter" in lines
+
+
+def test_an_attempt_is_timed_from_its_handlers_start(pg):
+    q = unique("timed")
+    pg.one(f"SELECT flow.set_queue('{q}', paused => true)")
+    name = define(pg, queue=f"'{q}'")
+    slow = enqueue(pg, name, '{"do": "sleep", "seconds": 0.6}')
+    quick = pg.one(f"SELECT flow.enqueue_many('{name}', array_fill('{{}}'::jsonb, array[5]))")
+    pg.one(f"SELECT flow.set_queue('{q}', paused => false)")
+    for run in [slow, *quick]:
+        assert pg.await_run(run)[0] == "succeeded"
+    durations = [r[0].total_seconds() for r in pg.all(
+        "SELECT duration FROM flow.attempts WHERE run_id = ANY(%s::uuid[])", quick)]
+    assert len(durations) == 5 and max(durations) < 0.3, durations
+    assert pg.one("SELECT duration FROM flow.attempts WHERE run_id = %s", slow).total_seconds() >= 0.6

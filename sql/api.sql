@@ -309,6 +309,33 @@ FROM flow._worker_states() w;
 CREATE VIEW flow.stats AS
 SELECT s.name, s.value FROM flow._counters() s;
 
+-- The counters in Prometheus' text format, one line a row: an exporter (or
+-- `psql -At -c 'SELECT line FROM flow.prometheus'`) serves it as it is.
+CREATE VIEW flow.prometheus AS
+WITH c AS (SELECT s.name, s.value FROM flow._counters() s),
+series (family, kind, help, name_like, label, strip) AS (VALUES
+    ('flow_attempts_total', 'counter', 'Attempts concluded, by outcome class.', 'attempts\_%', 'outcome', 10),
+    ('flow_stops_total', 'counter', 'Commands that stopped for good, by reason (exhausted or permanent).', 'stops\_%', 'reason', 7),
+    ('flow_runs_ended_total', 'counter', 'Runs that ended, by status.', 'runs\_%', 'status', 6)),
+lines (family, ord, line) AS (
+    SELECT s.family, 0, format('# HELP %s %s', s.family, s.help) FROM series s
+    UNION ALL SELECT s.family, 1, format('# TYPE %s %s', s.family, s.kind) FROM series s
+    UNION ALL SELECT s.family, 2, format('%s{%s="%s"} %s', s.family, s.label, substr(c.name, s.strip), c.value)
+              FROM series s JOIN c ON c.name LIKE s.name_like
+    UNION ALL SELECT 'flow_' || m.metric, 1, format('# TYPE flow_%s counter', m.metric)
+              FROM (VALUES ('events_total'), ('claims_total'), ('claims_empty_total'), ('claimed_total'),
+                           ('claim_seconds_total'), ('handler_seconds_total'), ('handed_back_total'),
+                           ('recovered_total')) m(metric)
+    UNION ALL SELECT 'flow_' || c.name || CASE WHEN c.name LIKE '%\_us' THEN '' ELSE '_total' END, 2,
+              CASE WHEN c.name LIKE '%\_us'
+                   THEN format('flow_%s_seconds_total %s', left(c.name, -3), round(c.value / 1e6, 6))
+                   ELSE format('flow_%s_total %s', c.name, c.value) END
+              FROM c WHERE c.name NOT LIKE 'attempts\_%' AND c.name NOT LIKE 'stops\_%' AND c.name NOT LIKE 'runs\_%'
+    UNION ALL SELECT 'flow_workers', 1, '# TYPE flow_workers gauge'
+    UNION ALL SELECT 'flow_workers', 2, format('flow_workers{state="%s"} %s', w.state, count(*))
+              FROM flow._worker_states() w GROUP BY w.state)
+SELECT l.line FROM lines l ORDER BY replace(l.family, '_us', '_seconds_total'), l.ord, l.line;
+
 -- Throughput and latency of attempts finished in the last minute, per definition.
 CREATE VIEW flow.recent_attempts WITH (security_barrier) AS
 SELECT c.queue, c.name, count(*) AS attempts,
@@ -340,4 +367,4 @@ END $$;
 REVOKE ALL ON FUNCTION flow.run_sql(jsonb) FROM PUBLIC;
 REVOKE ALL ON ALL TABLES IN SCHEMA flow FROM PUBLIC;
 GRANT SELECT ON flow.runs, flow.commands, flow.attempts, flow.definitions, flow.queues, flow.events,
-    flow.waits, flow.workers, flow.stats, flow.recent_attempts TO PUBLIC;
+    flow.waits, flow.workers, flow.stats, flow.prometheus, flow.recent_attempts TO PUBLIC;

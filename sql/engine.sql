@@ -655,12 +655,16 @@ END $$;
 -- one gets an attempt row; its worker's later settlement finds no lease.
 CREATE FUNCTION flow._close_open_commands(run_id uuid, reason text) RETURNS void
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    interrupted integer;
 BEGIN
     INSERT INTO flow._attempts (command_id, attempt, lease_token, owner, started_at, finished_at,
         outcome, error_code, error_message)
     SELECT c.id, c.attempts, c.lease_token, c.lease_owner, c.attempt_started_at, clock_timestamp(), 'cancelled',
            reason, 'the run ended while this attempt ran'
     FROM flow._commands c WHERE c.run_id = _close_open_commands.run_id AND c.status = 'running';
+    GET DIAGNOSTICS interrupted = ROW_COUNT;
+    PERFORM flow._observe('attempts_cancelled', interrupted);
     UPDATE flow._commands c SET status = 'cancelled', stop_reason = reason, finished_at = clock_timestamp(),
         lease_token = NULL, lease_owner = NULL, lease_pid = NULL, lease_backend_start = NULL,
         lease_expires_at = NULL, lease_interval = NULL, attempt_started_at = NULL, attempt_deadline = NULL
@@ -713,6 +717,7 @@ BEGIN
         RETURNING c.id
     )
     SELECT coalesce(array_agg(done.id), '{}') INTO released FROM done;
+    PERFORM flow._observe('handed_back', cardinality(released));
     PERFORM flow._wake();
     RETURN QUERY
         SELECT c.id FROM flow._commands c JOIN unnest(command_ids, lease_tokens) AS t(id, token) ON c.id = t.id
@@ -722,14 +727,20 @@ END $$;
 -- Settle successful attempts in three set-based statements: a worker chunk's,
 -- or one external completion. The caller holds their runs' locks
 -- (_lock_runs_of). Returns how many settled.
-CREATE FUNCTION flow._settle_batch(command_ids uuid[], lease_tokens uuid[], results jsonb[]) RETURNS integer
+-- handler_started: when each handler started (in-database workers; NULL:
+-- the attempt started at its claim), so an attempt's duration is its own.
+CREATE FUNCTION flow._settle_batch(command_ids uuid[], lease_tokens uuid[], results jsonb[],
+    handler_started timestamptz[] DEFAULT NULL) RETURNS integer
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     settled integer;
+    finished integer;
 BEGIN
     WITH old AS (
-        SELECT x.id, x.attempts, x.attempt_started_at, x.lease_owner, t.token, t.result
-        FROM flow._commands x JOIN unnest(command_ids, lease_tokens, results) AS t(id, token, result) ON x.id = t.id
+        SELECT x.id, x.attempts, coalesce(t.started, x.attempt_started_at) AS attempt_started_at, x.lease_owner,
+               t.token, t.result
+        FROM flow._commands x
+        JOIN unnest(command_ids, lease_tokens, results, handler_started) AS t(id, token, result, started) ON x.id = t.id
         WHERE x.status = 'running' AND x.lease_token = t.token
     ), done AS (
         UPDATE flow._commands c SET status = 'succeeded', result = old.result, finished_at = clock_timestamp(),
@@ -746,6 +757,8 @@ BEGIN
         result = (SELECT c.result FROM flow._commands c WHERE c.run_id = r.id AND c.parent_id IS NULL)
     WHERE r.id IN (SELECT c.run_id FROM flow._commands c WHERE c.id = ANY (command_ids)) AND r.status = 'running'
       AND NOT EXISTS (SELECT 1 FROM flow._commands c WHERE c.run_id = r.id AND c.finished_at IS NULL);
+    GET DIAGNOSTICS finished = ROW_COUNT;
+    PERFORM flow._observe('attempts_succeeded', settled), flow._observe('runs_succeeded', finished);
     PERFORM flow._wake();
     RETURN settled;
 END $$;
@@ -754,7 +767,7 @@ END $$;
 -- the class: permanent, retry_after, timeout, interrupted, lease_lost, crash,
 -- retryable. Returns 'retry', 'failed', or 'expired' (lease not held: no change).
 CREATE FUNCTION flow._settle_failure(command_id uuid, lease_token uuid, outcome text, code text,
-    message text, retry_delay interval DEFAULT NULL)
+    message text, retry_delay interval DEFAULT NULL, handler_started timestamptz DEFAULT NULL)
 RETURNS text
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
@@ -789,7 +802,9 @@ BEGIN
 
     INSERT INTO flow._attempts (command_id, attempt, lease_token, owner, started_at, finished_at,
         outcome, error_code, error_message)
-    VALUES (c.id, c.attempts, c.lease_token, c.lease_owner, c.attempt_started_at, clock_timestamp(), outcome, code, cut);
+    VALUES (c.id, c.attempts, c.lease_token, c.lease_owner, coalesce(handler_started, c.attempt_started_at),
+            clock_timestamp(), outcome, code, cut);
+    PERFORM flow._observe('attempts_' || outcome, 1), flow._observe('stops_' || stop, 1);
     UPDATE flow._commands x SET
         status = CASE WHEN stop IS NULL THEN 'pending' ELSE 'failed' END::flow.command_status,
         next_run_at = coalesce(next_at, x.next_run_at),
@@ -805,6 +820,9 @@ BEGIN
             error = jsonb_build_object('command_id', c.id, 'command_key', c.key, 'name', c.name,
                                        'code', code, 'message', cut, 'stop_reason', stop)
         WHERE r.id = c.run_id AND r.status = 'running';
+        IF FOUND THEN
+            PERFORM flow._observe('runs_failed', 1);
+        END IF;
         PERFORM flow._close_open_commands(c.run_id, 'run_failed');
     END IF;
     PERFORM flow._wake();
@@ -887,6 +905,7 @@ BEGIN
     END IF;
     UPDATE flow._runs x SET status = 'cancelled', finished_at = now() WHERE x.id = run_id;
     PERFORM flow._close_open_commands(run_id, 'cancelled');
+    PERFORM flow._observe('runs_cancelled', 1);
     PERFORM flow._wake();   -- a limited queue may have room now
     RETURN true;
 END $$;
@@ -972,6 +991,7 @@ BEGIN
     INSERT INTO flow._events (id, name, key, payload, owner, run_id, command_id)
     VALUES (flow._new_id(), name, key, payload, caller, emitter_run, emitter)
     RETURNING position INTO pos;
+    PERFORM flow._observe('events', 1);
     FOR waiting IN
         UPDATE flow._waits w SET event_position = pos, satisfied_at = now()
         WHERE w.name = _emit.name AND w.key = _emit.key AND w.event_position IS NULL   -- index _waits_open

@@ -58,6 +58,9 @@ WHERE status = 'running' AND lease_pid IS NULL;
 -- started and when this attempt started.
 ALTER TYPE flow.context ADD ATTRIBUTE created_at timestamptz, ADD ATTRIBUTE budget_started_at timestamptz,
     ADD ATTRIBUTE attempt_started_at timestamptz;
+-- Settlements take when the handler started (attempts are timed from there).
+DROP FUNCTION flow._settle_batch(uuid[], uuid[], jsonb[]);
+DROP FUNCTION flow._settle_failure(uuid, uuid, text, text, text, interval);
 
 -- src/lib.rs:24
 -- requires:
@@ -720,12 +723,16 @@ END $$;
 -- one gets an attempt row; its worker's later settlement finds no lease.
 CREATE OR REPLACE FUNCTION flow._close_open_commands(run_id uuid, reason text) RETURNS void
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    interrupted integer;
 BEGIN
     INSERT INTO flow._attempts (command_id, attempt, lease_token, owner, started_at, finished_at,
         outcome, error_code, error_message)
     SELECT c.id, c.attempts, c.lease_token, c.lease_owner, c.attempt_started_at, clock_timestamp(), 'cancelled',
            reason, 'the run ended while this attempt ran'
     FROM flow._commands c WHERE c.run_id = _close_open_commands.run_id AND c.status = 'running';
+    GET DIAGNOSTICS interrupted = ROW_COUNT;
+    PERFORM flow._observe('attempts_cancelled', interrupted);
     UPDATE flow._commands c SET status = 'cancelled', stop_reason = reason, finished_at = clock_timestamp(),
         lease_token = NULL, lease_owner = NULL, lease_pid = NULL, lease_backend_start = NULL,
         lease_expires_at = NULL, lease_interval = NULL, attempt_started_at = NULL, attempt_deadline = NULL
@@ -778,6 +785,7 @@ BEGIN
         RETURNING c.id
     )
     SELECT coalesce(array_agg(done.id), '{}') INTO released FROM done;
+    PERFORM flow._observe('handed_back', cardinality(released));
     PERFORM flow._wake();
     RETURN QUERY
         SELECT c.id FROM flow._commands c JOIN unnest(command_ids, lease_tokens) AS t(id, token) ON c.id = t.id
@@ -787,14 +795,20 @@ END $$;
 -- Settle successful attempts in three set-based statements: a worker chunk's,
 -- or one external completion. The caller holds their runs' locks
 -- (_lock_runs_of). Returns how many settled.
-CREATE OR REPLACE FUNCTION flow._settle_batch(command_ids uuid[], lease_tokens uuid[], results jsonb[]) RETURNS integer
+-- handler_started: when each handler started (in-database workers; NULL:
+-- the attempt started at its claim), so an attempt's duration is its own.
+CREATE OR REPLACE FUNCTION flow._settle_batch(command_ids uuid[], lease_tokens uuid[], results jsonb[],
+    handler_started timestamptz[] DEFAULT NULL) RETURNS integer
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     settled integer;
+    finished integer;
 BEGIN
     WITH old AS (
-        SELECT x.id, x.attempts, x.attempt_started_at, x.lease_owner, t.token, t.result
-        FROM flow._commands x JOIN unnest(command_ids, lease_tokens, results) AS t(id, token, result) ON x.id = t.id
+        SELECT x.id, x.attempts, coalesce(t.started, x.attempt_started_at) AS attempt_started_at, x.lease_owner,
+               t.token, t.result
+        FROM flow._commands x
+        JOIN unnest(command_ids, lease_tokens, results, handler_started) AS t(id, token, result, started) ON x.id = t.id
         WHERE x.status = 'running' AND x.lease_token = t.token
     ), done AS (
         UPDATE flow._commands c SET status = 'succeeded', result = old.result, finished_at = clock_timestamp(),
@@ -811,6 +825,8 @@ BEGIN
         result = (SELECT c.result FROM flow._commands c WHERE c.run_id = r.id AND c.parent_id IS NULL)
     WHERE r.id IN (SELECT c.run_id FROM flow._commands c WHERE c.id = ANY (command_ids)) AND r.status = 'running'
       AND NOT EXISTS (SELECT 1 FROM flow._commands c WHERE c.run_id = r.id AND c.finished_at IS NULL);
+    GET DIAGNOSTICS finished = ROW_COUNT;
+    PERFORM flow._observe('attempts_succeeded', settled), flow._observe('runs_succeeded', finished);
     PERFORM flow._wake();
     RETURN settled;
 END $$;
@@ -819,7 +835,7 @@ END $$;
 -- the class: permanent, retry_after, timeout, interrupted, lease_lost, crash,
 -- retryable. Returns 'retry', 'failed', or 'expired' (lease not held: no change).
 CREATE OR REPLACE FUNCTION flow._settle_failure(command_id uuid, lease_token uuid, outcome text, code text,
-    message text, retry_delay interval DEFAULT NULL)
+    message text, retry_delay interval DEFAULT NULL, handler_started timestamptz DEFAULT NULL)
 RETURNS text
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
@@ -854,7 +870,9 @@ BEGIN
 
     INSERT INTO flow._attempts (command_id, attempt, lease_token, owner, started_at, finished_at,
         outcome, error_code, error_message)
-    VALUES (c.id, c.attempts, c.lease_token, c.lease_owner, c.attempt_started_at, clock_timestamp(), outcome, code, cut);
+    VALUES (c.id, c.attempts, c.lease_token, c.lease_owner, coalesce(handler_started, c.attempt_started_at),
+            clock_timestamp(), outcome, code, cut);
+    PERFORM flow._observe('attempts_' || outcome, 1), flow._observe('stops_' || stop, 1);
     UPDATE flow._commands x SET
         status = CASE WHEN stop IS NULL THEN 'pending' ELSE 'failed' END::flow.command_status,
         next_run_at = coalesce(next_at, x.next_run_at),
@@ -870,6 +888,9 @@ BEGIN
             error = jsonb_build_object('command_id', c.id, 'command_key', c.key, 'name', c.name,
                                        'code', code, 'message', cut, 'stop_reason', stop)
         WHERE r.id = c.run_id AND r.status = 'running';
+        IF FOUND THEN
+            PERFORM flow._observe('runs_failed', 1);
+        END IF;
         PERFORM flow._close_open_commands(c.run_id, 'run_failed');
     END IF;
     PERFORM flow._wake();
@@ -952,6 +973,7 @@ BEGIN
     END IF;
     UPDATE flow._runs x SET status = 'cancelled', finished_at = now() WHERE x.id = run_id;
     PERFORM flow._close_open_commands(run_id, 'cancelled');
+    PERFORM flow._observe('runs_cancelled', 1);
     PERFORM flow._wake();   -- a limited queue may have room now
     RETURN true;
 END $$;
@@ -1037,6 +1059,7 @@ BEGIN
     INSERT INTO flow._events (id, name, key, payload, owner, run_id, command_id)
     VALUES (flow._new_id(), name, key, payload, caller, emitter_run, emitter)
     RETURNING position INTO pos;
+    PERFORM flow._observe('events', 1);
     FOR waiting IN
         UPDATE flow._waits w SET event_position = pos, satisfied_at = now()
         WHERE w.name = _emit.name AND w.key = _emit.key AND w.event_position IS NULL   -- index _waits_open
@@ -1440,7 +1463,7 @@ BEGIN
     RETURN format(E'flowchart LR\n%s\n', array_to_string(lines, E'\n'));
 END $$;
 
--- src/api.rs:127
+-- src/api.rs:126
 -- flow::api::_counters
 CREATE OR REPLACE FUNCTION "_counters"() RETURNS TABLE (
 	"name" TEXT,  /* String */
@@ -1450,7 +1473,7 @@ STRICT VOLATILE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_counters_wrapper';
 
--- src/api.rs:86
+-- src/api.rs:85
 -- flow::api::_current_command
 CREATE OR REPLACE FUNCTION "_current_command"() RETURNS uuid /* Option < pgrx :: Uuid > */
 STRICT VOLATILE PARALLEL UNSAFE
@@ -1469,7 +1492,7 @@ VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_decide_wrapper';
 
--- src/api.rs:56
+-- src/api.rs:55
 -- flow::api::_interrupt_run
 CREATE OR REPLACE FUNCTION "_interrupt_run"(
 	"run" uuid /* pgrx :: Uuid */
@@ -1478,7 +1501,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_interrupt_run_wrapper';
 
--- src/api.rs:80
+-- src/api.rs:79
 -- flow::api::_lease_duration_s
 CREATE OR REPLACE FUNCTION "_lease_duration_s"() RETURNS INT /* i32 */
 STRICT STABLE PARALLEL SAFE
@@ -1495,21 +1518,31 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_lock_event_key_wrapper';
 
--- src/api.rs:74
+-- src/api.rs:73
 -- flow::api::_max_payload_bytes
 CREATE OR REPLACE FUNCTION "_max_payload_bytes"() RETURNS INT /* i32 */
 STRICT STABLE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_max_payload_bytes_wrapper';
 
--- src/api.rs:68
+-- src/api.rs:67
 -- flow::api::_new_id
 CREATE OR REPLACE FUNCTION "_new_id"() RETURNS uuid /* pgrx :: Uuid */
 STRICT VOLATILE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_new_id_wrapper';
 
--- src/api.rs:35
+-- src/api.rs:132
+-- flow::api::_observe
+CREATE OR REPLACE FUNCTION "_observe"(
+	"metric" TEXT, /* & str */
+	"n" bigint /* i64 */
+) RETURNS void
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', '_observe_wrapper';
+
+-- src/api.rs:34
 -- flow::api::_redeem
 CREATE OR REPLACE FUNCTION "_redeem"(
 	"ticket" bigint /* Option < i64 > */
@@ -1518,7 +1551,7 @@ VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_redeem_wrapper';
 
--- src/api.rs:62
+-- src/api.rs:61
 -- flow::api::_stop_workers_of
 CREATE OR REPLACE FUNCTION "_stop_workers_of"(
 	"run" uuid /* pgrx :: Uuid */
@@ -1536,21 +1569,21 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_test_panic_wrapper';
 
--- src/api.rs:19
+-- src/api.rs:18
 -- flow::api::_ticket
 CREATE OR REPLACE FUNCTION "_ticket"() RETURNS bigint /* i64 */
 STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_ticket_wrapper';
 
--- src/api.rs:49
+-- src/api.rs:48
 -- flow::api::_wake
 CREATE OR REPLACE FUNCTION "_wake"() RETURNS void
 STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_wake_wrapper';
 
--- src/api.rs:92
+-- src/api.rs:91
 -- flow::api::_worker_states
 CREATE OR REPLACE FUNCTION "_worker_states"() RETURNS TABLE (
 	"worker" INT,  /* i32 */
@@ -1895,6 +1928,33 @@ FROM flow._worker_states() w;
 CREATE OR REPLACE VIEW flow.stats AS
 SELECT s.name, s.value FROM flow._counters() s;
 
+-- The counters in Prometheus' text format, one line a row: an exporter (or
+-- `psql -At -c 'SELECT line FROM flow.prometheus'`) serves it as it is.
+CREATE OR REPLACE VIEW flow.prometheus AS
+WITH c AS (SELECT s.name, s.value FROM flow._counters() s),
+series (family, kind, help, name_like, label, strip) AS (VALUES
+    ('flow_attempts_total', 'counter', 'Attempts concluded, by outcome class.', 'attempts\_%', 'outcome', 10),
+    ('flow_stops_total', 'counter', 'Commands that stopped for good, by reason (exhausted or permanent).', 'stops\_%', 'reason', 7),
+    ('flow_runs_ended_total', 'counter', 'Runs that ended, by status.', 'runs\_%', 'status', 6)),
+lines (family, ord, line) AS (
+    SELECT s.family, 0, format('# HELP %s %s', s.family, s.help) FROM series s
+    UNION ALL SELECT s.family, 1, format('# TYPE %s %s', s.family, s.kind) FROM series s
+    UNION ALL SELECT s.family, 2, format('%s{%s="%s"} %s', s.family, s.label, substr(c.name, s.strip), c.value)
+              FROM series s JOIN c ON c.name LIKE s.name_like
+    UNION ALL SELECT 'flow_' || m.metric, 1, format('# TYPE flow_%s counter', m.metric)
+              FROM (VALUES ('events_total'), ('claims_total'), ('claims_empty_total'), ('claimed_total'),
+                           ('claim_seconds_total'), ('handler_seconds_total'), ('handed_back_total'),
+                           ('recovered_total')) m(metric)
+    UNION ALL SELECT 'flow_' || c.name || CASE WHEN c.name LIKE '%\_us' THEN '' ELSE '_total' END, 2,
+              CASE WHEN c.name LIKE '%\_us'
+                   THEN format('flow_%s_seconds_total %s', left(c.name, -3), round(c.value / 1e6, 6))
+                   ELSE format('flow_%s_total %s', c.name, c.value) END
+              FROM c WHERE c.name NOT LIKE 'attempts\_%' AND c.name NOT LIKE 'stops\_%' AND c.name NOT LIKE 'runs\_%'
+    UNION ALL SELECT 'flow_workers', 1, '# TYPE flow_workers gauge'
+    UNION ALL SELECT 'flow_workers', 2, format('flow_workers{state="%s"} %s', w.state, count(*))
+              FROM flow._worker_states() w GROUP BY w.state)
+SELECT l.line FROM lines l ORDER BY replace(l.family, '_us', '_seconds_total'), l.ord, l.line;
+
 -- Throughput and latency of attempts finished in the last minute, per definition.
 CREATE OR REPLACE VIEW flow.recent_attempts WITH (security_barrier) AS
 SELECT c.queue, c.name, count(*) AS attempts,
@@ -1926,4 +1986,4 @@ END $$;
 REVOKE ALL ON FUNCTION flow.run_sql(jsonb) FROM PUBLIC;
 REVOKE ALL ON ALL TABLES IN SCHEMA flow FROM PUBLIC;
 GRANT SELECT ON flow.runs, flow.commands, flow.attempts, flow.definitions, flow.queues, flow.events,
-    flow.waits, flow.workers, flow.stats, flow.recent_attempts TO PUBLIC;
+    flow.waits, flow.workers, flow.stats, flow.prometheus, flow.recent_attempts TO PUBLIC;

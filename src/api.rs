@@ -5,7 +5,6 @@ use crate::{executor, gucs, shmem};
 use pgrx::prelude::*;
 use std::cell::RefCell;
 use std::collections::HashMap;
-use std::sync::atomic::Ordering;
 
 thread_local! {
     /// Tickets handed out by `_ticket()` and not yet redeemed: ticket → role.
@@ -123,20 +122,14 @@ pub fn timestamp_from_pg(micros: i64) -> Option<TimestampWithTimeZone> {
     unsafe { TimestampWithTimeZone::from_datum(pg_sys::Datum::from(micros), false) }
 }
 
-/// The engine's counters, one row each.
+/// The engine's counters, one row each (see shmem::METRICS).
 #[pg_extern(volatile, parallel_safe)]
 fn _counters() -> TableIterator<'static, (name!(name, String), name!(value, i64))> {
-    let c = shmem::counters();
-    let rows = [
-        ("probes", &c.probes),
-        ("claimed", &c.claimed),
-        ("succeeded", &c.succeeded),
-        ("retried", &c.retried),
-        ("failed", &c.failed),
-        ("expired", &c.expired),
-        ("recovered", &c.recovered),
-        ("handler_us", &c.handler_us),
-    ]
-    .map(|(name, v)| (name.to_string(), v.load(Ordering::Relaxed) as i64));
-    TableIterator::new(rows)
+    TableIterator::new(shmem::counter_values().into_iter().map(|(name, v)| (name.to_string(), v as i64)))
+}
+
+/// Count `n` of a metric when the current transaction commits (the engine's SQL).
+#[pg_extern(volatile, parallel_unsafe)]
+fn _observe(metric: &str, n: i64) {
+    shmem::observe(metric, n.max(0) as u64);
 }

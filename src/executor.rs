@@ -184,6 +184,7 @@ const INT4: PgOid = PgOid::BuiltIn(PgBuiltInOids::INT4OID);
 const TIMESTAMPTZ: PgOid = PgOid::BuiltIn(PgBuiltInOids::TIMESTAMPTZOID);
 const UUID_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::UUIDARRAYOID);
 const JSONB_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::JSONBARRAYOID);
+const TIMESTAMPTZ_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::TIMESTAMPTZARRAYOID);
 
 /// Claim up to `max` due commands for this worker process (flow._claim), in
 /// run order so that chunks lock runs in a stable order.
@@ -225,7 +226,8 @@ pub struct Chunk {
     live: HashSet<[u8; 16]>,
     /// Runs that failed in this chunk: their other commands were cancelled.
     failed_runs: HashSet<[u8; 16]>,
-    successes: Vec<(pgrx::Uuid, pgrx::Uuid, Option<JsonB>)>,
+    /// (command, lease token, result, when its handler started)
+    successes: Vec<(pgrx::Uuid, pgrx::Uuid, Option<JsonB>, Option<TimestampWithTimeZone>)>,
     /// Commands to hand back uncharged (see `finish`).
     handed_back: Vec<(pgrx::Uuid, pgrx::Uuid)>,
 }
@@ -267,15 +269,16 @@ impl Chunk {
             self.handed_back.push((command.command_id, command.lease_token));
             return;
         }
+        let started = crate::api::timestamp_from_pg(unsafe { pg_sys::GetCurrentTimestamp() });
         match attempt(index, command) {
-            Ok(result) => self.successes.push((command.command_id, command.lease_token, result)),
+            Ok(result) => self.successes.push((command.command_id, command.lease_token, result, started)),
             Err(failure) if failure.class == "cancelled" => {
                 self.handed_back.push((command.command_id, command.lease_token));
             }
             Err(failure) => {
                 // Successes before this failure settle first: they happened first.
                 self.settle_successes();
-                if settle_failure(command, &failure) == (Settled::Failed { retry: false }) {
+                if settle_failure(command, &failure, started) == (Settled::Failed { retry: false }) {
                     self.failed_runs.insert(run);
                 }
             }
@@ -295,23 +298,22 @@ impl Chunk {
         if self.successes.is_empty() {
             return;
         }
-        let (mut ids, mut tokens, mut results) = (Vec::new(), Vec::new(), Vec::new());
-        for (id, token, result) in self.successes.drain(..) {
+        let (mut ids, mut tokens, mut results, mut starts) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for (id, token, result, started) in self.successes.drain(..) {
             ids.push(id);
             tokens.push(token);
             results.push(result);
+            starts.push(started);
         }
         let expected = ids.len() as u64;
         gucs::inject_fault("settle_success");
         let settled = engine_query(
-            "SELECT flow._settle_batch($1, $2, $3)",
-            &[UUID_ARRAY, UUID_ARRAY, JSONB_ARRAY],
-            &[ids.into(), tokens.into(), results.into()],
+            "SELECT flow._settle_batch($1, $2, $3, $4)",
+            &[UUID_ARRAY, UUID_ARRAY, JSONB_ARRAY, TIMESTAMPTZ_ARRAY],
+            &[ids.into(), tokens.into(), results.into(), starts.into()],
             |t| t.first().get_one::<i32>().ok().flatten().unwrap_or(0),
         ) as u64;
-        let counters = shmem::counters();
-        shmem::bump(&counters.succeeded, settled);
-        shmem::bump(&counters.expired, expected.saturating_sub(settled));
+        let _ = (settled, expected);   // counted by flow._settle_batch, at commit
     }
 }
 
@@ -419,7 +421,7 @@ fn attempt(index: usize, command: &Claimed) -> Result<Option<JsonB>, Failure> {
     );
     CURRENT_COMMAND.with(|c| c.set(None));
     stop_deadline_timer();
-    shmem::bump(&shmem::counters().handler_us, started.elapsed().as_micros() as u64);
+    shmem::observe("handler_us", started.elapsed().as_micros() as u64);
     isolation::after_attempt();
     outcome.and_then(|kept| kept)
 }
@@ -566,12 +568,12 @@ fn handler_call_sql(handler: pg_sys::Oid) -> String {
     }
 }
 
-fn settle_failure(command: &Claimed, failure: &Failure) -> Settled {
+fn settle_failure(command: &Claimed, failure: &Failure, started: Option<TimestampWithTimeZone>) -> Settled {
     gucs::inject_fault("settle_failure");
     let status: Option<String> = engine_query(
         "SELECT flow._settle_failure($1, $2, $3, $4, $5,
-                CASE WHEN $6 IS NULL THEN NULL ELSE pg_catalog.make_interval(secs => $6 / 1000000.0) END)",
-        &[UUID, UUID, TEXT, TEXT, TEXT, INT8],
+                CASE WHEN $6 IS NULL THEN NULL ELSE pg_catalog.make_interval(secs => $6 / 1000000.0) END, $7)",
+        &[UUID, UUID, TEXT, TEXT, TEXT, INT8, TIMESTAMPTZ],
         &[
             command.command_id.into(),
             command.lease_token.into(),
@@ -579,23 +581,14 @@ fn settle_failure(command: &Claimed, failure: &Failure) -> Settled {
             failure.code.as_str().into(),
             failure.message.as_str().into(),
             failure.delay_us.into(),
+            started.into(),
         ],
         |t| t.first().get_one().unwrap_or_else(|e| error!("flow: {e}")),
     );
-    let counters = shmem::counters();
     match status.as_deref() {
-        Some("retry") => {
-            shmem::bump(&counters.retried, 1);
-            Settled::Failed { retry: true }
-        }
-        Some("failed") => {
-            shmem::bump(&counters.failed, 1);
-            Settled::Failed { retry: false }
-        }
-        _ => {
-            shmem::bump(&counters.expired, 1);
-            Settled::Expired
-        }
+        Some("retry") => Settled::Failed { retry: true },
+        Some("failed") => Settled::Failed { retry: false },
+        _ => Settled::Expired,
     }
 }
 
@@ -606,11 +599,11 @@ fn settle_failure(command: &Claimed, failure: &Failure) -> Settled {
 /// neither could be written.
 pub fn settle_engine_error(command: &Claimed, message: &str) -> bool {
     let retryable = Failure { class: "retryable", code: "engine_error".into(), message: message.into(), delay_us: None };
-    if in_subtransaction(|| Ok::<_, ()>(settle_failure(command, &retryable)), |_| ()).is_ok() {
+    if in_subtransaction(|| Ok::<_, ()>(settle_failure(command, &retryable, None)), |_| ()).is_ok() {
         return true;
     }
     let permanent = Failure { class: "permanent", ..retryable };
-    in_subtransaction(|| Ok::<_, ()>(settle_failure(command, &permanent)), |_| ()).is_ok()
+    in_subtransaction(|| Ok::<_, ()>(settle_failure(command, &permanent, None)), |_| ()).is_ok()
 }
 
 /// Hand claimed commands back to their queue with the attempt the claim

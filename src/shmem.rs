@@ -67,17 +67,46 @@ impl Default for WorkerTable {
 
 unsafe impl PGRXSharedMemory for WorkerTable {}
 
-/// Engine counters since the server started (reset by a crash restart).
-#[derive(Default)]
+/// The engine's counters since the server started (rule 11; reset by a crash
+/// restart). Each counts what committed: increments wait in the transaction
+/// (per subtransaction level) and reach shared memory at its commit, so a
+/// handler's rolled-back emits or a failed chunk's claims are not counted.
+pub const METRICS: &[&str] = &[
+    "attempts_succeeded",
+    "attempts_permanent",
+    "attempts_retry_after",
+    "attempts_timeout",
+    "attempts_interrupted",
+    "attempts_lease_lost",
+    "attempts_crash",
+    "attempts_retryable",
+    "attempts_cancelled",
+    "stops_permanent",
+    "stops_attempt_limit",
+    "stops_elapsed_limit",
+    "stops_deadline_before_next_attempt",
+    "runs_succeeded",
+    "runs_failed",
+    "runs_cancelled",
+    "events",
+    "claims",
+    "claims_empty",
+    "claimed",
+    "claim_us",
+    "handler_us",
+    "handed_back",
+    "recovered",
+];
+const METRIC_SLOTS: usize = 32;
+
 pub struct Counters {
-    pub probes: AtomicU64,
-    pub claimed: AtomicU64,
-    pub succeeded: AtomicU64,
-    pub retried: AtomicU64,
-    pub failed: AtomicU64,
-    pub expired: AtomicU64,
-    pub recovered: AtomicU64,
-    pub handler_us: AtomicU64,
+    values: [AtomicU64; METRIC_SLOTS],
+}
+
+impl Default for Counters {
+    fn default() -> Self {
+        Counters { values: std::array::from_fn(|_| AtomicU64::new(0)) }
+    }
 }
 
 unsafe impl PGRXSharedMemory for Counters {}
@@ -87,20 +116,52 @@ pub static COUNTERS: PgAtomic<Counters> = unsafe { PgAtomic::new(c"flow_counters
 
 thread_local! {
     static WAKE_AT_COMMIT: Cell<bool> = const { Cell::new(false) };
+    /// Counter increments of the open transaction: (metric, subtransaction level, n).
+    static PENDING: std::cell::RefCell<Vec<(usize, i32, u64)>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 pub fn init() {
     pg_shmem_init!(WORKERS);
     pg_shmem_init!(COUNTERS);
-    unsafe { pg_sys::RegisterXactCallback(Some(on_xact_event), std::ptr::null_mut()) };
+    unsafe {
+        pg_sys::RegisterXactCallback(Some(on_xact_event), std::ptr::null_mut());
+        pg_sys::RegisterSubXactCallback(Some(on_subxact_event), std::ptr::null_mut());
+    }
 }
 
-pub fn counters() -> &'static Counters {
-    COUNTERS.get()
+/// Count `n` of `metric` (one of METRICS) when the current transaction commits.
+pub fn observe(metric: &str, n: u64) {
+    let Some(index) = METRICS.iter().position(|m| *m == metric) else { return };
+    if n == 0 {
+        return;
+    }
+    let level = unsafe { pg_sys::GetCurrentTransactionNestLevel() };
+    PENDING.with(|p| p.borrow_mut().push((index, level, n)));
 }
 
-pub fn bump(counter: &AtomicU64, by: u64) {
-    counter.fetch_add(by, Ordering::Relaxed);
+/// The counters, in METRICS order.
+pub fn counter_values() -> Vec<(&'static str, u64)> {
+    let c = COUNTERS.get();
+    METRICS.iter().enumerate().map(|(i, m)| (*m, c.values[i].load(Ordering::Relaxed))).collect()
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn on_subxact_event(
+    event: pg_sys::SubXactEvent::Type,
+    _mine: pg_sys::SubTransactionId,
+    _parent: pg_sys::SubTransactionId,
+    _arg: *mut std::ffi::c_void,
+) {
+    let level = unsafe { pg_sys::GetCurrentTransactionNestLevel() };
+    match event {
+        pg_sys::SubXactEvent::SUBXACT_EVENT_COMMIT_SUB => PENDING.with(|p| {
+            for entry in p.borrow_mut().iter_mut().filter(|e| e.1 >= level) {
+                entry.1 = level - 1;
+            }
+        }),
+        pg_sys::SubXactEvent::SUBXACT_EVENT_ABORT_SUB => PENDING.with(|p| p.borrow_mut().retain(|e| e.1 < level)),
+        _ => {}
+    }
 }
 
 /// Ask for the workers to be woken when the current transaction commits.
@@ -115,9 +176,16 @@ unsafe extern "C-unwind" fn on_xact_event(event: pg_sys::XactEvent::Type, _arg: 
             if WAKE_AT_COMMIT.with(|w| w.replace(false)) {
                 wake_idle_workers();
             }
+            let counters = COUNTERS.get();
+            PENDING.with(|p| {
+                for (index, _, n) in p.borrow_mut().drain(..) {
+                    counters.values[index].fetch_add(n, Ordering::Relaxed);
+                }
+            });
         }
         pg_sys::XactEvent::XACT_EVENT_ABORT | pg_sys::XactEvent::XACT_EVENT_PARALLEL_ABORT => {
             WAKE_AT_COMMIT.with(|w| w.set(false));
+            PENDING.with(|p| p.borrow_mut().clear());
         }
         _ => {}
     }

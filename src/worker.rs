@@ -210,7 +210,6 @@ impl Worker {
     fn run_batch(&mut self, claimed: Vec<Claimed>) -> Duration {
         let count = claimed.len() as u64;
         let started = Instant::now();
-        shmem::bump(&shmem::counters().claimed, count);
         report_activity(&format!("flow: running a batch of {count} commands"));
         // Chunks commit at least every CHUNK_BUDGET, so a slow handler does not
         // hold back the results of the fast ones claimed with it.
@@ -337,8 +336,12 @@ impl Worker {
     fn claim(&self) -> Vec<Claimed> {
         let turn = self.turn.get().wrapping_add(1);
         self.turn.set(turn);
-        shmem::bump(&shmem::counters().probes, 1);
-        executor::claim(&self.name, self.backend_start, self.claim_size(), turn)
+        let started = Instant::now();
+        let claimed = executor::claim(&self.name, self.backend_start, self.claim_size(), turn);
+        shmem::observe("claims", 1);
+        shmem::observe(if claimed.is_empty() { "claims_empty" } else { "claimed" }, claimed.len().max(1) as u64);
+        shmem::observe("claim_us", started.elapsed().as_micros() as u64);
+        claimed
     }
 }
 
@@ -375,7 +378,7 @@ fn log_once_per_process(message: &str) {
 
 fn recover() -> i32 {
     let n = Spi::get_one::<i32>("SELECT flow._recover()").ok().flatten().unwrap_or(0);
-    shmem::bump(&shmem::counters().recovered, n.max(0) as u64);
+    shmem::observe("recovered", n.max(0) as u64);
     n
 }
 

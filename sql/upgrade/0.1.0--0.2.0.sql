@@ -54,3 +54,6 @@ WHERE status = 'running' AND lease_pid IS NULL;
 -- started and when this attempt started.
 ALTER TYPE flow.context ADD ATTRIBUTE created_at timestamptz, ADD ATTRIBUTE budget_started_at timestamptz,
     ADD ATTRIBUTE attempt_started_at timestamptz;
+-- Settlements take when the handler started (attempts are timed from there).
+DROP FUNCTION flow._settle_batch(uuid[], uuid[], jsonb[]);
+DROP FUNCTION flow._settle_failure(uuid, uuid, text, text, text, interval);
