@@ -280,3 +280,26 @@ def test_only_the_workflows_roles_can_satisfy_its_waits(pg):
     assert pg.await_run(run, "10s", user="alice")[0] == "succeeded"
     inputs = pg.one("SELECT result FROM flow.commands WHERE run_id = %s AND key = 'child'", run, user="alice")
     assert [i["payload"] for i in inputs] == [{"from": "alice"}]
+
+
+def test_old_events_no_wait_refers_to_are_retired(pg):
+    from conftest import unique as u
+    key = u("old")
+    with pg.connect() as c:
+        c.execute("ALTER SYSTEM SET flow.event_retention = '1s'")
+        c.execute("SELECT pg_reload_conf()")
+    try:
+        pg.one("SELECT flow.emit('retire_me', %s)", key)
+        kept_by_wait = pg.one("SELECT count(*) FROM flow._events e WHERE EXISTS"
+                              " (SELECT 1 FROM flow._waits w WHERE w.event_position = e.position)")
+        pg.wait_for("SELECT count(*) = 0 FROM flow._events WHERE name = 'retire_me' AND key = %s", key, timeout=30)
+        # events a retained wait refers to stay
+        assert pg.one("SELECT count(*) FROM flow._events e WHERE EXISTS"
+                      " (SELECT 1 FROM flow._waits w WHERE w.event_position = e.position)") >= kept_by_wait
+        # nothing else may delete from the journal
+        pg.one("SELECT flow.emit('retire_me_too', %s)", key)
+        assert pg.sqlstate("DELETE FROM flow._events WHERE key = %s", key) == "55000"
+    finally:
+        with pg.connect() as c:
+            c.execute("ALTER SYSTEM RESET flow.event_retention")
+            c.execute("SELECT pg_reload_conf()")

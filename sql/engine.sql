@@ -877,6 +877,27 @@ BEGIN
     RETURN pruned;
 END $$;
 
+-- Retire up to max_events journal entries emitted more than `older_than` ago
+-- that no wait refers to. Open waits are satisfied when an event is emitted,
+-- so only waits spawned later could still read an old entry: that is what
+-- flow.event_retention bounds. (index _events_name_key is not needed: the
+-- scan is by position, which grows with emitted_at.)
+CREATE FUNCTION flow._retire_events(older_than interval, max_events integer) RETURNS integer
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    retired integer;
+BEGIN
+    PERFORM set_config('flow_internal.retiring_events', 'on', true);
+    DELETE FROM flow._events e
+    WHERE e.position IN (SELECT x.position FROM flow._events x
+                         WHERE x.emitted_at < now() - older_than
+                           AND NOT EXISTS (SELECT 1 FROM flow._waits w WHERE w.event_position = x.position)
+                         ORDER BY x.position LIMIT max_events);
+    GET DIAGNOSTICS retired = ROW_COUNT;
+    PERFORM set_config('flow_internal.retiring_events', 'off', true);
+    RETURN retired;
+END $$;
+
 -- ---------------------------------------------------------------- run control, events, children
 
 CREATE FUNCTION flow._cancel(caller oid, run_id uuid) RETURNS boolean

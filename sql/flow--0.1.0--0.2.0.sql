@@ -61,6 +61,15 @@ ALTER TYPE flow.context ADD ATTRIBUTE created_at timestamptz, ADD ATTRIBUTE budg
 -- Settlements take when the handler started (attempts are timed from there).
 DROP FUNCTION flow._settle_batch(uuid[], uuid[], jsonb[]);
 DROP FUNCTION flow._settle_failure(uuid, uuid, text, text, text, interval);
+-- Old journal entries no wait refers to can be retired (flow.event_retention).
+CREATE OR REPLACE FUNCTION flow._journal_is_append_only() RETURNS trigger
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF TG_OP = 'DELETE' AND current_setting('flow_internal.retiring_events', true) = 'on' THEN
+        RETURN OLD;
+    END IF;
+    RAISE EXCEPTION 'flow: the event journal is append-only' USING ERRCODE = '55000';
+END $$;
 
 -- src/lib.rs:24
 -- requires:
@@ -943,6 +952,27 @@ BEGIN
                    ORDER BY x.id LIMIT max_runs);
     GET DIAGNOSTICS pruned = ROW_COUNT;
     RETURN pruned;
+END $$;
+
+-- Retire up to max_events journal entries emitted more than `older_than` ago
+-- that no wait refers to. Open waits are satisfied when an event is emitted,
+-- so only waits spawned later could still read an old entry: that is what
+-- flow.event_retention bounds. (index _events_name_key is not needed: the
+-- scan is by position, which grows with emitted_at.)
+CREATE OR REPLACE FUNCTION flow._retire_events(older_than interval, max_events integer) RETURNS integer
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    retired integer;
+BEGIN
+    PERFORM set_config('flow_internal.retiring_events', 'on', true);
+    DELETE FROM flow._events e
+    WHERE e.position IN (SELECT x.position FROM flow._events x
+                         WHERE x.emitted_at < now() - older_than
+                           AND NOT EXISTS (SELECT 1 FROM flow._waits w WHERE w.event_position = x.position)
+                         ORDER BY x.position LIMIT max_events);
+    GET DIAGNOSTICS retired = ROW_COUNT;
+    PERFORM set_config('flow_internal.retiring_events', 'off', true);
+    RETURN retired;
 END $$;
 
 -- ---------------------------------------------------------------- run control, events, children

@@ -20,6 +20,7 @@ static LEASE_DURATION_S: GucSetting<i32> = GucSetting::<i32>::new(300);
 static MAX_RESULT_BYTES: GucSetting<i32> = GucSetting::<i32>::new(256 * 1024);
 static RETENTION_S: GucSetting<i32> = GucSetting::<i32>::new(7 * 86_400);
 static MAX_QUEUES_PER_ROLE: GucSetting<i32> = GucSetting::<i32>::new(1000);
+static EVENT_RETENTION_S: GucSetting<i32> = GucSetting::<i32>::new(7 * 86_400);
 static LOG_LEVEL: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(c"debug1"));
 static FAULT_POINTS: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
 
@@ -110,6 +111,16 @@ pub fn init() {
         GucContext::Sighup,
         GucFlags::default(),
     );
+    GucRegistry::define_int_guc(
+        c"flow.event_retention",
+        c"How long the event journal keeps events that no wait refers to.",
+        c"A wait spawned later than this after its event was emitted no longer finds it; events a retained wait refers to are kept. 0 keeps the journal forever.",
+        &EVENT_RETENTION_S,
+        0,
+        i32::MAX,
+        GucContext::Sighup,
+        GucFlags::UNIT_S,
+    );
     GucRegistry::define_string_guc(
         c"flow.log_level",
         c"Server log level of flow's per-batch engine messages (debug1..log).",
@@ -158,6 +169,12 @@ pub fn lease_duration() -> Duration {
 /// None: keep finished runs forever.
 pub fn retention() -> Option<Duration> {
     let seconds = RETENTION_S.get();
+    (seconds > 0).then(|| Duration::from_secs(seconds as u64))
+}
+
+/// None: keep the event journal forever.
+pub fn event_retention() -> Option<Duration> {
+    let seconds = EVENT_RETENTION_S.get();
     (seconds > 0).then(|| Duration::from_secs(seconds as u64))
 }
 

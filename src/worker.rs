@@ -24,8 +24,9 @@ const RECOVERY_INTERVAL: Duration = Duration::from_secs(1);
 /// A worker claims about this much work at a time (see `claim_size`).
 const CLAIM_TARGET: Duration = Duration::from_millis(100);
 
-/// How often worker 0 deletes runs past `flow.retention`, and how many at most
-/// per pass (each a short transaction, so pruning never holds up the queue).
+/// How often worker 0 deletes runs past `flow.retention` and journal entries
+/// past `flow.event_retention`, and how many at most per pass (each a short
+/// transaction, so pruning never holds up the queue).
 const PRUNE_INTERVAL: Duration = Duration::from_secs(10);
 const PRUNE_BATCH: i32 = 1000;
 
@@ -305,23 +306,26 @@ impl Worker {
 
     /// Worker 0 deletes finished runs past `flow.retention`, a bounded batch at a time.
     fn maybe_prune(&mut self) {
-        let Some(retention) = gucs::retention() else { return };
         if self.index != 0 || self.last_prune.is_some_and(|at| at.elapsed() < PRUNE_INTERVAL) {
             return;
         }
         self.last_prune = Some(Instant::now());
-        let seconds = retention.as_secs() as i64;
-        let pruned = transaction(|| {
-            Spi::get_one_with_args::<i32>(
-                "SELECT flow._prune(pg_catalog.make_interval(secs => $1), $2)",
-                &[(seconds as f64).into(), PRUNE_BATCH.into()],
-            )
-        });
-        let Some(Ok(Some(n))) = pruned else { return };
-        if n > 0 {
-            executor::log(&format!("flow: deleted {n} runs finished more than {seconds} s ago"));
+        let mut more = false;
+        let passes = [
+            (gucs::retention(), "SELECT flow._prune(pg_catalog.make_interval(secs => $1), $2)", "runs finished"),
+            (gucs::event_retention(), "SELECT flow._retire_events(pg_catalog.make_interval(secs => $1), $2)", "events emitted"),
+        ];
+        for (retention, sql, what) in passes {
+            let Some(retention) = retention else { continue };
+            let seconds = retention.as_secs() as f64;
+            let deleted = transaction(|| Spi::get_one_with_args::<i32>(sql, &[seconds.into(), PRUNE_BATCH.into()]));
+            let Some(Ok(Some(n))) = deleted else { continue };
+            if n > 0 {
+                executor::log(&format!("flow: deleted {n} {what} more than {seconds} s ago"));
+            }
+            more |= n == PRUNE_BATCH;
         }
-        if n == PRUNE_BATCH {
+        if more {
             // More may be waiting: come back on the next turn, not in PRUNE_INTERVAL.
             self.last_prune = None;
         }

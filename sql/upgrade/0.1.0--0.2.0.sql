@@ -57,3 +57,12 @@ ALTER TYPE flow.context ADD ATTRIBUTE created_at timestamptz, ADD ATTRIBUTE budg
 -- Settlements take when the handler started (attempts are timed from there).
 DROP FUNCTION flow._settle_batch(uuid[], uuid[], jsonb[]);
 DROP FUNCTION flow._settle_failure(uuid, uuid, text, text, text, interval);
+-- Old journal entries no wait refers to can be retired (flow.event_retention).
+CREATE OR REPLACE FUNCTION flow._journal_is_append_only() RETURNS trigger
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF TG_OP = 'DELETE' AND current_setting('flow_internal.retiring_events', true) = 'on' THEN
+        RETURN OLD;
+    END IF;
+    RAISE EXCEPTION 'flow: the event journal is append-only' USING ERRCODE = '55000';
+END $$;
