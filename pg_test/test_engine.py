@@ -413,7 +413,7 @@ def test_observability_views(app):
     app.await_run(run, "10s")
     assert app.one("SELECT succeeded FROM flow.queues WHERE name = 'observed'") == 1
     stats = dict(app.all("SELECT name, value FROM flow.stats"))
-    assert stats["claimed"] > 0 and stats["succeeded"] > 0 and stats["probes"] > 0
+    assert stats["claimed"] > 0 and stats["attempts_succeeded"] > 0 and stats["claims"] > 0
     assert app.one("SELECT sum(attempts) FROM flow.recent_attempts") > 0
 
 

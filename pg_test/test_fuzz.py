@@ -30,7 +30,8 @@ TEXT_ARRAY = [None, "{}", "{NULL}", '{""}', "{" + BIG + "}"]
 JSONB_ARRAY = [None, "{}", "{NULL}", '{"[]"}', '{"{}"}']
 UUID_ARRAY = [None, "{}", "{NULL}", "{00000000-0000-0000-0000-000000000000}"]
 WAIT_ARRAY = [None, "{}", '{"(,)"}', '{"(a,)"}', '{"(,b)"}']
-VALUES = {"text": TEXT, "jsonb": JSONB, "interval": INTERVAL, "timestamptz": TIMESTAMPTZ, "integer": INTEGER,
+REGTYPE = [None, "integer", "jsonb", "pg_catalog.pg_class", "flow.context", "flow._runs"]
+VALUES = {"regtype": REGTYPE, "text": TEXT, "jsonb": JSONB, "interval": INTERVAL, "timestamptz": TIMESTAMPTZ, "integer": INTEGER,
           "boolean": BOOLEAN, "uuid": UUID, "regprocedure": REGPROC, "text[]": TEXT_ARRAY, "jsonb[]": JSONB_ARRAY,
           "uuid[]": UUID_ARRAY, "flow.wait_spec[]": WAIT_ARRAY}
 
@@ -39,7 +40,8 @@ SIGNATURES = [
     ("flow.define", [("name", "text", "@fresh"), ("handler", "regprocedure", "flow.run_sql(jsonb)"),
                      ("version", "integer", 1), ("queue", "text", "@queue"), ("max_attempts", "integer", 3),
                      ("backoff", "interval", "1 s"), ("backoff_max", "interval", "1 hour"),
-                     ("max_elapsed", "interval", None), ("timeout", "interval", None)]),
+                     ("max_elapsed", "interval", None), ("timeout", "interval", None),
+                     ("args_type", "regtype", None)]),
     ("flow.set_queue", [("name", "text", "@queue"), ("concurrency", "integer", None), ("paused", "boolean", None)]),
     ("flow.grant_definition", [("name", "text", "@definition"), ("role", "text", "alice")]),
     ("flow.revoke_definition", [("name", "text", "@definition"), ("role", "text", "alice")]),
@@ -67,6 +69,7 @@ SIGNATURES = [
                     ("lease", "interval", "1 minute")]),
     ("flow.heartbeat", [("command_id", "uuid", "@command"), ("lease_token", "uuid", "@token"),
                         ("extend", "interval", None)]),
+    ("flow.resolve", [("command_id", "uuid", "@command"), ("lease_token", "uuid", "@token")]),
     ("flow.complete", [("command_id", "uuid", "@command"), ("lease_token", "uuid", "@token"),
                        ("result", "jsonb", None), ("events", "jsonb", None), ("children", "jsonb", None)]),
     ("flow.complete_many", [("command_ids", "uuid[]", "{@command}"), ("lease_tokens", "uuid[]", "{@token}"),

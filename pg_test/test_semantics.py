@@ -407,3 +407,35 @@ def test_an_attempt_is_timed_from_its_handlers_start(pg):
         "SELECT duration FROM flow.attempts WHERE run_id = ANY(%s::uuid[])", quick)]
     assert len(durations) == 5 and max(durations) < 0.3, durations
     assert pg.one("SELECT duration FROM flow.attempts WHERE run_id = %s", slow).total_seconds() >= 0.6
+
+
+# ---------------------------------------------------------------- typed arguments
+
+def test_args_are_checked_against_the_definitions_args_type(pg):
+    pg.all("CREATE TYPE app.order_args AS (order_id int, sku text)")
+    pg.all("CREATE DOMAIN app.has_x AS jsonb CHECK (VALUE ? 'x')")
+    name, loose = unique("typed"), unique("loose")
+    pg.one(f"SELECT flow.define('{name}', 'flow.noop'::regproc, args_type => 'app.order_args')")
+    pg.one(f"SELECT flow.define('{loose}', 'flow.noop'::regproc, args_type => 'app.has_x')")
+    assert pg.await_run(pg.one(f"""SELECT flow.enqueue('{name}', '{{"order_id": 7, "sku": "book"}}')"""))[0] == \
+        "succeeded"
+    before = pg.one("SELECT count(*) FROM flow._runs")
+    for bad in ['{"order_id": "seven"}', '{"order_id": 7, "colour": "red"}']:
+        assert pg.sqlstate(f"SELECT flow.enqueue('{name}', '{bad}')") == "FL019"
+    assert pg.sqlstate(f"""SELECT flow.enqueue_many('{name}', array['{{"order_id": 1}}', '{{"order_id": "x"}}']::jsonb[])""") == "FL019"
+    assert pg.sqlstate(f"SELECT flow.enqueue('{loose}', '{{\"y\": 1}}')") == "FL019"
+    assert pg.one("SELECT count(*) FROM flow._runs") == before
+    assert pg.sqlstate(f"SELECT flow.define('{unique('n')}', 'flow.noop'::regproc, args_type => 'integer')") == "FL015"
+
+
+def test_args_that_no_longer_fit_fail_permanently_before_the_handler(pg):
+    pg.all("CREATE TYPE app.shrinking AS (a int, b text)")
+    q = unique("typedq")
+    name = unique("shrink")
+    pg.one(f"SELECT flow.set_queue('{q}', paused => true)")
+    pg.one(f"SELECT flow.define('{name}', 'flow.noop'::regproc, queue => '{q}', args_type => 'app.shrinking')")
+    run = pg.one(f"""SELECT flow.enqueue('{name}', '{{"a": 1, "b": "gone"}}')""")
+    pg.all("ALTER TYPE app.shrinking DROP ATTRIBUTE b")
+    pg.one(f"SELECT flow.set_queue('{q}', paused => false)")
+    assert pg.await_run(run)[0] == "failed"
+    assert root(pg, run)[1:] == (1, "permanent", "argument_decode")

@@ -10,14 +10,15 @@
 
 -- Register or update a kind of command; its handler runs as the calling role.
 -- queue NULL: the role's own queue, 'role:<name>' ('default' for superusers).
+-- args_type: a composite type (or a domain over jsonb) the args must fit.
 CREATE FUNCTION flow.define(name text, handler regprocedure, version integer DEFAULT 1,
     queue text DEFAULT NULL, max_attempts integer DEFAULT 5, backoff interval DEFAULT '1 second',
     backoff_max interval DEFAULT '1 hour', max_elapsed interval DEFAULT NULL, timeout interval DEFAULT NULL,
-    caller_ticket bigint DEFAULT flow._ticket())
+    args_type regtype DEFAULT NULL, caller_ticket bigint DEFAULT flow._ticket())
 RETURNS void
 LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
     SELECT flow._define(flow._redeem(caller_ticket), name, handler, version, queue, max_attempts, backoff,
-                        backoff_max, max_elapsed, timeout)
+                        backoff_max, max_elapsed, timeout, args_type)
 $$;
 
 -- Set a queue's concurrency limit (NULL: none) and paused flag (NULL: unchanged).

@@ -70,6 +70,11 @@ BEGIN
     END IF;
     RAISE EXCEPTION 'flow: the event journal is append-only' USING ERRCODE = '55000';
 END $$;
+-- Typed arguments.
+DROP FUNCTION flow.define(text, regprocedure, integer, text, integer, interval, interval, interval, interval, bigint);
+DROP FUNCTION flow._define(oid, text, regprocedure, integer, text, integer, interval, interval, interval, interval);
+ALTER TABLE flow._definitions ADD COLUMN args_type regtype;
+ALTER TYPE flow.claimed_command ADD ATTRIBUTE args_type regtype;
 
 -- src/lib.rs:24
 -- requires:
@@ -244,8 +249,47 @@ BEGIN
     RETURN q;
 END $$;
 
+-- Why args do not fit an args_type (NULL: they fit). A composite type takes
+-- a JSON object whose keys are its attributes and whose values convert
+-- (jsonb_populate_record); a domain over jsonb takes what its checks allow.
+CREATE OR REPLACE FUNCTION flow._args_misfit(args_type regtype, args jsonb) RETURNS text
+LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    t pg_type;
+    unknown text;
+BEGIN
+    SELECT * INTO t FROM pg_type WHERE oid = args_type;
+    IF t.typtype = 'c' THEN
+        SELECT k INTO unknown FROM jsonb_object_keys(args) k
+        WHERE NOT EXISTS (SELECT 1 FROM pg_attribute a WHERE a.attrelid = t.typrelid AND a.attname = k
+                          AND a.attnum > 0 AND NOT a.attisdropped)
+        LIMIT 1;
+        IF FOUND THEN
+            RETURN format('%s has no attribute %s', args_type, unknown);
+        END IF;
+        EXECUTE format('SELECT jsonb_populate_record(NULL::%s, $1)', args_type) USING args;
+    ELSE
+        EXECUTE format('SELECT $1::%s', args_type) USING args;
+    END IF;
+    RETURN NULL;
+EXCEPTION WHEN data_exception OR integrity_constraint_violation OR check_violation THEN
+    RETURN SQLERRM;
+END $$;
+
+CREATE OR REPLACE FUNCTION flow._require_args_fit(d flow._definitions, args jsonb) RETURNS void
+LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    misfit text := CASE WHEN d.args_type IS NOT NULL THEN flow._args_misfit(d.args_type, args) END;
+BEGIN
+    IF misfit IS NOT NULL THEN
+        RAISE EXCEPTION 'flow: args do not fit % of definition %: %', d.args_type, d.name, misfit
+            USING ERRCODE = 'FL019';
+    END IF;
+END $$;
+
 CREATE OR REPLACE FUNCTION flow._define(caller oid, name text, handler regprocedure, version integer, queue text,
-    max_attempts integer, backoff interval, backoff_max interval, max_elapsed interval, timeout interval)
+    max_attempts integer, backoff interval, backoff_max interval, max_elapsed interval, timeout interval,
+    args_type regtype)
 RETURNS void
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
@@ -269,6 +313,15 @@ BEGIN
     PERFORM flow._require_span('backoff_max', backoff_max, code => 'FL015');
     PERFORM flow._require_span('max_elapsed', max_elapsed, code => 'FL015');
     PERFORM flow._require_span('timeout', timeout, code => 'FL015');
+    IF args_type IS NOT NULL AND NOT EXISTS (
+        SELECT 1 FROM pg_type t WHERE t.oid = args_type
+          AND (t.typtype = 'c' OR (t.typtype = 'd' AND t.typbasetype = 'pg_catalog.jsonb'::regtype))) THEN
+        RAISE EXCEPTION 'flow: args_type % must be a composite type or a domain over jsonb', args_type
+            USING ERRCODE = 'FL015';
+    END IF;
+    IF args_type IS NOT NULL AND NOT has_type_privilege(caller, args_type, 'USAGE') THEN
+        RAISE EXCEPTION 'flow: role % may not use type %', caller::regrole, args_type USING ERRCODE = '42501';
+    END IF;
     IF handler IS NOT NULL THEN
         SELECT p.pronargs, p.proargtypes, p.prorettype, p.prokind, p.proretset,
                n.nspname ~ '^pg_(toast_)?temp_' AS temporary INTO fn
@@ -310,14 +363,14 @@ BEGIN
     END IF;
     PERFORM flow._use_queue(caller, queue);
     INSERT INTO flow._definitions AS d (name, version, handler, takes_context, owner, queue,
-        max_attempts, backoff, backoff_max, max_elapsed, timeout)
+        max_attempts, backoff, backoff_max, max_elapsed, timeout, args_type)
     VALUES (name, version, handler, takes_context, named.owner, queue,
-        max_attempts, backoff, backoff_max, max_elapsed, timeout)
+        max_attempts, backoff, backoff_max, max_elapsed, timeout, args_type)
     ON CONFLICT ON CONSTRAINT _definitions_pkey DO UPDATE SET
         handler = excluded.handler, takes_context = excluded.takes_context, queue = excluded.queue,
         max_attempts = excluded.max_attempts, backoff = excluded.backoff,
         backoff_max = excluded.backoff_max, max_elapsed = excluded.max_elapsed,
-        timeout = excluded.timeout, updated_at = now();
+        timeout = excluded.timeout, args_type = excluded.args_type, updated_at = now();
 END $$;
 
 -- Open a definition (every version) to another role, or close it again.
@@ -494,6 +547,7 @@ DECLARE
     existing flow._runs;
 BEGIN
     PERFORM flow._require_payload('args', args);
+    PERFORM flow._require_args_fit(p.d, args);
     PERFORM flow._require_short('key', key);
     IF key IS NOT NULL AND btrim(key) = '' THEN
         RAISE EXCEPTION 'flow: key must not be empty (NULL for none)' USING ERRCODE = 'FL002';
@@ -541,6 +595,15 @@ BEGIN
         END IF;
         RAISE EXCEPTION 'flow: args_array[%] is over flow.max_result_bytes (% bytes)', bad.i, limit_bytes
             USING ERRCODE = 'FL004';
+    END IF;
+    IF (p.d).args_type IS NOT NULL THEN
+        SELECT i, flow._args_misfit((p.d).args_type, a) AS why INTO bad
+        FROM unnest(args_array) WITH ORDINALITY AS t(a, i) WHERE flow._args_misfit((p.d).args_type, a) IS NOT NULL
+        LIMIT 1;
+        IF FOUND THEN
+            RAISE EXCEPTION 'flow: args_array[%] does not fit %: %', bad.i, (p.d).args_type, bad.why
+                USING ERRCODE = 'FL019';
+        END IF;
     END IF;
     SELECT coalesce(array_agg(flow._new_id()), '{}') INTO ids FROM unnest(args_array);
     INSERT INTO flow._runs (id, owner, name, version, queue, args, deadline)
@@ -678,14 +741,14 @@ BEGIN
         WHERE c.id = p.id AND d.name = c.name AND d.version = c.version
         RETURNING c AS cmd, d.handler::oid AS handler_oid, d.owner::oid AS handler_owner, d.takes_context,
                   d.timeout AS attempt_timeout, least(p.budget_start + d.max_elapsed, c.deadline) AS hard_deadline,
-                  p.claim_order
+                  p.claim_order, d.args_type
     )
     SELECT (k.cmd).id, (k.cmd).run_id, (k.cmd).name, (k.cmd).version, (k.cmd).queue, (k.cmd).args,
            (k.cmd).attempts, (k.cmd).lease_token, (k.cmd).lease_expires_at, (k.cmd).attempt_deadline,
            k.handler_oid, k.handler_owner,
            -- the context costs ~20 µs: only for handlers that take it, and external workers
            CASE WHEN k.takes_context OR names IS NOT NULL THEN flow._context(k.cmd) END,
-           k.attempt_timeout, k.hard_deadline, k.claim_order
+           k.attempt_timeout, k.hard_deadline, k.claim_order, k.args_type
     FROM claimed k;
 END $$;
 
@@ -1136,6 +1199,7 @@ BEGIN
     lane := CASE WHEN queue IS NULL THEN d.queue ELSE flow._use_queue(caller, queue) END;
     PERFORM flow._require_name('key', key);
     PERFORM flow._require_payload('args', args);
+    PERFORM flow._require_args_fit(d, args);
     PERFORM flow._require_span('within', within);
     FOREACH spec IN ARRAY coalesce(waits, '{}') LOOP
         PERFORM flow._require_name('wait name', spec.name);
@@ -1182,7 +1246,7 @@ BEGIN
     RETURN child;
 EXCEPTION WHEN SQLSTATE 'FL001' OR SQLSTATE 'FL002' OR SQLSTATE 'FL003' OR SQLSTATE 'FL004'
               OR SQLSTATE 'FL005' OR SQLSTATE 'FL006' OR SQLSTATE 'FL011' OR SQLSTATE 'FL016'
-              OR SQLSTATE 'FL018' THEN
+              OR SQLSTATE 'FL018' OR SQLSTATE 'FL019' THEN
     -- An invalid spawn is the handler's decision: it fails the command even
     -- if the handler catches the error (the first one counts, as the reference).
     PERFORM flow._decide('invalid_decision', 'invalid_decision', SQLERRM, NULL);
@@ -1510,7 +1574,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_current_command_wrapper';
 
--- src/executor.rs:112
+-- src/executor.rs:114
 -- flow::executor::_decide
 CREATE OR REPLACE FUNCTION "_decide"(
 	"class" TEXT, /* & str */
@@ -1659,14 +1723,15 @@ AS 'MODULE_PATHNAME', 'run_sql_wrapper';
 
 -- Register or update a kind of command; its handler runs as the calling role.
 -- queue NULL: the role's own queue, 'role:<name>' ('default' for superusers).
+-- args_type: a composite type (or a domain over jsonb) the args must fit.
 CREATE OR REPLACE FUNCTION flow.define(name text, handler regprocedure, version integer DEFAULT 1,
     queue text DEFAULT NULL, max_attempts integer DEFAULT 5, backoff interval DEFAULT '1 second',
     backoff_max interval DEFAULT '1 hour', max_elapsed interval DEFAULT NULL, timeout interval DEFAULT NULL,
-    caller_ticket bigint DEFAULT flow._ticket())
+    args_type regtype DEFAULT NULL, caller_ticket bigint DEFAULT flow._ticket())
 RETURNS void
 LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
     SELECT flow._define(flow._redeem(caller_ticket), name, handler, version, queue, max_attempts, backoff,
-                        backoff_max, max_elapsed, timeout)
+                        backoff_max, max_elapsed, timeout, args_type)
 $$;
 
 -- Set a queue's concurrency limit (NULL: none) and paused flag (NULL: unchanged).

@@ -17,6 +17,7 @@
 --   FL009 queue concurrency below 1           FL021 flow.retry_after(): retry later
 --   FL017 settled already under this lease (double completion)
 --   FL018 the role owns flow.max_queues_per_role queues already
+--   FL019 args do not fit the definition's args_type
 
 -- ---------------------------------------------------------------- types
 
@@ -66,7 +67,8 @@ CREATE TYPE flow.claimed_command AS (
     -- the claim: the attempt deadline is min(start + attempt_timeout, hard_deadline)
     attempt_timeout   interval,
     hard_deadline     timestamptz,    -- min(retry budget end, run deadline)
-    claim_order       integer         -- run a batch in this order: it keeps the queues interleaved
+    claim_order       integer,        -- run a batch in this order: it keeps the queues interleaved
+    args_type         regtype         -- the definition's args_type: checked before the handler runs
 );
 
 -- What flow.await returns.
@@ -109,6 +111,7 @@ CREATE TABLE flow._definitions (
     timeout        interval CHECK (timeout > interval '0'),
     created_at     timestamptz NOT NULL DEFAULT now(),
     updated_at     timestamptz NOT NULL DEFAULT now(),
+    args_type      regtype,                           -- what args must fit (NULL: any JSON object)
     PRIMARY KEY (name, version),
     FOREIGN KEY (name) REFERENCES flow._definition_names (name),   -- owner equals the name's owner
     CHECK (backoff_max >= backoff),

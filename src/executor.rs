@@ -36,6 +36,8 @@ pub struct Claimed {
     pub args: JsonB,
     /// Only for handlers that take a `flow.context`.
     pub context: Option<JsonB>,
+    /// The definition's args_type, if any: the args must still fit it.
+    pub args_type: Option<pg_sys::Oid>,
 }
 
 impl Claimed {
@@ -194,7 +196,7 @@ pub fn claim(owner: &str, backend_start: Option<TimestampWithTimeZone>, max: i32
         "SELECT command_id, run_id, lease_token,
                 (extract(epoch FROM hard_deadline) * 1000000)::bigint - 946684800000000,
                 (extract(epoch FROM attempt_timeout) * 1000000)::bigint,
-                handler, handler_owner, args, pg_catalog.to_jsonb(context)
+                handler, handler_owner, args, pg_catalog.to_jsonb(context), args_type::oid
          FROM flow._claim($1, $2, $3, $4, NULL, NULL, $5)
          ORDER BY claim_order",
         &[TEXT, INT4, TIMESTAMPTZ, INT4, INT4],
@@ -210,6 +212,7 @@ pub fn claim(owner: &str, backend_start: Option<TimestampWithTimeZone>, max: i32
                 owner: row.get(7).ok().flatten().expect("handler_owner"),
                 args: row.get::<JsonB>(8).ok().flatten().expect("args"),
                 context: row.get::<JsonB>(9).ok().flatten(),
+                args_type: row.get::<pg_sys::Oid>(10).ok().flatten(),
             })
             .collect()
         },
@@ -356,6 +359,19 @@ fn attempt(index: usize, command: &Claimed) -> Result<Option<JsonB>, Failure> {
     let remaining_ms = deadline.map(|d| (d - now) / 1000);
     if let Some(ms) = remaining_ms.filter(|ms| *ms <= 0) {
         return Err(timeout_failure(ms));
+    }
+    // Args that no longer fit the definition's args_type never reach the
+    // handler, and retrying cannot fix them (as the reference's decode step).
+    if let Some(args_type) = command.args_type {
+        let misfit = engine_query(
+            "SELECT flow._args_misfit($1::pg_catalog.regtype, $2)",
+            &[PgOid::BuiltIn(PgBuiltInOids::OIDOID), JSONB],
+            &[args_type.into(), JsonB(command.args.0.clone()).into()],
+            |t| t.first().get_one::<String>().ok().flatten(),
+        );
+        if let Some(message) = misfit {
+            return Err(Failure { class: "permanent", code: "argument_decode".into(), message, delay_us: None });
+        }
     }
 
     // The context tells the handler the deadline actually enforced and when

@@ -66,3 +66,8 @@ BEGIN
     END IF;
     RAISE EXCEPTION 'flow: the event journal is append-only' USING ERRCODE = '55000';
 END $$;
+-- Typed arguments.
+DROP FUNCTION flow.define(text, regprocedure, integer, text, integer, interval, interval, interval, interval, bigint);
+DROP FUNCTION flow._define(oid, text, regprocedure, integer, text, integer, interval, interval, interval, interval);
+ALTER TABLE flow._definitions ADD COLUMN args_type regtype;
+ALTER TYPE flow.claimed_command ADD ATTRIBUTE args_type regtype;
