@@ -611,3 +611,34 @@ def test_drop_role_refuses_to_leave_flow_objects_without_an_owner(pg):
     pg.all("DROP ROLE temp_owner")
     assert pg.one("SELECT owner::text FROM flow._definitions WHERE name = %s", name) == "heir"
     assert pg.one("SELECT count(*) FROM flow.runs WHERE id = %s", run, user="heir") == 1
+
+
+def test_a_settlement_is_retried_past_a_transient_error(pg):
+    before = dict(pg.all("SELECT name, value FROM flow.stats"))
+    name = unique("transient")
+    pg.one(f"SELECT flow.define('{name}', 'app.alice_void'::regproc, max_attempts => 1)", user="alice")
+    set_faults(pg, "settle_success:transient@1")
+    try:
+        runs = pg.one(f"SELECT flow.enqueue_many('{name}', array_fill('{{}}'::jsonb, array[10]))", user="alice")
+        for run in runs:
+            assert pg.await_run(run, user="alice")[0] == "succeeded"
+    finally:
+        set_faults(pg, "")
+    after = dict(pg.all("SELECT name, value FROM flow.stats"))
+    # retried in place: nothing was handed back, nobody charged twice
+    assert after["handed_back"] == before["handed_back"]
+    assert pg.one("SELECT max(c.attempts) FROM flow._commands c JOIN flow._runs r ON r.id = c.run_id"
+                  " WHERE r.name = %s", name) == 1
+
+
+def test_a_settlement_rejected_as_invalid_is_an_invalid_decision(pg):
+    name = unique("invalid")
+    pg.one(f"SELECT flow.define('{name}', 'app.alice_void'::regproc, max_attempts => 3)", user="alice")
+    set_faults(pg, "settle_success:invalid")
+    try:
+        run = pg.one(f"SELECT flow.enqueue('{name}')", user="alice")
+        assert pg.await_run(run, user="alice")[0] == "failed"
+    finally:
+        set_faults(pg, "")
+    assert pg.all("SELECT stop_reason, last_error_code FROM flow._commands WHERE run_id = %s", run)[0] == (
+        "permanent", "invalid_decision")

@@ -308,16 +308,52 @@ impl Chunk {
             results.push(result);
             starts.push(started);
         }
-        let expected = ids.len() as u64;
-        gucs::inject_fault("settle_success");
-        let settled = engine_query(
-            "SELECT flow._settle_batch($1, $2, $3, $4)",
-            &[UUID_ARRAY, UUID_ARRAY, JSONB_ARRAY, TIMESTAMPTZ_ARRAY],
-            &[ids.into(), tokens.into(), results.into(), starts.into()],
-            |t| t.first().get_one::<i32>().ok().flatten().unwrap_or(0),
-        ) as u64;
-        let _ = (settled, expected);   // counted by flow._settle_batch, at commit
+        // (flow._settle_batch counts what it settled, at commit)
+        with_settlement_retries(|| {
+            gucs::inject_fault("settle_success");
+            engine_query(
+                "SELECT flow._settle_batch($1, $2, $3, $4)",
+                &[UUID_ARRAY, UUID_ARRAY, JSONB_ARRAY, TIMESTAMPTZ_ARRAY],
+                &[
+                    ids.clone().into(),
+                    tokens.clone().into(),
+                    results.iter().map(|r| r.as_ref().map(|j| JsonB(j.0.clone()))).collect::<Vec<_>>().into(),
+                    starts.clone().into(),
+                ],
+                |_| (),
+            )
+        });
     }
+}
+
+/// A settlement that failed on a transient error (deadlock, serialization
+/// failure, lock not available) is tried again, up to SETTLEMENT_TRIES times,
+/// each in a subtransaction; each try re-checks the lease token, so an attempt
+/// that stopped being ours meanwhile settles nothing (the reference's
+/// ResolveCommandAttempt). Any other error, or the last one, goes up to the
+/// chunk, whose failure is contained (worker.rs, `run_batch`).
+const SETTLEMENT_TRIES: usize = 3;
+
+fn with_settlement_retries<R>(settle: impl Fn() -> R) -> R {
+    for _ in 1..SETTLEMENT_TRIES {
+        match in_subtransaction(|| Ok(settle()), |caught| caught) {
+            Ok(settled) => return settled,
+            Err(caught) if is_transient(&caught) => continue,
+            Err(caught) => caught.rethrow(),
+        }
+    }
+    settle()
+}
+
+fn is_transient(caught: &pg_sys::panic::CaughtError) -> bool {
+    use pg_sys::panic::CaughtError;
+    let (CaughtError::PostgresError(r) | CaughtError::ErrorReport(r)) = caught else { return false };
+    matches!(
+        r.sql_error_code(),
+        PgSqlErrorCode::ERRCODE_T_R_DEADLOCK_DETECTED
+            | PgSqlErrorCode::ERRCODE_T_R_SERIALIZATION_FAILURE
+            | PgSqlErrorCode::ERRCODE_LOCK_NOT_AVAILABLE
+    )
 }
 
 /// Run `body` in a subtransaction of the current transaction: kept when it
@@ -585,8 +621,9 @@ fn handler_call_sql(handler: pg_sys::Oid) -> String {
 }
 
 fn settle_failure(command: &Claimed, failure: &Failure, started: Option<TimestampWithTimeZone>) -> Settled {
+    let status: Option<String> = with_settlement_retries(|| {
     gucs::inject_fault("settle_failure");
-    let status: Option<String> = engine_query(
+    engine_query(
         "SELECT flow._settle_failure($1, $2, $3, $4, $5,
                 CASE WHEN $6 IS NULL THEN NULL ELSE pg_catalog.make_interval(secs => $6 / 1000000.0) END, $7)",
         &[UUID, UUID, TEXT, TEXT, TEXT, INT8, TIMESTAMPTZ],
@@ -600,7 +637,8 @@ fn settle_failure(command: &Claimed, failure: &Failure, started: Option<Timestam
             started.into(),
         ],
         |t| t.first().get_one().unwrap_or_else(|e| error!("flow: {e}")),
-    );
+    )
+    });
     match status.as_deref() {
         Some("retry") => Settled::Failed { retry: true },
         Some("failed") => Settled::Failed { retry: false },
@@ -613,7 +651,16 @@ fn settle_failure(command: &Claimed, failure: &Failure, started: Option<Timestam
 /// and retried by its policy; should even that fail (its own settlement is
 /// what breaks), it fails permanently with that error. Returns false when
 /// neither could be written.
-pub fn settle_engine_error(command: &Claimed, message: &str) -> bool {
+pub fn settle_engine_error(command: &Claimed, message: &str, sqlstate: &str) -> bool {
+    // A settlement rejected as invalid (flow's own checks, bad data, a
+    // violated constraint) cannot succeed when retried: an invalid decision.
+    let invalid = sqlstate.starts_with("FL") || sqlstate.starts_with("22") || sqlstate.starts_with("23");
+    if invalid {
+        let decision = Failure { class: "permanent", code: "invalid_decision".into(), message: message.into(), delay_us: None };
+        if in_subtransaction(|| Ok::<_, ()>(settle_failure(command, &decision, None)), |_| ()).is_ok() {
+            return true;
+        }
+    }
     let retryable = Failure { class: "retryable", code: "engine_error".into(), message: message.into(), delay_us: None };
     if in_subtransaction(|| Ok::<_, ()>(settle_failure(command, &retryable, None)), |_| ()).is_ok() {
         return true;

@@ -131,8 +131,8 @@ pub fn init() {
     );
     GucRegistry::define_string_guc(
         c"flow.fault_points",
-        c"Fault injection for chaos tests: comma-separated point[:error|:die|:stall][@N|%P].",
-        c"Points: claim, handler_start, handler_return, settle_success, settle_failure, before_settle (default action die). error raises an ERROR there, die exits the worker process, stall sleeps 2 s; @N fires on the Nth hit in each worker process only, %P with probability P percent. Empty (the default) costs nothing.",
+        c"Fault injection for chaos tests: comma-separated point[:error|:die|:stall|:transient|:invalid][@N|%P].",
+        c"Points: claim, handler_start, handler_return, settle_success, settle_failure, before_settle (default action die). error raises an ERROR there, die exits the worker process, stall sleeps 2 s, transient raises a serialization failure, invalid an invalid-value error; @N fires on the Nth hit in each worker process only, %P with probability P percent. Empty (the default) costs nothing.",
         &FAULT_POINTS,
         GucContext::Suset,
         GucFlags::default(),
@@ -200,6 +200,10 @@ pub enum Fault {
     Error,
     Die,
     Stall,
+    /// A serialization failure (40001): what a retry can get past.
+    Transient,
+    /// An invalid-value error (22023): what no retry can fix.
+    Invalid,
 }
 
 thread_local! {
@@ -240,6 +244,8 @@ pub fn fault_point(name: &str) -> Option<Fault> {
         return Some(match action.trim() {
             "die" => Fault::Die,
             "stall" => Fault::Stall,
+            "transient" => Fault::Transient,
+            "invalid" => Fault::Invalid,
             "error" => Fault::Error,
             _ if name == "before_settle" => Fault::Die,
             _ => Fault::Error,
@@ -254,6 +260,20 @@ pub fn inject_fault(name: &str) {
         None => {}
         Some(Fault::Error) => {
             pgrx::ereport!(ERROR, pgrx::PgSqlErrorCode::ERRCODE_SYSTEM_ERROR, format!("flow: fault injected at {name}"));
+        }
+        Some(Fault::Transient) => {
+            pgrx::ereport!(
+                ERROR,
+                pgrx::PgSqlErrorCode::ERRCODE_T_R_SERIALIZATION_FAILURE,
+                format!("flow: transient fault injected at {name}")
+            );
+        }
+        Some(Fault::Invalid) => {
+            pgrx::ereport!(
+                ERROR,
+                pgrx::PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE,
+                format!("flow: invalid value injected at {name}")
+            );
         }
         Some(Fault::Die) => unsafe { pgrx::pg_sys::proc_exit(1) },
         Some(Fault::Stall) => std::thread::sleep(Duration::from_secs(2)),

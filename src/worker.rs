@@ -251,7 +251,7 @@ impl Worker {
                     rest = &rest[ran..];
                     self.prefetched = next;
                 }
-                Err(message) => {
+                Err((message, sqlstate)) => {
                     // The chunk failed outside its handlers (the engine's SQL
                     // for one of its commands) and everything in it rolled back,
                     // so for its commands nothing happened. Contain it: they and
@@ -263,7 +263,7 @@ impl Worker {
                     let others = &rest[culprit.len()..];
                     self.isolate_until = Some(Instant::now() + ISOLATION_PERIOD);
                     let contained = try_transaction(|| {
-                        culprit.iter().all(|c| executor::settle_engine_error(c, &message)).then(|| {
+                        culprit.iter().all(|c| executor::settle_engine_error(c, &message, &sqlstate)).then(|| {
                             executor::release(
                                 others.iter().map(|c| c.command_id).collect(),
                                 others.iter().map(|c| c.lease_token).collect(),
@@ -396,8 +396,8 @@ fn transaction<R>(body: impl FnOnce() -> R) -> Option<R> {
     try_transaction(body).ok()
 }
 
-/// `transaction`, returning the ERROR's message.
-fn try_transaction<R>(body: impl FnOnce() -> R) -> Result<R, String> {
+/// `transaction`, returning the ERROR's message and SQLSTATE.
+fn try_transaction<R>(body: impl FnOnce() -> R) -> Result<R, (String, String)> {
     unsafe {
         pg_sys::SetCurrentStatementStartTimestamp();
         pg_sys::StartTransactionCommand();
@@ -405,13 +405,15 @@ fn try_transaction<R>(body: impl FnOnce() -> R) -> Result<R, String> {
     }
     let outcome = PgTryBuilder::new(std::panic::AssertUnwindSafe(|| Ok(body())))
         .catch_others(|caught| {
-            let message = match &caught {
+            let (message, sqlstate) = match &caught {
                 pg_sys::panic::CaughtError::PostgresError(r)
                 | pg_sys::panic::CaughtError::ErrorReport(r)
-                | pg_sys::panic::CaughtError::RustPanic { ereport: r, .. } => r.message().to_string(),
+                | pg_sys::panic::CaughtError::RustPanic { ereport: r, .. } => {
+                    (r.message().to_string(), executor::sqlstate(r.sql_error_code()))
+                }
             };
             pgrx::warning!("flow worker: {message}");
-            Err(message)
+            Err((message, sqlstate))
         })
         .execute();
     unsafe {
