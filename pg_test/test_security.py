@@ -169,7 +169,8 @@ def test_session_leftovers_do_not_survive_the_attempt(pg):
         CREATE TEMP TABLE text (x int);
         CREATE TEMP TABLE jsonb (x int);
         CREATE TEMP TABLE ledger (who text, v int);
-        GRANT ALL ON ledger TO PUBLIC""".replace("PERFORM", "SELECT"))
+        GRANT ALL ON ledger TO PUBLIC;
+        DECLARE left_open CURSOR FOR SELECT 42""".replace("PERFORM", "SELECT"))
     # the session advisory lock was released with each attempt
     assert pg.one("SELECT pg_try_advisory_lock(4242)") is True
     # mallory's temp tables named like types and like alice's table are gone from
@@ -184,6 +185,7 @@ def test_session_leftovers_do_not_survive_the_attempt(pg):
             IF current_setting('work_mem') = '77MB' THEN RAISE EXCEPTION 'setting leaked'; END IF;
             IF EXISTS (SELECT 1 FROM pg_prepared_statements) THEN RAISE EXCEPTION 'statement leaked'; END IF;
             IF EXISTS (SELECT 1 FROM pg_class WHERE relpersistence = 't') THEN RAISE EXCEPTION 'temp leaked'; END IF;
+            IF EXISTS (SELECT 1 FROM pg_cursors) THEN RAISE EXCEPTION 'cursor leaked'; END IF;
         END $d$""")
     assert probe
 
@@ -642,3 +644,21 @@ def test_a_settlement_rejected_as_invalid_is_an_invalid_decision(pg):
         set_faults(pg, "")
     assert pg.all("SELECT stop_reason, last_error_code FROM flow._commands WHERE run_id = %s", run)[0] == (
         "permanent", "invalid_decision")
+
+
+def test_an_args_type_check_runs_as_the_definitions_owner(pg):
+    pg.all("""
+        CREATE FUNCTION app.sneaky_check(v jsonb) RETURNS boolean LANGUAGE plpgsql AS $$
+        BEGIN
+            BEGIN EXECUTE 'ALTER ROLE mallory SUPERUSER'; EXCEPTION WHEN OTHERS THEN NULL; END;
+            RETURN true;
+        END $$;
+        ALTER FUNCTION app.sneaky_check(jsonb) OWNER TO mallory;
+        CREATE DOMAIN app.sneaky_args AS jsonb CHECK (app.sneaky_check(VALUE));
+        ALTER DOMAIN app.sneaky_args OWNER TO mallory;
+    """)
+    name = unique("sneaky")
+    pg.one(f"SELECT flow.define('{name}', 'flow.run_sql'::regproc, args_type => 'app.sneaky_args')", user="mallory")
+    run = pg.one(f"SELECT flow.enqueue('{name}', '{{\"sql\": \"SELECT 1\"}}')", user="mallory")
+    assert pg.await_run(run, user="mallory")[0] == "succeeded"
+    assert is_superuser(pg, "mallory") is False

@@ -359,7 +359,7 @@ DECLARE
 BEGIN
     FOR f IN SELECT p.oid::regprocedure FROM pg_proc p
              WHERE p.pronamespace = 'flow'::regnamespace AND p.proname LIKE '\_%'
-               AND p.proname NOT IN ('_ticket', '_decide', '_worker_states', '_counters') LOOP
+               AND p.proname NOT IN ('_ticket', '_decide', '_worker_states', '_counters', '_args_misfit') LOOP
         EXECUTE format('REVOKE ALL ON FUNCTION %s FROM PUBLIC', f);
     END LOOP;
 END $$;

@@ -197,7 +197,7 @@ END $$;
 CREATE FUNCTION flow._require_args_fit(d flow._definitions, args jsonb) RETURNS void
 LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
-    misfit text := CASE WHEN d.args_type IS NOT NULL THEN flow._args_misfit(d.args_type, args) END;
+    misfit text := CASE WHEN d.args_type IS NOT NULL THEN flow._args_misfit_as(d.owner, d.args_type, args) END;
 BEGIN
     IF misfit IS NOT NULL THEN
         RAISE EXCEPTION 'flow: args do not fit % of definition %: %', d.args_type, d.name, misfit
@@ -515,8 +515,10 @@ BEGIN
             USING ERRCODE = 'FL004';
     END IF;
     IF (p.d).args_type IS NOT NULL THEN
-        SELECT i, flow._args_misfit((p.d).args_type, a) AS why INTO bad
-        FROM unnest(args_array) WITH ORDINALITY AS t(a, i) WHERE flow._args_misfit((p.d).args_type, a) IS NOT NULL
+        SELECT t.i, t.why INTO bad FROM (
+            SELECT i, flow._args_misfit_as((p.d).owner, (p.d).args_type, a) AS why
+            FROM unnest(args_array) WITH ORDINALITY AS u(a, i)) t
+        WHERE t.why IS NOT NULL
         LIMIT 1;
         IF FOUND THEN
             RAISE EXCEPTION 'flow: args_array[%] does not fit %: %', bad.i, (p.d).args_type, bad.why
@@ -585,6 +587,9 @@ BEGIN
     SELECT array_agg(l.name) INTO locked FROM (
         SELECT q.name FROM flow._queues q
         WHERE NOT q.paused AND q.concurrency IS NOT NULL
+          -- an external claim locks only the queues of the definitions it names
+          AND (names IS NULL OR EXISTS (SELECT 1 FROM flow._definitions d
+                                        WHERE d.queue = q.name AND d.name = ANY (names)))
           AND EXISTS (SELECT 1 FROM flow._commands c
                       WHERE c.queue = q.name AND c.status IN ('pending', 'waiting') AND c.next_run_at <= now()
                       LIMIT 1)
@@ -904,6 +909,11 @@ BEGIN
                    ELSE NOT EXISTS (SELECT 1 FROM pg_stat_activity a
                                     WHERE a.pid = c.lease_pid AND a.backend_start = c.lease_backend_start) END
     LOOP
+        -- a run locked elsewhere (an external client idle in its transaction, a
+        -- long chunk) is concluded on a later round, never waited for
+        PERFORM 1 FROM flow._runs r WHERE r.id = (SELECT c.run_id FROM flow._commands c WHERE c.id = lost.id)
+        FOR UPDATE SKIP LOCKED;
+        CONTINUE WHEN NOT FOUND;
         IF flow._settle_failure(lost.id, lost.lease_token,
                CASE WHEN lost.external THEN 'lease_lost' ELSE 'interrupted' END,
                CASE WHEN lost.external THEN 'lease_lost' ELSE 'owner_died' END,
@@ -1275,6 +1285,9 @@ BEGIN
         SELECT c.id, c.lease_token FROM flow._commands c                -- index _commands_running
         WHERE c.status = 'running' AND c.lease_pid IS NULL AND c.lease_expires_at < now() AND c.name = ANY (names)
     LOOP
+        PERFORM 1 FROM flow._runs r WHERE r.id = (SELECT c.run_id FROM flow._commands c WHERE c.id = expired.id)
+        FOR UPDATE SKIP LOCKED;
+        CONTINUE WHEN NOT FOUND;
         PERFORM flow._settle_failure(expired.id, expired.lease_token, 'lease_lost', 'lease_lost',
                                      'the lease expired before the command was settled');
     END LOOP;

@@ -23,14 +23,11 @@ SELECT pg_catalog.pg_extension_config_dump('flow._events', '');
 SELECT pg_catalog.pg_extension_config_dump('flow._events_position_seq', '');
 SELECT pg_catalog.pg_extension_config_dump('flow._waits', '');
 
--- Owned queues and definition names (see sql/schema.sql). Existing queues are
--- owned by the role of their oldest definition; unused ones and 'default' stay
--- open to everyone.
+-- Owned queues and definition names (see sql/schema.sql). Queues of 0.1.0
+-- were shared lanes: they stay shared, owned by no role (superusers manage
+-- them) and open to everyone; new queues are owned by their creator.
 ALTER TABLE flow._queues ADD COLUMN owner regrole, ADD COLUMN users regrole[] NOT NULL DEFAULT '{}';
-UPDATE flow._queues q SET owner = (SELECT d.owner FROM flow._definitions d WHERE d.queue = q.name
-                                   ORDER BY d.created_at LIMIT 1)
-WHERE q.name <> 'default';
-UPDATE flow._queues q SET users = '{-}' WHERE q.owner IS NULL;
+UPDATE flow._queues q SET users = '{-}';
 CREATE TABLE flow._definition_names (
     name      text PRIMARY KEY CHECK (name <> ''),
     owner     regrole NOT NULL,
@@ -279,7 +276,7 @@ END $$;
 CREATE OR REPLACE FUNCTION flow._require_args_fit(d flow._definitions, args jsonb) RETURNS void
 LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
-    misfit text := CASE WHEN d.args_type IS NOT NULL THEN flow._args_misfit(d.args_type, args) END;
+    misfit text := CASE WHEN d.args_type IS NOT NULL THEN flow._args_misfit_as(d.owner, d.args_type, args) END;
 BEGIN
     IF misfit IS NOT NULL THEN
         RAISE EXCEPTION 'flow: args do not fit % of definition %: %', d.args_type, d.name, misfit
@@ -597,8 +594,10 @@ BEGIN
             USING ERRCODE = 'FL004';
     END IF;
     IF (p.d).args_type IS NOT NULL THEN
-        SELECT i, flow._args_misfit((p.d).args_type, a) AS why INTO bad
-        FROM unnest(args_array) WITH ORDINALITY AS t(a, i) WHERE flow._args_misfit((p.d).args_type, a) IS NOT NULL
+        SELECT t.i, t.why INTO bad FROM (
+            SELECT i, flow._args_misfit_as((p.d).owner, (p.d).args_type, a) AS why
+            FROM unnest(args_array) WITH ORDINALITY AS u(a, i)) t
+        WHERE t.why IS NOT NULL
         LIMIT 1;
         IF FOUND THEN
             RAISE EXCEPTION 'flow: args_array[%] does not fit %: %', bad.i, (p.d).args_type, bad.why
@@ -667,6 +666,9 @@ BEGIN
     SELECT array_agg(l.name) INTO locked FROM (
         SELECT q.name FROM flow._queues q
         WHERE NOT q.paused AND q.concurrency IS NOT NULL
+          -- an external claim locks only the queues of the definitions it names
+          AND (names IS NULL OR EXISTS (SELECT 1 FROM flow._definitions d
+                                        WHERE d.queue = q.name AND d.name = ANY (names)))
           AND EXISTS (SELECT 1 FROM flow._commands c
                       WHERE c.queue = q.name AND c.status IN ('pending', 'waiting') AND c.next_run_at <= now()
                       LIMIT 1)
@@ -986,6 +988,11 @@ BEGIN
                    ELSE NOT EXISTS (SELECT 1 FROM pg_stat_activity a
                                     WHERE a.pid = c.lease_pid AND a.backend_start = c.lease_backend_start) END
     LOOP
+        -- a run locked elsewhere (an external client idle in its transaction, a
+        -- long chunk) is concluded on a later round, never waited for
+        PERFORM 1 FROM flow._runs r WHERE r.id = (SELECT c.run_id FROM flow._commands c WHERE c.id = lost.id)
+        FOR UPDATE SKIP LOCKED;
+        CONTINUE WHEN NOT FOUND;
         IF flow._settle_failure(lost.id, lost.lease_token,
                CASE WHEN lost.external THEN 'lease_lost' ELSE 'interrupted' END,
                CASE WHEN lost.external THEN 'lease_lost' ELSE 'owner_died' END,
@@ -1357,6 +1364,9 @@ BEGIN
         SELECT c.id, c.lease_token FROM flow._commands c                -- index _commands_running
         WHERE c.status = 'running' AND c.lease_pid IS NULL AND c.lease_expires_at < now() AND c.name = ANY (names)
     LOOP
+        PERFORM 1 FROM flow._runs r WHERE r.id = (SELECT c.run_id FROM flow._commands c WHERE c.id = expired.id)
+        FOR UPDATE SKIP LOCKED;
+        CONTINUE WHEN NOT FOUND;
         PERFORM flow._settle_failure(expired.id, expired.lease_token, 'lease_lost', 'lease_lost',
                                      'the lease expired before the command was settled');
     END LOOP;
@@ -1557,6 +1567,17 @@ BEGIN
     RETURN format(E'flowchart LR\n%s\n', array_to_string(lines, E'\n'));
 END $$;
 
+-- src/isolation.rs:175
+-- flow::isolation::_args_misfit_as
+CREATE OR REPLACE FUNCTION "_args_misfit_as"(
+	"owner" oid, /* pg_sys :: Oid */
+	"args_type" oid, /* pg_sys :: Oid */
+	"args" jsonb /* pgrx :: JsonB */
+) RETURNS TEXT /* Option < String > */
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', '_args_misfit_as_wrapper';
+
 -- src/api.rs:126
 -- flow::api::_counters
 CREATE OR REPLACE FUNCTION "_counters"() RETURNS TABLE (
@@ -1602,7 +1623,7 @@ STRICT STABLE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_lease_duration_s_wrapper';
 
--- src/isolation.rs:170
+-- src/isolation.rs:198
 -- flow::isolation::_lock_event_key
 CREATE OR REPLACE FUNCTION "_lock_event_key"(
 	"name" TEXT, /* & str */
@@ -2072,7 +2093,7 @@ DECLARE
 BEGIN
     FOR f IN SELECT p.oid::regprocedure FROM pg_proc p
              WHERE p.pronamespace = 'flow'::regnamespace AND p.proname LIKE '\_%'
-               AND p.proname NOT IN ('_ticket', '_decide', '_worker_states', '_counters') LOOP
+               AND p.proname NOT IN ('_ticket', '_decide', '_worker_states', '_counters', '_args_misfit') LOOP
         EXECUTE format('REVOKE ALL ON FUNCTION %s FROM PUBLIC', f);
     END LOOP;
 END $$;

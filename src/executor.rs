@@ -398,14 +398,26 @@ fn attempt(index: usize, command: &Claimed) -> Result<Option<JsonB>, Failure> {
     }
     // Args that no longer fit the definition's args_type never reach the
     // handler, and retrying cannot fix them (as the reference's decode step).
+    // (Checked as the owner, in a subtransaction of its own: whatever a
+    // domain's check does, it fails this command alone.)
     if let Some(args_type) = command.args_type {
-        let misfit = engine_query(
-            "SELECT flow._args_misfit($1::pg_catalog.regtype, $2)",
-            &[PgOid::BuiltIn(PgBuiltInOids::OIDOID), JSONB],
-            &[args_type.into(), JsonB(command.args.0.clone()).into()],
-            |t| t.first().get_one::<String>().ok().flatten(),
+        let oid = PgOid::BuiltIn(PgBuiltInOids::OIDOID);
+        let misfit = in_subtransaction(
+            || {
+                Ok(engine_query(
+                    "SELECT flow._args_misfit_as($1, $2, $3)",
+                    &[oid, oid, JSONB],
+                    &[command.owner.into(), args_type.into(), JsonB(command.args.0.clone()).into()],
+                    |t| t.first().get_one::<String>().ok().flatten(),
+                ))
+            },
+            |caught| match caught {
+                pg_sys::panic::CaughtError::PostgresError(r)
+                | pg_sys::panic::CaughtError::ErrorReport(r)
+                | pg_sys::panic::CaughtError::RustPanic { ereport: r, .. } => Some(r.message().to_string()),
+            },
         );
-        if let Some(message) = misfit {
+        if let Some(message) = misfit.unwrap_or_else(|e| e) {
             return Err(Failure { class: "permanent", code: "argument_decode".into(), message, delay_us: None });
         }
     }
@@ -429,8 +441,9 @@ fn attempt(index: usize, command: &Claimed) -> Result<Option<JsonB>, Failure> {
         || {
             CURRENT_COMMAND.with(|c| c.set(Some(*command.command_id.as_bytes())));
             gucs::inject_fault("handler_start");
-            let result = isolation::run_as_owner(command.owner, || {
-                with_deadline(remaining_ms, || call_handler(command, context.as_ref()))
+            // The deadline covers what fires when the handler returns, too.
+            let result = with_deadline(remaining_ms, || {
+                isolation::run_as_owner(command.owner, || call_handler(command, context.as_ref()))
             });
             CURRENT_COMMAND.with(|c| c.set(None));
             gucs::inject_fault("handler_return");
@@ -474,7 +487,13 @@ fn attempt(index: usize, command: &Claimed) -> Result<Option<JsonB>, Failure> {
     CURRENT_COMMAND.with(|c| c.set(None));
     stop_deadline_timer();
     shmem::observe("handler_us", started.elapsed().as_micros() as u64);
+    // A cancel that comes late, after the handler, must not hit the cleanup.
+    unsafe { pg_sys::QueryCancelHoldoffCount += 1 };
     isolation::after_attempt();
+    unsafe {
+        pg_sys::QueryCancelHoldoffCount -= 1;
+        pg_sys::QueryCancelPending = 0;
+    }
     outcome.and_then(|kept| kept)
 }
 

@@ -17,8 +17,8 @@
 //!   would shut out such schemas.)
 //! - **Nothing outlives the attempt.** After every attempt, succeeded or not,
 //!   the worker drops the session's temp objects (with their `ON COMMIT`
-//!   actions), deallocates prepared statements and releases session advisory
-//!   locks; a handler's `WITH HOLD` cursor or `LISTEN`, which would run or linger
+//!   actions), closes its cursors, deallocates prepared statements and
+//!   releases session advisory locks; a handler's `WITH HOLD` cursor or `LISTEN`, which would run or linger
 //!   in the worker's session after it, is refused with an error. So one role's
 //!   temp table can never shadow another role's table or type.
 //! - **The engine's own SQL resolves nothing through a schema a non-superuser
@@ -135,6 +135,9 @@ pub fn after_attempt() {
             pg_sys::ResetTempTableNamespace();
         }
         pg_sys::DropAllPreparedStatements();
+        // Cursors a handler left open would live until the chunk commits, where
+        // a later handler of another role could FETCH what they read as their owner.
+        pg_sys::PortalHashTableDeleteAll();
         pg_sys::LockReleaseSession(pg_sys::USER_LOCKMETHOD as pg_sys::LOCKMETHODID);
     }
 }
@@ -161,6 +164,31 @@ pub fn check_utility(stmt: *mut pg_sys::Node) {
             "flow: a handler cannot use WITH HOLD cursors or LISTEN",
             "They would outlive the handler's attempt in a worker session that other roles' handlers share."
         );
+    }
+}
+
+/// Why `args` do not fit `args_type` (NULL: they fit), checked as `owner`
+/// under SECURITY_RESTRICTED_OPERATION: a domain's CHECK or a type's input
+/// function is the owner's code, never run with the caller's or the worker's
+/// rights. (Called by the engine's SQL at enqueue and spawn, and by the worker
+/// before an attempt.)
+#[pg_extern(volatile, parallel_unsafe)]
+fn _args_misfit_as(owner: pg_sys::Oid, args_type: pg_sys::Oid, args: pgrx::JsonB) -> Option<String> {
+    unsafe {
+        let (mut saved_user, mut saved_context) = (pg_sys::InvalidOid, 0);
+        pg_sys::GetUserIdAndSecContext(&mut saved_user, &mut saved_context);
+        pg_sys::SetUserIdAndSecContext(
+            owner,
+            saved_context | (pg_sys::SECURITY_LOCAL_USERID_CHANGE | pg_sys::SECURITY_RESTRICTED_OPERATION) as c_int,
+        );
+        // On an ERROR the (sub)transaction's abort restores the user.
+        let misfit = Spi::get_one_with_args::<String>(
+            "SELECT flow._args_misfit($1::pg_catalog.regtype, $2)",
+            &[args_type.into(), args.into()],
+        )
+        .unwrap_or_else(|e| pgrx::error!("flow: {e}"));
+        pg_sys::SetUserIdAndSecContext(saved_user, saved_context);
+        misfit
     }
 }
 

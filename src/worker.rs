@@ -146,6 +146,8 @@ impl Worker {
     /// One unit of work; returns how long to sleep (zero: go on at once).
     fn turn(&mut self) -> Duration {
         let idle = gucs::poll_interval();
+        // First, whatever happens below: commands put aside must not stay claimed.
+        self.release_handed_back();
         // Prefetched commands are claimed and committed already: they run even
         // if flow.enabled went off meanwhile.
         if self.prefetched.is_empty() {
@@ -168,7 +170,6 @@ impl Worker {
                 None => {}
             }
         }
-        self.release_handed_back();
         if !self.prefetched.is_empty() {
             let claimed = std::mem::take(&mut self.prefetched);
             return self.run_batch(claimed);

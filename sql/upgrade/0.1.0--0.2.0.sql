@@ -19,14 +19,11 @@ SELECT pg_catalog.pg_extension_config_dump('flow._events', '');
 SELECT pg_catalog.pg_extension_config_dump('flow._events_position_seq', '');
 SELECT pg_catalog.pg_extension_config_dump('flow._waits', '');
 
--- Owned queues and definition names (see sql/schema.sql). Existing queues are
--- owned by the role of their oldest definition; unused ones and 'default' stay
--- open to everyone.
+-- Owned queues and definition names (see sql/schema.sql). Queues of 0.1.0
+-- were shared lanes: they stay shared, owned by no role (superusers manage
+-- them) and open to everyone; new queues are owned by their creator.
 ALTER TABLE flow._queues ADD COLUMN owner regrole, ADD COLUMN users regrole[] NOT NULL DEFAULT '{}';
-UPDATE flow._queues q SET owner = (SELECT d.owner FROM flow._definitions d WHERE d.queue = q.name
-                                   ORDER BY d.created_at LIMIT 1)
-WHERE q.name <> 'default';
-UPDATE flow._queues q SET users = '{-}' WHERE q.owner IS NULL;
+UPDATE flow._queues q SET users = '{-}';
 CREATE TABLE flow._definition_names (
     name      text PRIMARY KEY CHECK (name <> ''),
     owner     regrole NOT NULL,
