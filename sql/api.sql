@@ -279,8 +279,7 @@ SELECT q.name, q.owner, q.users, q.concurrency, q.paused,
 FROM flow._queues q
 LEFT JOIN (flow._commands c JOIN flow._runs r ON r.id = c.run_id AND pg_has_role(current_user, r.owner, 'MEMBER'))
        ON c.queue = q.name
-WHERE coalesce(pg_has_role(current_user, q.owner, 'MEMBER'), false)
-   OR EXISTS (SELECT 1 FROM unnest(q.users) g WHERE g::oid = 0::oid OR pg_has_role(current_user, g, 'MEMBER'))
+WHERE coalesce(pg_has_role(current_user, q.owner, 'MEMBER'), false) OR flow._among(current_user::regrole, q.users)
 GROUP BY q.name, q.owner, q.users, q.concurrency, q.paused;
 
 -- The journal, with the waits each event satisfied.
@@ -359,7 +358,7 @@ DECLARE
 BEGIN
     FOR f IN SELECT p.oid::regprocedure FROM pg_proc p
              WHERE p.pronamespace = 'flow'::regnamespace AND p.proname LIKE '\_%'
-               AND p.proname NOT IN ('_ticket', '_decide', '_worker_states', '_counters', '_args_misfit') LOOP
+               AND p.proname NOT IN ('_ticket', '_decide', '_worker_states', '_counters', '_args_misfit', '_among') LOOP
         EXECUTE format('REVOKE ALL ON FUNCTION %s FROM PUBLIC', f);
     END LOOP;
 END $$;

@@ -91,9 +91,17 @@ BEGIN
 END $$;
 
 -- Whether `caller` is one of `roles` or a member of one ('-' is PUBLIC).
+-- (Executable by everyone: the flow.queues view calls it as its reader.)
 CREATE FUNCTION flow._among(caller oid, roles regrole[]) RETURNS boolean
 LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
     SELECT EXISTS (SELECT 1 FROM unnest(roles) g WHERE g::oid = 0::oid OR pg_has_role(caller, g, 'MEMBER'))
+$$;
+
+-- A grant list with `grantee` added (allow) or removed.
+CREATE FUNCTION flow._granted(roles regrole[], grantee regrole, allow boolean) RETURNS regrole[]
+LANGUAGE sql IMMUTABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT CASE WHEN allow THEN (SELECT array_agg(DISTINCT g) FROM unnest(roles || grantee) g)
+                ELSE array_remove(roles, grantee) END
 $$;
 
 -- A queue row, created on first use: owned by its creator, except 'default',
@@ -309,9 +317,7 @@ BEGIN
         RAISE EXCEPTION 'flow: definition % runs flow.run_sql; it cannot be opened to other roles', name
             USING ERRCODE = '42501', HINT = 'Its SQL runs as its owner: let the other role define its own.';
     END IF;
-    UPDATE flow._definition_names n SET starters = CASE
-        WHEN allow THEN (SELECT array_agg(DISTINCT g) FROM unnest(n.starters || grantee) g)
-        ELSE array_remove(n.starters, grantee) END
+    UPDATE flow._definition_names n SET starters = flow._granted(n.starters, grantee, allow)
     WHERE n.name = named.name;
 END $$;
 
@@ -321,9 +327,7 @@ DECLARE
     grantee regrole := flow._grantee(role);
     q flow._queues := flow._manage_queue(caller, name);
 BEGIN
-    UPDATE flow._queues x SET users = CASE
-        WHEN allow THEN (SELECT array_agg(DISTINCT g) FROM unnest(x.users || grantee) g)
-        ELSE array_remove(x.users, grantee) END, updated_at = now()
+    UPDATE flow._queues x SET users = flow._granted(x.users, grantee, allow), updated_at = now()
     WHERE x.name = q.name;
 END $$;
 
@@ -714,6 +718,18 @@ BEGIN
     ORDER BY r.id FOR UPDATE;
 END $$;
 
+-- Lock the run of a command unless another transaction holds it (then
+-- false): for work that can wait for a later round, such as concluding an
+-- attempt whose owner is gone.
+CREATE FUNCTION flow._try_lock_run_of(command_id uuid) RETURNS boolean
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    PERFORM 1 FROM flow._runs r
+    WHERE r.id = (SELECT c.run_id FROM flow._commands c WHERE c.id = _try_lock_run_of.command_id)
+    FOR UPDATE SKIP LOCKED;
+    RETURN FOUND;
+END $$;
+
 -- Close every unfinished command of a run (cancel or run failure). A running
 -- one gets an attempt row; its worker's later settlement finds no lease.
 CREATE FUNCTION flow._close_open_commands(run_id uuid, reason text) RETURNS void
@@ -911,9 +927,7 @@ BEGIN
     LOOP
         -- a run locked elsewhere (an external client idle in its transaction, a
         -- long chunk) is concluded on a later round, never waited for
-        PERFORM 1 FROM flow._runs r WHERE r.id = (SELECT c.run_id FROM flow._commands c WHERE c.id = lost.id)
-        FOR UPDATE SKIP LOCKED;
-        CONTINUE WHEN NOT FOUND;
+        CONTINUE WHEN NOT flow._try_lock_run_of(lost.id);
         IF flow._settle_failure(lost.id, lost.lease_token,
                CASE WHEN lost.external THEN 'lease_lost' ELSE 'interrupted' END,
                CASE WHEN lost.external THEN 'lease_lost' ELSE 'owner_died' END,
@@ -1285,9 +1299,7 @@ BEGIN
         SELECT c.id, c.lease_token FROM flow._commands c                -- index _commands_running
         WHERE c.status = 'running' AND c.lease_pid IS NULL AND c.lease_expires_at < now() AND c.name = ANY (names)
     LOOP
-        PERFORM 1 FROM flow._runs r WHERE r.id = (SELECT c.run_id FROM flow._commands c WHERE c.id = expired.id)
-        FOR UPDATE SKIP LOCKED;
-        CONTINUE WHEN NOT FOUND;
+        CONTINUE WHEN NOT flow._try_lock_run_of(expired.id);
         PERFORM flow._settle_failure(expired.id, expired.lease_token, 'lease_lost', 'lease_lost',
                                      'the lease expired before the command was settled');
     END LOOP;

@@ -120,22 +120,22 @@ fn _decide(class: &str, code: &str, message: &str, delay_us: Option<i64>) -> boo
 pub fn decide(class: &str, code: &str, message: &str, delay_us: Option<i64>) {
     let decision = |class| Decision { class, code: code.to_string(), message: message.to_string(), delay_us };
     match class {
-        "kept_failure" => KEPT_FAILURE.with(|k| k.borrow_mut().get_or_insert(decision("permanent")).class),
+        // the first of each counts
+        "kept_failure" => KEPT_FAILURE.with(|k| {
+            k.borrow_mut().get_or_insert_with(|| decision("permanent"));
+        }),
         "invalid_decision" => {
-            INVALID_DECISION.with(|d| d.borrow_mut().get_or_insert(decision("permanent")).class);
+            INVALID_DECISION.with(|d| {
+                d.borrow_mut().get_or_insert_with(|| decision("permanent"));
+            });
             DECISION.with(|d| *d.borrow_mut() = Some(decision("permanent")));
-            "permanent"
         }
-        _ => {
-            let class = match class {
-                "permanent" => "permanent",
-                "retry_after" => "retry_after",
-                _ => "retryable",
-            };
+        "permanent" | "retry_after" => {
+            let class = if class == "permanent" { "permanent" } else { "retry_after" };
             DECISION.with(|d| *d.borrow_mut() = Some(decision(class)));
-            class
         }
-    };
+        _ => DECISION.with(|d| *d.borrow_mut() = Some(decision("retryable"))),
+    }
 }
 
 fn decided_failure(decision: Decision) -> Failure {
@@ -156,11 +156,7 @@ pub fn engine_query<R>(
     args: &[DatumWithOid],
     read: impl FnOnce(pgrx::spi::SpiTupleTable) -> R,
 ) -> R {
-    // A statement cancel meant for a handler (flow.cancel, pg_cancel_backend)
-    // must not abort the engine's own SQL: hold it off, then drop it. An ERROR
-    // resets the holdoff count (elog.c), so no guard is needed on that path.
-    unsafe { pg_sys::QueryCancelHoldoffCount += 1 };
-    let result = Spi::connect_mut(|client| {
+    holding_off_cancels(|| Spi::connect_mut(|client| {
         ENGINE_PLANS.with(|plans| {
             let mut plans = plans.borrow_mut();
             if !plans.contains_key(sql) {
@@ -170,7 +166,16 @@ pub fn engine_query<R>(
             let table = client.update(&plans[sql], None, args).unwrap_or_else(|e| error!("flow: {e}"));
             read(table)
         })
-    });
+    }))
+}
+
+/// Run the engine's own work with statement cancels held off, then drop any
+/// that came: a cancel meant for a handler (flow.cancel, pg_cancel_backend,
+/// a late attempt timer) must not abort the engine's SQL or its cleanup. An
+/// ERROR resets the holdoff count (elog.c), so no guard is needed on that path.
+fn holding_off_cancels<R>(f: impl FnOnce() -> R) -> R {
+    unsafe { pg_sys::QueryCancelHoldoffCount += 1 };
+    let result = f();
     unsafe {
         pg_sys::QueryCancelHoldoffCount -= 1;
         pg_sys::QueryCancelPending = 0;
@@ -251,13 +256,16 @@ impl Chunk {
                 .collect()
             },
         );
-        let locked: HashSet<[u8; 16]> = states.iter().filter(|(_, locked)| *locked).map(|(id, _)| *id).collect();
+        // held under a run we locked: live; held under a run locked elsewhere: handed back
+        let (live, elsewhere): (Vec<_>, Vec<_>) = states.into_iter().partition(|(_, run_locked)| *run_locked);
+        let elsewhere: HashSet<[u8; 16]> = elsewhere.into_iter().map(|(id, _)| id).collect();
         let handed_back = commands
             .iter()
-            .filter(|c| !locked.contains(c.command_id.as_bytes()) && states.iter().any(|(id, _)| id == c.command_id.as_bytes()))
+            .filter(|c| elsewhere.contains(c.command_id.as_bytes()))
             .map(|c| (c.command_id, c.lease_token))
             .collect();
-        Chunk { live: locked, failed_runs: HashSet::new(), successes: Vec::new(), handed_back }
+        let live = live.into_iter().map(|(id, _)| id).collect();
+        Chunk { live, failed_runs: HashSet::new(), successes: Vec::new(), handed_back }
     }
 
     /// Run one command of the chunk for worker `index`; commands whose lease
@@ -308,18 +316,15 @@ impl Chunk {
             results.push(result);
             starts.push(started);
         }
-        // (flow._settle_batch counts what it settled, at commit)
+        // Built once, in the chunk's memory context: every try reuses them.
+        // (flow._settle_batch counts what it settled, at commit.)
+        let args = [ids.into(), tokens.into(), results.into(), starts.into()];
         with_settlement_retries(|| {
             gucs::inject_fault("settle_success");
             engine_query(
                 "SELECT flow._settle_batch($1, $2, $3, $4)",
                 &[UUID_ARRAY, UUID_ARRAY, JSONB_ARRAY, TIMESTAMPTZ_ARRAY],
-                &[
-                    ids.clone().into(),
-                    tokens.clone().into(),
-                    results.iter().map(|r| r.as_ref().map(|j| JsonB(j.0.clone()))).collect::<Vec<_>>().into(),
-                    starts.clone().into(),
-                ],
+                &args,
                 |_| (),
             )
         });
@@ -345,11 +350,17 @@ fn with_settlement_retries<R>(settle: impl Fn() -> R) -> R {
     settle()
 }
 
-fn is_transient(caught: &pg_sys::panic::CaughtError) -> bool {
+/// The error report inside a caught error (a Rust panic carries one too).
+pub fn caught_report(caught: &pg_sys::panic::CaughtError) -> &pg_sys::panic::ErrorReportWithLevel {
     use pg_sys::panic::CaughtError;
-    let (CaughtError::PostgresError(r) | CaughtError::ErrorReport(r)) = caught else { return false };
+    match caught {
+        CaughtError::PostgresError(r) | CaughtError::ErrorReport(r) | CaughtError::RustPanic { ereport: r, .. } => r,
+    }
+}
+
+fn is_transient(caught: &pg_sys::panic::CaughtError) -> bool {
     matches!(
-        r.sql_error_code(),
+        caught_report(caught).sql_error_code(),
         PgSqlErrorCode::ERRCODE_T_R_DEADLOCK_DETECTED
             | PgSqlErrorCode::ERRCODE_T_R_SERIALIZATION_FAILURE
             | PgSqlErrorCode::ERRCODE_LOCK_NOT_AVAILABLE
@@ -411,11 +422,7 @@ fn attempt(index: usize, command: &Claimed) -> Result<Option<JsonB>, Failure> {
                     |t| t.first().get_one::<String>().ok().flatten(),
                 ))
             },
-            |caught| match caught {
-                pg_sys::panic::CaughtError::PostgresError(r)
-                | pg_sys::panic::CaughtError::ErrorReport(r)
-                | pg_sys::panic::CaughtError::RustPanic { ereport: r, .. } => Some(r.message().to_string()),
-            },
+            |caught| Some(caught_report(&caught).message().to_string()),
         );
         if let Some(message) = misfit.unwrap_or_else(|e| e) {
             return Err(Failure { class: "permanent", code: "argument_decode".into(), message, delay_us: None });
@@ -488,12 +495,7 @@ fn attempt(index: usize, command: &Claimed) -> Result<Option<JsonB>, Failure> {
     stop_deadline_timer();
     shmem::observe("handler_us", started.elapsed().as_micros() as u64);
     // A cancel that comes late, after the handler, must not hit the cleanup.
-    unsafe { pg_sys::QueryCancelHoldoffCount += 1 };
-    isolation::after_attempt();
-    unsafe {
-        pg_sys::QueryCancelHoldoffCount -= 1;
-        pg_sys::QueryCancelPending = 0;
-    }
+    holding_off_cancels(isolation::after_attempt);
     outcome.and_then(|kept| kept)
 }
 

@@ -89,15 +89,26 @@ pub fn default_attempt_timeout_us() -> Option<i64> {
     (ms > 0).then(|| ms as i64 * 1000)
 }
 
+/// Run `f` as `role`, with `flags` added to the security context (always
+/// SECURITY_LOCAL_USERID_CHANGE: no SET ROLE back). On an ERROR the
+/// (sub)transaction's abort restores the user, so there is no guard.
+pub fn as_role<R>(role: pg_sys::Oid, flags: u32, f: impl FnOnce() -> R) -> R {
+    unsafe {
+        let (mut saved_user, mut saved_context) = (pg_sys::InvalidOid, 0);
+        pg_sys::GetUserIdAndSecContext(&mut saved_user, &mut saved_context);
+        pg_sys::SetUserIdAndSecContext(role, saved_context | (pg_sys::SECURITY_LOCAL_USERID_CHANGE | flags) as c_int);
+        let result = f();
+        pg_sys::SetUserIdAndSecContext(saved_user, saved_context);
+        result
+    }
+}
+
 /// Run a handler (`f`) as `owner`, inside the caller's subtransaction, and
 /// fire what it deferred before returning. On an ERROR the subtransaction's
 /// abort restores the user and the settings; the caller then calls
 /// `after_attempt` on both paths.
 pub fn run_as_owner<R>(owner: pg_sys::Oid, f: impl FnOnce() -> R) -> R {
-    unsafe {
-        let (mut saved_user, mut saved_context) = (pg_sys::InvalidOid, 0);
-        pg_sys::GetUserIdAndSecContext(&mut saved_user, &mut saved_context);
-        pg_sys::SetUserIdAndSecContext(owner, saved_context | pg_sys::SECURITY_LOCAL_USERID_CHANGE as c_int);
+    as_role(owner, 0, || unsafe {
         let nest = pg_sys::NewGUCNestLevel();
         pg_sys::set_config_option(
             c"search_path".as_ptr(),
@@ -117,9 +128,8 @@ pub fn run_as_owner<R>(owner: pg_sys::Oid, f: impl FnOnce() -> R) -> R {
         IN_HANDLER.with(|h| h.set(false));
         // false even on success: a handler's own SET must not leak into the engine's SQL.
         pg_sys::AtEOXact_GUC(false, nest);
-        pg_sys::SetUserIdAndSecContext(saved_user, saved_context);
         result
-    }
+    })
 }
 
 /// After every attempt (its subtransaction committed or rolled back), as the
@@ -174,22 +184,13 @@ pub fn check_utility(stmt: *mut pg_sys::Node) {
 /// before an attempt.)
 #[pg_extern(volatile, parallel_unsafe)]
 fn _args_misfit_as(owner: pg_sys::Oid, args_type: pg_sys::Oid, args: pgrx::JsonB) -> Option<String> {
-    unsafe {
-        let (mut saved_user, mut saved_context) = (pg_sys::InvalidOid, 0);
-        pg_sys::GetUserIdAndSecContext(&mut saved_user, &mut saved_context);
-        pg_sys::SetUserIdAndSecContext(
-            owner,
-            saved_context | (pg_sys::SECURITY_LOCAL_USERID_CHANGE | pg_sys::SECURITY_RESTRICTED_OPERATION) as c_int,
-        );
-        // On an ERROR the (sub)transaction's abort restores the user.
-        let misfit = Spi::get_one_with_args::<String>(
+    as_role(owner, pg_sys::SECURITY_RESTRICTED_OPERATION, || {
+        Spi::get_one_with_args::<String>(
             "SELECT flow._args_misfit($1::pg_catalog.regtype, $2)",
             &[args_type.into(), args.into()],
         )
-        .unwrap_or_else(|e| pgrx::error!("flow: {e}"));
-        pg_sys::SetUserIdAndSecContext(saved_user, saved_context);
-        misfit
-    }
+        .unwrap_or_else(|e| pgrx::error!("flow: {e}"))
+    })
 }
 
 /// Lock the event key (name, key) until the end of the transaction, under a

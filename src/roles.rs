@@ -7,6 +7,7 @@
 //! - REASSIGN OWNED BY old TO new moves them to the new role.
 //! (As for PostgreSQL's own objects, run REASSIGN OWNED in each database.)
 
+use crate::isolation;
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 
@@ -33,17 +34,7 @@ fn role_oids(list: *mut pg_sys::List) -> Vec<pg_sys::Oid> {
 /// privileges were checked by PostgreSQL, and flow's tables are not the
 /// caller's to read or write.
 fn as_superuser<R>(f: impl FnOnce() -> R) -> R {
-    unsafe {
-        let (mut saved_user, mut saved_context) = (pg_sys::InvalidOid, 0);
-        pg_sys::GetUserIdAndSecContext(&mut saved_user, &mut saved_context);
-        pg_sys::SetUserIdAndSecContext(
-            pg_sys::Oid::from(pg_sys::BOOTSTRAP_SUPERUSERID),
-            saved_context | pg_sys::SECURITY_LOCAL_USERID_CHANGE as i32,
-        );
-        let result = f();
-        pg_sys::SetUserIdAndSecContext(saved_user, saved_context);
-        result
-    }
+    isolation::as_role(pg_sys::Oid::from(pg_sys::BOOTSTRAP_SUPERUSERID), 0, f)
 }
 
 pub fn before_utility(stmt: *mut pg_sys::Node) {

@@ -344,7 +344,8 @@ impl Worker {
         let started = Instant::now();
         let claimed = executor::claim(&self.name, self.backend_start, self.claim_size(), turn);
         shmem::observe("claims", 1);
-        shmem::observe(if claimed.is_empty() { "claims_empty" } else { "claimed" }, claimed.len().max(1) as u64);
+        shmem::observe("claims_empty", claimed.is_empty() as u64);
+        shmem::observe("claimed", claimed.len() as u64);
         shmem::observe("claim_us", started.elapsed().as_micros() as u64);
         claimed
     }
@@ -406,13 +407,8 @@ fn try_transaction<R>(body: impl FnOnce() -> R) -> Result<R, (String, String)> {
     }
     let outcome = PgTryBuilder::new(std::panic::AssertUnwindSafe(|| Ok(body())))
         .catch_others(|caught| {
-            let (message, sqlstate) = match &caught {
-                pg_sys::panic::CaughtError::PostgresError(r)
-                | pg_sys::panic::CaughtError::ErrorReport(r)
-                | pg_sys::panic::CaughtError::RustPanic { ereport: r, .. } => {
-                    (r.message().to_string(), executor::sqlstate(r.sql_error_code()))
-                }
-            };
+            let report = executor::caught_report(&caught);
+            let (message, sqlstate) = (report.message().to_string(), executor::sqlstate(report.sql_error_code()));
             pgrx::warning!("flow worker: {message}");
             Err((message, sqlstate))
         })
