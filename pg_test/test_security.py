@@ -465,6 +465,41 @@ def test_advisory_locks_cannot_stall_another_roles_events(pg):
         assert time.time() - started < 10
 
 
+def test_an_open_emit_holds_up_no_other_roles_waits(pg):
+    """mallory emits ('ping', key) and leaves her transaction open: alice's
+    workflow can still create a wait on that key, and alice's emit of it
+    still satisfies the wait, at once."""
+    pg.all("""CREATE FUNCTION app.alice_waits(args jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$ BEGIN
+                  PERFORM flow.spawn(args->>'child', '{}', key => 'w',
+                                     waits => array[flow.wait('ping', args->>'key')], within => '30 s');
+                  RETURN '{}'; END $$;
+              CREATE FUNCTION app.alice_inputs(args jsonb, ctx flow.context) RETURNS jsonb LANGUAGE plpgsql AS $$
+                  BEGIN RETURN jsonb_build_object('inputs', ctx.inputs, 'timed_out', ctx.wait_timed_out); END $$;
+              ALTER FUNCTION app.alice_waits(jsonb) OWNER TO alice;
+              ALTER FUNCTION app.alice_inputs(jsonb, flow.context) OWNER TO alice""")
+    root, child = unique("waits"), unique("inputs")
+    pg.one(f"SELECT flow.define('{child}', 'app.alice_inputs(jsonb, flow.context)'::regprocedure)", user="alice")
+    pg.one(f"SELECT flow.define('{root}', 'app.alice_waits'::regproc)", user="alice")
+    key = unique("k")
+    holder = pg.connect("mallory", autocommit=False)
+    try:
+        holder.execute("SELECT flow.emit('ping', %s, '{\"from\": \"mallory\"}')", (key,))
+        started = time.time()
+        run = pg.one(f"SELECT flow.enqueue('{root}', jsonb_build_object('child', '{child}', 'key', '{key}'))",
+                     user="alice")
+        pg.wait_for("SELECT count(*) = 1 FROM flow._commands WHERE run_id = %s AND key = 'w'"
+                    " AND status = 'waiting'", run, timeout=10)
+        pg.one("SELECT flow.emit('ping', %s, '{\"from\": \"alice\"}')", key, user="alice")
+        assert pg.await_run(run, "10s", user="alice")[0] == "succeeded"
+        assert time.time() - started < 10
+        result = pg.one("SELECT result FROM flow._commands WHERE run_id = %s AND key = 'w'", run)
+        assert result["timed_out"] is False
+        assert [i["payload"] for i in result["inputs"]] == [{"from": "alice"}]
+    finally:
+        holder.rollback()
+        holder.close()
+
+
 def test_the_workers_view_names_only_your_own_commands(pg):
     name = unique("sleepy")
     pg.one(f"SELECT flow.define('{name}', 'flow.run_sql'::regproc)", user="mallory")
@@ -568,6 +603,85 @@ def test_a_handler_that_swallows_its_timeout_is_stopped(pg):
     assert alice_runs(pg, "app.alice_void")[1][0] == "succeeded"
 
 
+def restart_workers(pg):
+    old = set(pg.worker_pids())
+    pg.all("SELECT pg_terminate_backend(pid) FROM flow.workers WHERE pid IS NOT NULL")
+    pg.wait_for("SELECT count(*) = 2 FROM flow.workers WHERE pid IS NOT NULL AND pid <> ALL (%s)", list(old))
+
+
+def test_a_stopped_worker_charges_only_the_attempt_it_was_in(pg):
+    """A handler that swallows its timeout gets its worker stopped: the other
+    commands that worker had claimed never started an attempt, so they go back
+    uncharged and run (max_attempts 1), whoever owns them."""
+    pg.all("""CREATE OR REPLACE FUNCTION app.stubborn2(args jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
+              BEGIN
+                  LOOP
+                      BEGIN PERFORM pg_sleep(10); EXCEPTION WHEN query_canceled THEN NULL; END;
+                  END LOOP;
+              END $$""")
+    pg.all("ALTER FUNCTION app.stubborn2(jsonb) OWNER TO mallory")
+    q = unique("shared")
+    pg.one(f"SELECT flow.set_queue('{q}', paused => true)", user="alice")
+    pg.one(f"SELECT flow.grant_queue('{q}', 'mallory')", user="alice")
+    bad, good = unique("stub"), unique("good")
+    pg.one(f"SELECT flow.define('{bad}', 'app.stubborn2'::regproc, queue => '{q}', timeout => '300 ms',"
+           " max_attempts => 1)", user="mallory")
+    pg.one(f"SELECT flow.define('{good}', 'app.alice_void'::regproc, queue => '{q}', max_attempts => 1)",
+           user="alice")
+    handed_back = pg.one("SELECT value FROM flow.stats WHERE name = 'handed_back'")
+    stubborn = pg.one(f"SELECT flow.enqueue('{bad}')", user="mallory")
+    runs = pg.one(f"SELECT flow.enqueue_many('{good}', array_fill('{{}}'::jsonb, array[30]))", user="alice")
+    # workers that have seen only fast handlers claim whole batches, so the
+    # stubborn command's worker holds alice's commands too
+    restart_workers(pg)
+    warm = unique("warm")
+    pg.one(f"SELECT flow.define('{warm}', 'app.alice_void'::regproc)", user="alice")
+    for _ in range(3):
+        for run in pg.one(f"SELECT flow.enqueue_many('{warm}', array_fill('{{}}'::jsonb, array[50]))", user="alice"):
+            pg.await_run(run, "30s", user="alice")
+    pg.one(f"SELECT flow.set_queue('{q}', paused => false)", user="alice")
+    assert pg.await_run(stubborn, "30s", user="mallory")[0] == "failed"
+    assert [r[0] for r in pg.all("SELECT outcome FROM flow.attempts WHERE run_id = %s", stubborn,
+                                 user="mallory")] == ["interrupted"]
+    for run in runs:
+        assert pg.await_run(run, "30s", user="alice")[0] == "succeeded"
+    outcomes = pg.all("SELECT outcome, count(*) FROM flow.attempts WHERE run_id = ANY (%s) GROUP BY 1",
+                      runs, user="alice")
+    assert outcomes == [("succeeded", 30)]
+    # some of alice's commands were in the stopped worker's claim, and went back
+    assert pg.one("SELECT value FROM flow.stats WHERE name = 'handed_back'") > handed_back
+    pg.wait_for("SELECT count(*) = 2 FROM flow.workers WHERE pid IS NOT NULL")
+
+
+def test_a_terminated_worker_hands_back_what_it_had_not_started(pg):
+    """pg_terminate_backend of a worker charges the attempt it was in, and
+    nothing else it had claimed."""
+    q = unique("term")
+    pg.one(f"SELECT flow.set_queue('{q}', paused => true)", user="alice")
+    slow, fast = unique("slow"), unique("fast")
+    pg.all("""CREATE OR REPLACE FUNCTION app.alice_nap(args jsonb) RETURNS jsonb LANGUAGE sql AS
+              $$ SELECT jsonb_build_object('slept', pg_sleep(1)::text) $$""")
+    pg.all("ALTER FUNCTION app.alice_nap(jsonb) OWNER TO alice")
+    pg.one(f"SELECT flow.define('{slow}', 'app.alice_nap'::regproc, queue => '{q}', max_attempts => 2)",
+           user="alice")
+    pg.one(f"SELECT flow.define('{fast}', 'app.alice_void'::regproc, queue => '{q}', max_attempts => 1)",
+           user="alice")
+    first = pg.one(f"SELECT flow.enqueue('{slow}')", user="alice")
+    runs = pg.one(f"SELECT flow.enqueue_many('{fast}', array_fill('{{}}'::jsonb, array[20]))", user="alice")
+    pg.one(f"SELECT flow.set_queue('{q}', paused => false)", user="alice")
+    running = ("SELECT w.pid FROM flow.workers w JOIN flow._commands c ON c.id = w.command_id"
+               " WHERE c.run_id = %s")
+    pg.wait_for(running, first)
+    pid = pg.one(running, first)
+    pg.one("SELECT pg_terminate_backend(%s)", pid)
+    assert pg.await_run(first, "30s", user="alice")[0] == "succeeded"
+    assert [r[0] for r in pg.all("SELECT outcome FROM flow.attempts WHERE run_id = %s ORDER BY attempt", first,
+                                 user="alice")] == ["interrupted", "succeeded"]
+    for run in runs:
+        assert pg.await_run(run, "30s", user="alice")[0] == "succeeded"
+    pg.wait_for("SELECT count(*) = 2 FROM flow.workers WHERE pid IS NOT NULL")
+
+
 def test_one_role_cannot_flood_the_engine_with_queues(pg):
     pg.all("ALTER SYSTEM SET flow.max_queues_per_role = 5")
     pg.all("SELECT pg_reload_conf()")
@@ -609,6 +723,17 @@ def test_drop_role_refuses_to_leave_flow_objects_without_an_owner(pg):
     pg.one(f"SELECT flow.define('{name}', NULL)", user="temp_owner")
     run = pg.one(f"SELECT flow.enqueue('{name}')", user="temp_owner")
     assert pg.sqlstate("DROP ROLE temp_owner") == "2BP01"
+    assert pg.sqlstate("DROP OWNED BY temp_owner") == "2BP01"
+    # from another database, where flow's hook cannot see its tables,
+    # PostgreSQL's own dependency check refuses it (flow._mark_owner)
+    pg.all("CREATE DATABASE elsewhere")
+    try:
+        with psycopg.connect(pg.conninfo().replace("dbname=postgres", "dbname=elsewhere"),
+                             autocommit=True) as other:
+            with pytest.raises(psycopg.errors.DependentObjectsStillExist):
+                other.execute("DROP ROLE temp_owner")
+    finally:
+        pg.all("DROP DATABASE elsewhere")
     pg.all("REASSIGN OWNED BY temp_owner TO heir")
     pg.all("DROP ROLE temp_owner")
     assert pg.one("SELECT owner::text FROM flow._definitions WHERE name = %s", name) == "heir"

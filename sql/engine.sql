@@ -130,6 +130,9 @@ BEGIN
         VALUES (name, CASE WHEN name = 'default' THEN NULL ELSE caller END,
                 CASE WHEN name = 'default' THEN '{-}' ELSE '{}' END::regrole[])
         ON CONFLICT DO NOTHING;
+        IF FOUND AND name <> 'default' THEN
+            PERFORM flow._mark_owner(caller);
+        END IF;
         IF for_update THEN
             SELECT * INTO q FROM flow._queues x WHERE x.name = _queue.name FOR UPDATE;
         ELSE
@@ -283,6 +286,7 @@ BEGIN
     IF NOT pg_has_role(caller, named.owner, 'MEMBER') THEN
         RAISE EXCEPTION 'flow: the definition name % is taken by another role', name USING ERRCODE = 'FL011';
     END IF;
+    PERFORM flow._mark_owner(named.owner);
     IF cardinality(named.starters) > 0 AND handler = 'flow.run_sql(pg_catalog.jsonb)'::regprocedure THEN
         RAISE EXCEPTION 'flow: definition % is open to other roles; it cannot run flow.run_sql', name
             USING ERRCODE = '42501';
@@ -357,6 +361,34 @@ BEGIN
     UPDATE flow._queues q SET owner = new_role WHERE q.owner = ANY (old_roles);
     UPDATE flow._runs r SET owner = new_role WHERE r.owner = ANY (old_roles);
     UPDATE flow._events e SET owner = new_role WHERE e.owner = ANY (old_roles);
+    PERFORM flow._mark_owner(new_role);
+    -- the old roles own nothing of flow here any more (see _mark_owner)
+    PERFORM flow._unmark_owner(old) FROM unnest(old_roles) old;
+END $$;
+
+-- Make PostgreSQL's own dependency tracking see that `role` owns flow
+-- objects in this database, so DROP ROLE run from another database (where
+-- flow's hook cannot look into these tables) fails as it does for a role
+-- that owns tables here: an explicit USAGE grant on schema flow (PUBLIC has
+-- it anyway, so it gives nothing) is recorded in pg_shdepend. Superusers,
+-- and the schema's owner, are not marked.
+CREATE FUNCTION flow._mark_owner(role oid) RETURNS void
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF role IS NULL OR (SELECT r.rolsuper FROM pg_roles r WHERE r.oid = role)
+       OR EXISTS (SELECT 1 FROM pg_namespace n WHERE n.nspname = 'flow'
+                  AND (n.nspowner = role OR EXISTS (SELECT 1 FROM aclexplode(n.nspacl) a WHERE a.grantee = role))) THEN
+        RETURN;
+    END IF;
+    EXECUTE format('GRANT USAGE ON SCHEMA flow TO %s', role::regrole);
+END $$;
+
+CREATE FUNCTION flow._unmark_owner(role oid) RETURNS void
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF EXISTS (SELECT 1 FROM pg_namespace n, aclexplode(n.nspacl) a WHERE n.nspname = 'flow' AND a.grantee = role) THEN
+        EXECUTE format('REVOKE USAGE ON SCHEMA flow FROM %s', role::regrole);
+    END IF;
 END $$;
 
 -- What keeps DROP ROLE from leaving flow objects with a dangling owner: the
@@ -911,6 +943,9 @@ END $$;
 -- Conclude attempts whose owner is provably gone (rule 8): an in-database
 -- worker whose (pid, backend start) no longer exists, or an external lease
 -- past its expiry by the database clock. Returns how many were concluded.
+-- (A worker that exited without a record of its last attempt, as after a
+-- crash restart, has every command it held charged: the conservative side
+-- of rule 3.)
 CREATE FUNCTION flow._recover() RETURNS integer
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
@@ -918,13 +953,21 @@ DECLARE
     concluded integer := 0;
 BEGIN
     FOR lost IN
-        SELECT c.id, c.lease_token, c.lease_pid IS NULL AS external
+        SELECT c.id, c.lease_token, c.lease_pid IS NULL AS external,
+               CASE WHEN c.lease_pid IS NOT NULL THEN flow._stopped_in(c.lease_pid, c.lease_backend_start) END AS stopped_in
         FROM flow._commands c                                       -- index _commands_running
         WHERE c.status = 'running'
           AND CASE WHEN c.lease_pid IS NULL THEN c.lease_expires_at < now()
                    ELSE NOT EXISTS (SELECT 1 FROM pg_stat_activity a
                                     WHERE a.pid = c.lease_pid AND a.backend_start = c.lease_backend_start) END
     LOOP
+        -- A worker that was told to stop is charged only for the attempt it
+        -- was in: the other commands it held never started theirs (or had it
+        -- rolled back with the worker's chunk), so they go back uncharged.
+        IF lost.stopped_in IS NOT NULL AND lost.stopped_in <> lost.id THEN
+            PERFORM flow._release(ARRAY[lost.id], ARRAY[lost.lease_token]);
+            CONTINUE;
+        END IF;
         -- a run locked elsewhere (an external client idle in its transaction, a
         -- long chunk) is concluded on a later round, never waited for
         CONTINUE WHEN NOT flow._try_lock_run_of(lost.id);
@@ -1035,10 +1078,45 @@ BEGIN
     RETURN ROW(r.status, r.result, r.error)::flow.run_outcome;
 END $$;
 
--- Commands waiting on (name, key) events and journal reads of them serialize
--- on flow._lock_event_key(name, key) (src/isolation.rs: a lock tag of flow's
--- own), so a wait created while the event is being emitted is never missed
--- by both sides.
+-- An emit and the creation of a wait on the same (name, key) serialize on
+-- flow._lock_event_key (src/isolation.rs: a lock tag of flow's own), so a
+-- wait created while the event is being emitted is never missed by both
+-- sides. The lock is per owner of the waiting runs (the "domain"), and an
+-- emitter locks only the domains its event may satisfy (flow._may_satisfy):
+-- a transaction left open after an emit holds up waits on that key in its
+-- own role's runs, never in another role's. Emits share their locks, so they
+-- never wait for each other. A superuser's event may satisfy every role's
+-- waits: it takes the key's lock for all domains, which every wait creation
+-- takes in a mode that does not conflict with other wait creations.
+CREATE FUNCTION flow._lock_event_emit(name text, key text, emitter oid, emitter_run uuid) RETURNS void
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    domain oid;
+BEGIN
+    IF (SELECT a.rolsuper FROM pg_roles a WHERE a.oid = emitter) THEN
+        PERFORM flow._lock_event_key(name, key, 0, 'share');
+        RETURN;
+    END IF;
+    FOR domain IN
+        WITH RECURSIVE member_of(role) AS (
+            SELECT emitter
+            UNION
+            SELECT m.roleid FROM pg_auth_members m JOIN member_of ON m.member = member_of.role)
+        SELECT role FROM member_of
+        UNION
+        SELECT r.owner::oid FROM flow._runs r WHERE r.id = emitter_run
+        ORDER BY 1
+    LOOP
+        PERFORM flow._lock_event_key(name, key, domain, 'share');
+    END LOOP;
+END $$;
+
+-- Before a wait on (name, key) is created in a run of run_owner (see above).
+CREATE FUNCTION flow._lock_event_waits(name text, key text, run_owner oid) RETURNS void
+LANGUAGE sql SET search_path = pg_catalog, pg_temp AS $$
+    SELECT flow._lock_event_key(name, key, 0, 'row exclusive'),
+           flow._lock_event_key(name, key, run_owner, 'exclusive')
+$$;
 
 -- Mark the open waits of one command satisfied by the newest journal entries
 -- and make it due when none is left open.
@@ -1088,7 +1166,7 @@ BEGIN
     END IF;
     PERFORM flow._require_short('event key', key);
     PERFORM flow._require_payload('event payload', payload, false);
-    PERFORM flow._lock_event_key(name, key);
+    PERFORM flow._lock_event_emit(name, key, caller, emitter_run);
     -- Inside a handler the event rides in the handler's transaction: it is
     -- journaled only if the attempt settles successfully.
     INSERT INTO flow._events (id, name, key, payload, owner, run_id, command_id)
@@ -1176,7 +1254,7 @@ BEGIN
     END IF;
 
     FOR spec IN SELECT DISTINCT w.name, w.key FROM unnest(waits) w ORDER BY 1, 2 LOOP
-        PERFORM flow._lock_event_key(spec.name, spec.key);
+        PERFORM flow._lock_event_waits(spec.name, spec.key, (SELECT r.owner::oid FROM flow._runs r WHERE r.id = parent.run_id));
         -- An event emitted before the wait existed satisfies it from the journal.
         SELECT max(e.position) INTO journaled FROM flow._events e      -- index _events_name_key
         WHERE e.name = spec.name AND e.key = spec.key AND flow._may_satisfy(e.owner, e.run_id, child);

@@ -133,3 +133,12 @@ fn _counters() -> TableIterator<'static, (name!(name, String), name!(value, i64)
 fn _observe(metric: &str, n: i64) {
     shmem::observe(metric, n.max(0) as u64);
 }
+
+/// For recovery: the command whose attempt the stopped worker (pid,
+/// backend_start) was in (the nil UUID: between attempts), or NULL when
+/// nothing is known of how it ended (a crash, a server restart).
+#[pg_extern(volatile, parallel_unsafe)]
+fn _stopped_in(pid: i32, backend_start: TimestampWithTimeZone) -> Option<pgrx::Uuid> {
+    let micros = backend_start.into_datum().map_or(0, |d| d.value() as i64);
+    shmem::stopped_in(pid, micros).map(pgrx::Uuid::from_bytes)
+}

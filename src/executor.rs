@@ -83,6 +83,7 @@ struct Decision {
 
 thread_local! {
     static CURRENT_COMMAND: Cell<Option<[u8; 16]>> = const { Cell::new(None) };
+    static ATTEMPT_IN_PROGRESS: Cell<Option<[u8; 16]>> = const { Cell::new(None) };
     static DECISION: RefCell<Option<Decision>> = const { RefCell::new(None) };
     /// flow.fail(message, keep_writes => true): the handler returns normally,
     /// its writes commit, and the command fails permanently.
@@ -102,6 +103,13 @@ unsafe extern "C-unwind" {
     fn RegisterTimeout(id: u32, handler: Option<unsafe extern "C-unwind" fn()>) -> u32;
     fn disable_timeout(id: u32, keep_indicator: bool);
     fn get_timeout_indicator(id: u32, reset_indicator: bool) -> bool;
+}
+
+/// The command whose attempt this worker is in, from before its handler starts
+/// until the attempt's outcome is known (what a worker stopped meanwhile is
+/// charged for).
+pub fn attempt_in_progress() -> Option<[u8; 16]> {
+    ATTEMPT_IN_PROGRESS.with(|c| c.get())
 }
 
 pub fn current_command() -> Option<[u8; 16]> {
@@ -444,6 +452,7 @@ fn attempt(index: usize, command: &Claimed) -> Result<Option<JsonB>, Failure> {
     INVALID_DECISION.with(|d| d.borrow_mut().take());
     let run = *command.run_id.as_bytes();
     let started = std::time::Instant::now();
+    ATTEMPT_IN_PROGRESS.with(|c| c.set(Some(*command.command_id.as_bytes())));
     let outcome = in_subtransaction(
         || {
             CURRENT_COMMAND.with(|c| c.set(Some(*command.command_id.as_bytes())));
@@ -496,6 +505,7 @@ fn attempt(index: usize, command: &Claimed) -> Result<Option<JsonB>, Failure> {
     shmem::observe("handler_us", started.elapsed().as_micros() as u64);
     // A cancel that comes late, after the handler, must not hit the cleanup.
     holding_off_cancels(isolation::after_attempt);
+    ATTEMPT_IN_PROGRESS.with(|c| c.set(None));
     outcome.and_then(|kept| kept)
 }
 

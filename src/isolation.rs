@@ -193,16 +193,25 @@ fn _args_misfit_as(owner: pg_sys::Oid, args_type: pg_sys::Oid, args: pgrx::JsonB
     })
 }
 
-/// Lock the event key (name, key) until the end of the transaction, under a
-/// lock tag of flow's own: waits created while the event is being emitted are
-/// never missed by both sides, and no role can take this lock from SQL.
+/// Lock the event key (name, key) of one owner's runs (`domain`; 0: of every
+/// owner) until the end of the transaction, under a lock tag of flow's own
+/// that no role can take from SQL. Emitting and creating a wait on the same
+/// key conflict, so a wait created while the event is emitted is never missed
+/// by both sides (see flow._lock_event_emit and flow._lock_event_waits).
+/// `mode`: 'share', 'row exclusive' or 'exclusive'.
 #[pg_extern(volatile, parallel_unsafe)]
-fn _lock_event_key(name: &str, key: &str) {
+fn _lock_event_key(name: &str, key: &str, domain: pg_sys::Oid, mode: &str) {
     let hash = {
         use std::hash::{Hash, Hasher};
         let mut h = std::collections::hash_map::DefaultHasher::new();
-        (name, key).hash(&mut h);
+        (name, key, domain.to_u32()).hash(&mut h);
         h.finish()
+    };
+    let mode = match mode {
+        "share" => pg_sys::ShareLock,
+        "row exclusive" => pg_sys::RowExclusiveLock,
+        "exclusive" => pg_sys::ExclusiveLock,
+        _ => pgrx::error!("flow: unknown event lock mode {mode}"),
     };
     let tag = pg_sys::LOCKTAG {
         locktag_field1: unsafe { pg_sys::MyDatabaseId }.to_u32(),
@@ -212,5 +221,5 @@ fn _lock_event_key(name: &str, key: &str) {
         locktag_type: pg_sys::LockTagType::LOCKTAG_ADVISORY as u8,
         locktag_lockmethodid: pg_sys::USER_LOCKMETHOD as u8,
     };
-    unsafe { pg_sys::LockAcquire(&tag, pg_sys::ExclusiveLock as pg_sys::LOCKMODE, false, false) };
+    unsafe { pg_sys::LockAcquire(&tag, mode as pg_sys::LOCKMODE, false, false) };
 }

@@ -2,8 +2,10 @@
 //! events) are rows in its tables, which PostgreSQL's dependency tracking
 //! does not see, so this module makes the role commands aware of them, in the
 //! database where flow is installed:
-//! - DROP ROLE fails while the role still owns definitions, queues or
-//!   unfinished runs here (as it fails for tables the role owns);
+//! - DROP ROLE (and DROP OWNED) fails while the role still owns definitions,
+//!   queues or unfinished runs here (as it fails for tables the role owns);
+//!   from another database, PostgreSQL's own check refuses it, through the
+//!   grant flow._mark_owner records;
 //! - REASSIGN OWNED BY old TO new moves them to the new role.
 //! (As for PostgreSQL's own objects, run REASSIGN OWNED in each database.)
 
@@ -38,10 +40,17 @@ fn as_superuser<R>(f: impl FnOnce() -> R) -> R {
 }
 
 pub fn before_utility(stmt: *mut pg_sys::Node) {
-    if unsafe { (*stmt).type_ } != pg_sys::NodeTag::T_DropRoleStmt || !flow_installed() {
+    let roles = match unsafe { (*stmt).type_ } {
+        pg_sys::NodeTag::T_DropRoleStmt => unsafe { (*(stmt as *mut pg_sys::DropRoleStmt)).roles },
+        // DROP OWNED would revoke the mark that makes DROP ROLE elsewhere fail
+        // (flow._mark_owner) and leave flow's objects behind without an owner.
+        pg_sys::NodeTag::T_DropOwnedStmt => unsafe { (*(stmt as *mut pg_sys::DropOwnedStmt)).roles },
+        _ => return,
+    };
+    if !flow_installed() {
         return;
     }
-    for role in role_oids(unsafe { (*(stmt as *mut pg_sys::DropRoleStmt)).roles }) {
+    for role in role_oids(roles) {
         let owns = as_superuser(|| {
             Spi::get_one_with_args::<bool>("SELECT flow._owns_anything($1)", &[role.into()])
         });
@@ -52,7 +61,7 @@ pub fn before_utility(stmt: *mut pg_sys::Node) {
             pgrx::ereport!(
                 ERROR,
                 PgSqlErrorCode::ERRCODE_DEPENDENT_OBJECTS_STILL_EXIST,
-                format!("role \"{name}\" cannot be dropped because it owns flow definitions, queues or unfinished runs"),
+                format!("role \"{name}\" owns flow definitions, queues or unfinished runs in this database"),
                 "REASSIGN OWNED BY the role TO another role first (it moves flow's ownership too)."
             );
         }

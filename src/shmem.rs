@@ -54,14 +54,31 @@ impl Default for WorkerSlot {
     }
 }
 
+/// A worker process that was told to stop (pg_terminate_backend, a cancel
+/// it ignored, its own hard stop), with the command whose attempt it was in
+/// when it stopped (all zero: between attempts). Recovery charges that
+/// attempt alone and hands the rest of the dead worker's claim back.
+#[derive(Copy, Clone, Default)]
+pub struct Exit {
+    pub pid: i32,
+    pub backend_start: i64,
+    pub command: [u8; 16],
+}
+
+/// Exits remembered at once: recovery runs every second, so this only needs
+/// to cover the workers that stop within one recovery round.
+const EXITS: usize = 64;
+
 #[derive(Copy, Clone)]
 pub struct WorkerTable {
     pub slots: [WorkerSlot; MAX_WORKERS],
+    exits: [Exit; EXITS],
+    next_exit: usize,
 }
 
 impl Default for WorkerTable {
     fn default() -> Self {
-        WorkerTable { slots: [WorkerSlot::default(); MAX_WORKERS] }
+        WorkerTable { slots: [WorkerSlot::default(); MAX_WORKERS], exits: [Exit::default(); EXITS], next_exit: 0 }
     }
 }
 
@@ -219,12 +236,28 @@ pub fn register_worker(index: usize) {
 }
 
 /// Called at process exit so a dead worker is never woken or shown.
-pub fn unregister_worker(index: usize) {
+/// `stopped_in`: the worker was told to stop, in the attempt of this command
+/// (or between attempts: None); a worker that died otherwise leaves no record,
+/// and recovery charges every command it held.
+pub fn unregister_worker(index: usize, stopped_in: Option<Option<[u8; 16]>>) {
     let mut table = WORKERS.exclusive();
+    let me = unsafe { pg_sys::MyProcPid };
+    if let Some(command) = stopped_in {
+        let at = table.next_exit % EXITS;
+        table.exits[at] = Exit { pid: me, backend_start: unsafe { pg_sys::MyStartTimestamp }, command: command.unwrap_or([0; 16]) };
+        table.next_exit = at + 1;
+    }
     let slot = &mut table.slots[index];
-    if slot.pid == unsafe { pg_sys::MyProcPid } {
+    if slot.pid == me {
         *slot = WorkerSlot::default();
     }
+}
+
+/// How the worker process (pid, backend_start) ended, if it was told to stop:
+/// Some(the command whose attempt it was in, all zero for none).
+pub fn stopped_in(pid: i32, backend_start: i64) -> Option<[u8; 16]> {
+    let table = WORKERS.share();
+    table.exits.iter().find(|e| e.pid == pid && e.backend_start == backend_start).map(|e| e.command)
 }
 
 /// Record what worker `index` is doing now: the command (and its run) it is

@@ -50,6 +50,15 @@ unsafe extern "C-unwind" {
     fn die(signal: c_int);
 }
 
+/// Whether this worker was told to stop (SIGTERM: pg_terminate_backend, a
+/// cancel its handler ignored, a server shutdown).
+static TERMINATED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+unsafe extern "C-unwind" fn terminate(signal: c_int) {
+    TERMINATED.store(true, std::sync::atomic::Ordering::Relaxed);
+    unsafe { die(signal) };
+}
+
 /// Register the workers; called from `_PG_init` while preloading.
 pub fn register() {
     for index in 0..gucs::workers() {
@@ -70,7 +79,7 @@ pub extern "C-unwind" fn flow_worker_main(arg: pg_sys::Datum) {
     let index = arg.value();
     BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
     unsafe {
-        pg_sys::pqsignal(pg_sys::SIGTERM as c_int, Some(die));
+        pg_sys::pqsignal(pg_sys::SIGTERM as c_int, Some(terminate));
     }
     BackgroundWorker::connect_worker_to_spi(Some(&gucs::database_name()), None);
     isolation::pin_worker_session();
@@ -101,7 +110,11 @@ unsafe extern "C-unwind" fn on_exit(_code: c_int, arg: pg_sys::Datum) {
     if executor::hard_stopped() {
         pgrx::log!("flow: a handler ran past its deadline and ignored its cancel; its worker stopped (the attempt is concluded as interrupted)");
     }
-    shmem::unregister_worker(arg.value());
+    // Told to stop: recovery charges the attempt it was in, if any, and hands
+    // the rest of its claim back. Died otherwise: nothing is known, and
+    // recovery charges everything it held.
+    let told = TERMINATED.load(std::sync::atomic::Ordering::Relaxed) || executor::hard_stopped();
+    shmem::unregister_worker(arg.value(), told.then(executor::attempt_in_progress));
 }
 
 struct Worker {
