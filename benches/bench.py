@@ -1,26 +1,29 @@
-"""flow's throughput and latency benchmark; prints its figures as a table.
+"""flow's performance targets (issue 9), measured in one sitting against
+graphile-worker, with the ratios and a verdict per target:
 
-    bash tools/setup.sh && /var/tmp/flow-venv/bin/python benches/bench.py
-(tools/setup.sh installs the release build; a debug build drains ~30 % slower.)
+    bash tools/setup.sh && /var/tmp/flow-venv/bin/python benches/bench.py [--quick] [--rounds N]
 
-Runs a throwaway cluster (/tmp/flow-bench, port 5496) with the peers' settings
-(shared_buffers 1GB, fsync and synchronous_commit on; ../shared/peers/README.md)
-and measures, in one sitting:
-  - enqueue: single-row flow.enqueue (one transaction each) and flow.enqueue_many
-    (chunks of 1,000), runs/s;
-  - W1 drain: 20,000 pre-enqueued no-op runs (flow.noop, and a no-op PL/pgSQL
-    handler) with 2 and 4 workers, jobs/s from the moment the queue is unpaused
-    until every run has succeeded;
-  - the plain-SQL floor of an in-database engine (peers/floor/indb.sql: claim,
-    call a no-op in a subtransaction, settle, commit per batch of 100) on the
-    same cluster, so flow's drain is reported as a ratio to it;
-  - W2 pickup latency: 500 single enqueues 10 ms apart into idle workers; the
-    handler records clock_timestamp() - the client's clock just before the
-    enqueue call (the peers' definition, includes the enqueue's commit);
-  - external workers: one client over TCP claiming with max 1 and max 100 and
-    completing a no-op, commands/s.
-Peers' figures (W1 drain, W2 p50/p99) come from ../shared/peers/results/latest,
-measured earlier on this kind of machine: those ratios are indicative only.
+graphile-worker runs through ../shared/peers (installed there if missing) on its
+own throwaway cluster, round by round interleaved with flow's rounds, so
+background load hits both alike; nothing is read from older results. flow runs
+on /tmp/flow-bench (port 5496) with the peers' settings (shared_buffers 1GB,
+fsync and synchronous_commit on) and flow's defaults otherwise.
+
+Targets (each a ratio measured here, never an absolute time):
+  drain       20,000 pre-enqueued no-op runs, flow.noop and a PL/pgSQL no-op,
+              >= 3x graphile-worker's drain
+  writing     a handler that INSERTs one row, >= 2x graphile-worker's no-op drain;
+              subtransaction SLRU traffic and a concurrent reader's rate shown
+  enqueue     enqueue_many (chunks of 1,000) >= 2x graphile-worker's addJobs
+  pickup      500 enqueues 10 ms apart into idle workers: p50 <= graphile's,
+              p99 <= half of graphile's, p99.9 <= 10 ms
+  scale       drain with 1,000,000 pending (--quick: 100,000) >= 0.8x the drain
+              with 1,000 pending; the claim's plan is printed
+  snapshot    drain while another session holds a snapshot >= 0.8x without
+  external    4 clients claiming 100 + complete_many >= 1x graphile's drain
+  churn       10 minutes (--quick: 1) at half the peak rate with
+              flow.retention = '1 min': table sizes per interval (plateau)
+It is a benchmark, not a test: CI runs none of it.
 """
 import json
 import os
@@ -40,25 +43,7 @@ from conftest import Cluster  # noqa: E402
 PEERS = ROOT.parent / "shared" / "peers"
 N_DRAIN = int(os.environ.get("FLOW_BENCH_DRAIN", 20000))
 N_LATENCY = int(os.environ.get("FLOW_BENCH_LATENCY", 500))
-# Drains are repeated and reported as median [min-max]: this machine's fsync
-# latency swings by 2x or more from minute to minute.
-REPEAT = int(os.environ.get("FLOW_BENCH_REPEAT", 3))
-SETTINGS = ["shared_buffers = '1GB'", "synchronous_commit = on", "max_wal_size = '1GB'", "flow.batch_size = 100",
-            "max_connections = 100"]
-
-rows = []
-
-
-def report(what, value, unit, ratio="", spread=None):
-    rows.append((what, value, unit, ratio))
-    shown = f"[{spread[0]:,.0f}-{spread[1]:,.0f}]" if spread else ""
-    print(f"  {what:<58} {value:>12,.1f} {unit:<8} {shown:<17} {ratio}", flush=True)
-
-
-def repeated(measure):
-    """Median and range of REPEAT runs of measure()."""
-    values = [measure() for _ in range(REPEAT)]
-    return statistics.median(values), (min(values), max(values))
+SETTINGS = ["shared_buffers = '1GB'", "synchronous_commit = on", "max_wal_size = '1GB'", "max_connections = 100"]
 
 
 def start(workers):
@@ -79,40 +64,272 @@ def start(workers):
             SELECT flow.define('plpgsql_noop', 'bench.noop'::regproc, queue => 'drain');
             SELECT flow.define('pickup', 'bench.pickup'::regproc, queue => 'pickup');
             SELECT flow.define('external_noop', NULL, queue => 'external');
+            CREATE TABLE bench.sink (run uuid, at timestamptz DEFAULT now());
+            CREATE FUNCTION bench.write(args jsonb, ctx flow.context) RETURNS void LANGUAGE plpgsql AS $$
+            BEGIN INSERT INTO bench.sink (run) VALUES (ctx.run_id); END $$;
+            SELECT flow.define('writing', 'bench.write(jsonb, flow.context)'::regprocedure, queue => 'drain');
+            CREATE TABLE bench.reader AS SELECT g AS id, md5(g::text) AS v FROM generate_series(1, 1000) g;
         """)
     return cluster
 
 
-def bench_enqueue(pg):
-    with pg.connect() as c:
-        c.execute("SELECT flow.set_queue('drain', paused => true)")
-        n = 5000
-        t0 = time.perf_counter()
-        for _ in range(n):
-            c.execute("SELECT flow.enqueue('rust_noop', '{}')")
-        report("enqueue, single-row (1 client, 1 commit each)", n / (time.perf_counter() - t0), "runs/s")
-        t0 = time.perf_counter()
-        for _ in range(N_DRAIN // 1000):
-            c.execute("SELECT flow.enqueue_many('rust_noop', array_fill('{}'::jsonb, array[1000]))")
-        report("enqueue_many, chunks of 1,000", N_DRAIN / (time.perf_counter() - t0), "runs/s")
-        c.execute("TRUNCATE flow._runs CASCADE")
+def enqueue_paused(c, name, n, chunk=1000):
+    c.execute("SELECT flow.set_queue('drain', paused => true)")
+    for i in range(0, n, chunk):
+        c.execute("SELECT flow.enqueue_many(%s, array_fill('{}'::jsonb, array[%s]))", (name, min(chunk, n - i)))
 
 
-def drain(pg, name):
+def finished_count(c):
+    """Runs finished since the server started (a shared-memory counter: polling
+    it costs the drain nothing)."""
+    return c.execute("SELECT sum(value) FROM flow.stats WHERE name IN ('runs_succeeded', 'runs_failed')").fetchone()[0]
+
+
+def drain(pg, name, n=None):
+    """Drain n pre-enqueued runs of `name`; returns jobs/s."""
+    n = n or N_DRAIN
     with pg.connect() as c:
-        c.execute("SELECT flow.set_queue('drain', paused => true)")
-        for _ in range(N_DRAIN // 1000):
-            c.execute("SELECT flow.enqueue_many(%s, array_fill('{}'::jsonb, array[1000]))", (name,))
+        enqueue_paused(c, name, n)
         c.execute("CHECKPOINT")
+        before = finished_count(c)
         t0 = time.perf_counter()
         c.execute("SELECT flow.set_queue('drain', paused => false)")
-        while c.execute("SELECT count(*) FROM flow._runs WHERE status = 'running'").fetchone()[0]:
-            time.sleep(0.02)
+        while finished_count(c) - before < n:
+            time.sleep(0.01)
         elapsed = time.perf_counter() - t0
-        assert c.execute("SELECT count(*) FROM flow._runs WHERE status = 'succeeded'").fetchone()[0] == N_DRAIN
-        c.execute("TRUNCATE flow._runs CASCADE")
+        assert c.execute("SELECT count(*) FROM flow._runs WHERE status = 'succeeded'").fetchone()[0] == n
+        c.execute("TRUNCATE flow._runs, flow._commands, flow._attempts, flow._waits")
+        c.execute("TRUNCATE bench.sink")
         c.execute("VACUUM ANALYZE flow._commands")
-    return N_DRAIN / elapsed
+    return n / elapsed
+
+
+def drain_while(pg, name, n, side):
+    """Drain with `side(stop_event)` running in a thread; returns (jobs/s, side's result)."""
+    stop = threading.Event()
+    out = {}
+    thread = threading.Thread(target=lambda: out.setdefault("side", side(stop)))
+    thread.start()
+    try:
+        time.sleep(0.2)
+        rate = drain(pg, name, n)
+    finally:
+        stop.set()
+        thread.join()
+    return rate, out.get("side")
+
+
+def hold_snapshot(pg):
+    def side(stop):
+        with pg.connect(autocommit=False) as c:
+            c.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+            # the snapshot is taken by the first query; this one locks none of flow's tables
+            c.execute("SELECT count(*) FROM bench.reader")
+            stop.wait()
+            c.rollback()
+    return side
+
+
+def reader(pg):
+    """A concurrent reader: small-table queries per second until stopped."""
+    def side(stop):
+        with pg.connect() as c:
+            n, t0 = 0, time.perf_counter()
+            while not stop.is_set():
+                c.execute("SELECT count(*) FROM bench.reader WHERE v LIKE 'a%'")
+                n += 1
+            return n / (time.perf_counter() - t0)
+    return side
+
+
+def reader_alone(pg, seconds=3.0):
+    stop = threading.Event()
+    timer = threading.Timer(seconds, stop.set)
+    timer.start()
+    return reader(pg)(stop)
+
+
+def subtrans_slru(pg):
+    with pg.connect() as c:
+        return c.execute("SELECT blks_hit + blks_read FROM pg_stat_slru WHERE name = 'Subtrans'").fetchone()[0]
+
+
+def external_clients(pg, clients, n):
+    """`clients` concurrent external workers claiming 100 and settling with complete_many."""
+    with pg.connect() as c:
+        for _ in range(n // 1000):
+            c.execute("SELECT flow.enqueue_many('external_noop', array_fill('{}'::jsonb, array[1000]))")
+    done = [0] * clients
+
+    def work(i):
+        with psycopg.connect(f"host=127.0.0.1 port={pg.port} user=postgres dbname=postgres", autocommit=True) as c:
+            while True:
+                claimed = c.execute("SELECT command_id, lease_token FROM flow.claim(array['external_noop'],"
+                                    " 'bench', 100)").fetchall()
+                if not claimed:
+                    return
+                c.execute("SELECT count(*) FROM flow.complete_many(%s, %s)",
+                          ([r[0] for r in claimed], [r[1] for r in claimed]))
+                done[i] += len(claimed)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(clients)]
+    t0 = time.perf_counter()
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    elapsed = time.perf_counter() - t0
+    assert sum(done) == n, done
+    with pg.connect() as c:
+        c.execute("TRUNCATE flow._runs, flow._commands, flow._attempts, flow._waits")
+    return n / elapsed
+
+
+def enqueue_many_rate(pg, n):
+    with pg.connect() as c:
+        t0 = time.perf_counter()
+        enqueue_paused(c, "rust_noop", n)
+        rate = n / (time.perf_counter() - t0)
+        c.execute("TRUNCATE flow._runs, flow._commands, flow._attempts, flow._waits")
+    return rate
+
+
+def claim_plan(pg):
+    """The plans of the claim's two statements, generic (as a worker caches them)."""
+    with pg.connect() as c:
+        c.execute("SET plan_cache_mode = force_generic_plan")
+        c.execute("""PREPARE heads(text[]) AS
+            SELECT q.name FROM flow._queues q CROSS JOIN LATERAL (
+                SELECT c.next_run_at FROM flow._commands c
+                WHERE c.queue = q.name AND c.status IN ('pending', 'waiting')
+                ORDER BY c.next_run_at LIMIT 1) h
+            WHERE NOT q.paused AND h.next_run_at <= now() AND q.name <> ALL ($1)""")
+        return [r[0] for r in c.execute("EXPLAIN EXECUTE heads('{}')").fetchall()]
+
+
+def churn(pg, seconds, rate, every):
+    """Enqueue at `rate` runs/s for `seconds` with flow.retention = '1 min';
+    returns [(elapsed s, flow's relation sizes in MB, runs kept)]."""
+    with pg.connect() as c:
+        c.execute("ALTER SYSTEM SET flow.retention = '1 min'")
+        c.execute("SELECT pg_reload_conf()")
+        c.execute("SELECT flow.set_queue('drain', paused => false)")
+        samples, t0, sent, next_sample = [], time.perf_counter(), 0, every
+        while (now := time.perf_counter() - t0) < seconds:
+            due = int(now * rate) - sent
+            if due > 0:
+                k = min(due, 1000)
+                c.execute("SELECT flow.enqueue_many('rust_noop', array_fill('{}'::jsonb, array[%s]))", (k,))
+                sent += k
+            else:
+                time.sleep(0.01)
+            if now >= next_sample:
+                mb = c.execute("SELECT round(sum(pg_total_relation_size(c.oid)) / 1048576.0, 1) FROM pg_class c"
+                               " JOIN pg_namespace n ON n.oid = c.relnamespace"
+                               " WHERE n.nspname = 'flow' AND c.relkind = 'r'").fetchone()[0]
+                kept = c.execute("SELECT count(*) FROM flow._runs").fetchone()[0]
+                samples.append((round(now), float(mb), kept))
+                next_sample += every
+        c.execute("ALTER SYSTEM RESET flow.retention")
+        c.execute("SELECT pg_reload_conf()")
+        c.execute("TRUNCATE flow._runs, flow._commands, flow._attempts, flow._waits")
+    return samples
+
+
+# ---------------------------------------------------------------- graphile-worker, in the same sitting
+
+def graphile(workload, round_):
+    done = subprocess.run([str(PEERS / "graphile-worker" / "run.sh"), workload, str(round_)],
+                          capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT")]
+    if not lines:
+        sys.exit(f"graphile-worker did not run:\n{done.stderr[-2000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def main():
+    quick = "--quick" in sys.argv
+    rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else (1 if quick else 3)
+    scale_n = 100_000 if quick else 1_000_000
+    churn_s = 60 if quick else 600
+    print(f"flow benchmark, {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores, "
+          f"loadavg {open('/proc/loadavg').read().split()[:3]}, {rounds} interleaved round(s)"
+          f"{' (--quick)' if quick else ''}", flush=True)
+    subprocess.run([str(PEERS / "pg.sh"), "start"], check=True, capture_output=True)
+    pg = start(2)
+    fig = {}
+
+    def add(key, value):
+        fig.setdefault(key, []).append(value)
+        print(f"  {key:<44} {value:>12,.1f}", flush=True)
+
+    try:
+        for r in range(1, rounds + 1):
+            print(f"-- round {r}", flush=True)
+            g = graphile("drain", r)
+            add("graphile drain (jobs/s)", g["drain_rate"])
+            add("graphile addJobs x1000 (jobs/s)", g["enqueue_rate"])
+            add("flow drain flow.noop (jobs/s)", drain(pg, "rust_noop"))
+            add("flow drain PL/pgSQL no-op (jobs/s)", drain(pg, "plpgsql_noop"))
+            slru = subtrans_slru(pg)
+            rate, read_during = drain_while(pg, "writing", N_DRAIN, reader(pg))
+            add("flow drain writing handler (jobs/s)", rate)
+            add("subtrans SLRU accesses during it", subtrans_slru(pg) - slru)
+            add("reader alone (queries/s)", reader_alone(pg))
+            add("reader during the writing drain (queries/s)", read_during)
+            add("flow enqueue_many x1000 (runs/s)", enqueue_many_rate(pg, N_DRAIN))
+            g = graphile("latency", r)
+            add("graphile pickup p50 (ms)", g["p50_ms"])
+            add("graphile pickup p99 (ms)", g["p99_ms"])
+            p50, p99, p999 = pickup(pg)
+            add("flow pickup p50 (ms)", p50)
+            add("flow pickup p99 (ms)", p99)
+            add("flow pickup p99.9 (ms)", p999)
+        print("-- once", flush=True)
+        add("flow drain, 1,000 pending (jobs/s)", statistics.median(drain(pg, "rust_noop", 1000) for _ in range(3)))
+        add(f"flow drain, {scale_n:,} pending (jobs/s)", drain(pg, "rust_noop", scale_n))
+        add("flow drain, no snapshot held (jobs/s)", drain(pg, "rust_noop"))
+        add("flow drain, a snapshot held (jobs/s)", drain_while(pg, "rust_noop", N_DRAIN, hold_snapshot(pg))[0])
+        add("flow external, 4 clients (cmds/s)", external_clients(pg, 4, N_DRAIN))
+        add("plain-SQL floor, 2 sessions (jobs/s)", floor(pg, 2))
+        plan = claim_plan(pg)
+        peak = statistics.median(fig["flow drain flow.noop (jobs/s)"])
+        samples = churn(pg, churn_s, peak / 2, churn_s / 10)
+    finally:
+        pg.stop()
+        subprocess.run([str(PEERS / "pg.sh"), "stop"], capture_output=True)
+
+    m = {k: statistics.median(v) for k, v in fig.items()}
+    g_drain = m["graphile drain (jobs/s)"]
+    rows = [
+        ("drain, flow.noop", m["flow drain flow.noop (jobs/s)"], g_drain, 3.0, ">="),
+        ("drain, PL/pgSQL no-op", m["flow drain PL/pgSQL no-op (jobs/s)"], g_drain, 3.0, ">="),
+        ("drain, writing handler (vs graphile no-op)", m["flow drain writing handler (jobs/s)"], g_drain, 2.0, ">="),
+        ("enqueue_many vs addJobs", m["flow enqueue_many x1000 (runs/s)"], m["graphile addJobs x1000 (jobs/s)"],
+         2.0, ">="),
+        ("pickup p50 (ms)", m["flow pickup p50 (ms)"], m["graphile pickup p50 (ms)"], 1.0, "<="),
+        ("pickup p99 (ms)", m["flow pickup p99 (ms)"], m["graphile pickup p99 (ms)"], 0.5, "<="),
+        ("pickup p99.9 (ms) vs 10 ms", m["flow pickup p99.9 (ms)"], 10.0, 1.0, "<="),
+        (f"scale: {scale_n:,} vs 1,000 pending", m[f"flow drain, {scale_n:,} pending (jobs/s)"],
+         m["flow drain, 1,000 pending (jobs/s)"], 0.8, ">="),
+        ("old snapshot held vs not", m["flow drain, a snapshot held (jobs/s)"],
+         m["flow drain, no snapshot held (jobs/s)"], 0.8, ">="),
+        ("external, 4 clients vs graphile drain", m["flow external, 4 clients (cmds/s)"], g_drain, 1.0, ">="),
+    ]
+    print("\n| target | flow | against | ratio | target | met |\n|---|---|---|---|---|---|")
+    for what, value, against, target, sense in rows:
+        ratio = value / against if against else float("nan")
+        met = ratio >= target if sense == ">=" else ratio <= target
+        print(f"| {what} | {value:,.1f} | {against:,.1f} | {ratio:.2f} | {sense} {target} | {'yes' if met else 'NO'} |")
+    print(f"\nplain-SQL floor of an in-database engine (../shared/peers/floor/indb.sql, batch 100, 2 sessions): "
+          f"{m['plain-SQL floor, 2 sessions (jobs/s)']:,.0f} jobs/s; flow.noop drains at "
+          f"{m['flow drain flow.noop (jobs/s)'] / m['plain-SQL floor, 2 sessions (jobs/s)']:.2f}x of it")
+    print(f"\nwriting drain: subtransaction SLRU accesses {m['subtrans SLRU accesses during it']:,.0f}; "
+          f"a reader ran {m['reader during the writing drain (queries/s)']:,.0f} queries/s during it, "
+          f"{m['reader alone (queries/s)']:,.0f} alone")
+    print("\nclaim, generic plan of the queue-head probe:\n  " + "\n  ".join(plan))
+    print(f"\nchurn at {peak / 2:,.0f} runs/s, flow.retention = '1 min' (s, MB of flow's tables, runs kept):")
+    for at, mb, kept in samples:
+        print(f"  {at:>5} s  {mb:>8.1f} MB  {kept:>9,}")
+
 
 
 def floor(pg, sessions):
@@ -143,108 +360,10 @@ def pickup(pg):
         while c.execute("SELECT count(*) FROM bench.pickup").fetchone()[0] < N_LATENCY and time.time() < deadline:
             time.sleep(0.05)
         ms = sorted(1000 * (s - t) for t, s in c.execute("SELECT sent, started FROM bench.pickup").fetchall())
-    pct = lambda p: ms[min(len(ms) - 1, int(round(p / 100 * len(ms) + 0.5)) - 1)]
-    return pct(50), pct(95), pct(99), ms[-1]
-
-
-def external(pg, batch, n):
-    with pg.connect() as c:
-        for _ in range(n // 1000):
-            c.execute("SELECT flow.enqueue_many('external_noop', array_fill('{}'::jsonb, array[1000]))")
-    done = 0
-    with psycopg.connect(f"host=127.0.0.1 port={pg.port} user=postgres dbname=postgres", autocommit=True) as c:
-        t0 = time.perf_counter()
-        while True:
-            claimed = c.execute("SELECT command_id, lease_token FROM flow.claim(array['external_noop'], 'bench', %s)",
-                                (batch,)).fetchall()
-            if not claimed:
-                break
-            if batch == 1:
-                c.execute("SELECT flow.complete(%s, %s)", claimed[0])
-            else:
-                c.execute("SELECT count(*) FROM flow.complete_many(%s, %s)",
-                          ([r[0] for r in claimed], [r[1] for r in claimed]))
-            done += len(claimed)
-        elapsed = time.perf_counter() - t0
-    assert done == n, done
-    with pg.connect() as c:
-        c.execute("TRUNCATE flow._runs CASCADE")
-    return n / elapsed
-
-
-def peers():
-    path = PEERS / "results" / "latest" / "results.jsonl"
-    if not path.exists():
-        path = PEERS / "results" / "20261202-092628" / "results.jsonl"
-    by_peer = {}
-    for line in path.read_text().splitlines():
-        r = json.loads(line)
-        by_peer.setdefault(r.get("peer"), []).append(r)
-    out = {}
-    for peer, runs in by_peer.items():
-        drains = [r["drain_rate"] for r in runs if r.get("workload") == "drain" and r.get("drain_rate")]
-        p50 = [r["p50_ms"] for r in runs if r.get("workload") == "latency" and r.get("p50_ms") is not None]
-        p99 = [r["p99_ms"] for r in runs if r.get("workload") == "latency" and r.get("p99_ms") is not None]
-        out[peer] = (statistics.median(drains) if drains else None, statistics.median(p50) if p50 else None,
-                     statistics.median(p99) if p99 else None)
-    return out
-
-
-def main():
-    print(f"flow benchmark, {time.strftime('%Y-%m-%d %H:%M')}, loadavg {open('/proc/loadavg').read().split()[:3]}")
-    known = peers()
-    best_peer = max(((p, v[0]) for p, v in known.items() if v[0] and p and not p.startswith("floor")
-                     and "pgq" not in p.lower()), key=lambda x: x[1], default=(None, None))
-    results = {}
-    for workers in (2, 4):
-        pg = start(workers)
-        try:
-            print(f"-- {workers} workers")
-            if workers == 2:
-                bench_enqueue(pg)
-            for handler in ("rust_noop", "plpgsql_noop"):
-                rate, spread = repeated(lambda: drain(pg, handler))
-                results[(handler, workers)] = rate
-                ratio = f"x{rate / best_peer[1]:.2f} vs {best_peer[0]}" if best_peer[1] else ""
-                report(f"W1 drain {N_DRAIN:,} no-op runs, {handler}, {workers} workers", rate, "jobs/s", ratio,
-                       spread)
-            if workers == 2:
-                # Tuned like the peers (they fetch up to 1,000 jobs per query).
-                with pg.connect() as c:
-                    c.execute("ALTER SYSTEM SET flow.batch_size = 500")
-                    c.execute("SELECT pg_reload_conf()")
-                time.sleep(0.5)
-                rate, spread = repeated(lambda: drain(pg, "rust_noop"))
-                ratio = f"x{rate / best_peer[1]:.2f} vs {best_peer[0]}" if best_peer[1] else ""
-                report(f"W1 drain {N_DRAIN:,} no-op runs, rust_noop, 2 workers, batch 500", rate, "jobs/s", ratio,
-                       spread)
-                with pg.connect() as c:
-                    c.execute("ALTER SYSTEM RESET flow.batch_size")
-                    c.execute("SELECT pg_reload_conf()")
-                time.sleep(0.5)
-                for sessions in (1, 2):
-                    rate, spread = repeated(lambda: floor(pg, sessions))
-                    results[("floor", sessions)] = rate
-                    report(f"plain-SQL floor (indb.sql, batch 100), {sessions} session(s)", rate, "jobs/s", "",
-                           spread)
-                report("  flow (flow.noop, 2 workers) / floor (2 sessions), x100",
-                       100 * results[("rust_noop", 2)] / results[("floor", 2)], "%")
-                p50, p95, p99, worst = pickup(pg)
-                peer_p50 = [v[1] for p, v in known.items() if v[1] and p and "pgq" not in p.lower()]
-                report("W2 pickup latency p50 (client before enqueue -> handler start)", p50, "ms",
-                       f"best peer p50 {min(peer_p50):.1f} ms" if peer_p50 else "")
-                report("W2 pickup latency p95", p95, "ms")
-                report("W2 pickup latency p99", p99, "ms")
-                report("W2 pickup latency max", worst, "ms")
-                for batch, n in ((1, 3000), (100, 20000)):
-                    how = "complete" if batch == 1 else "complete_many"
-                    report(f"external worker, claim max {batch} + {how}, 1 client over TCP", external(pg, batch, n),
-                           "cmds/s")
-        finally:
-            pg.stop()
-    print("\npeers (../shared/peers/results, measured earlier): " +
-          ", ".join(f"{p} W1 {v[0]:,.0f} jobs/s, W2 p50 {v[1]} ms" for p, v in sorted(known.items())
-                    if p and v[0] and v[1] is not None))
+        c.execute("TRUNCATE bench.pickup")
+        c.execute("TRUNCATE flow._runs, flow._commands, flow._attempts, flow._waits")
+    pct = lambda p: ms[min(len(ms) - 1, max(0, int(-(-p * len(ms) // 100)) - 1))]   # nearest rank
+    return pct(50), pct(99), pct(99.9)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,12 @@
 -- ticket made by flow._ticket() in the caller's security context (see
 -- src/api.rs): inside a SECURITY DEFINER function current_user is the owner,
 -- so this is the one way to know the real caller.
+--
+-- Plans are pinned by construction: a worker keeps its plans for its
+-- lifetime, often from when _commands was empty, so the functions of the
+-- claim, settle and recovery paths run with `enable_seqscan = off` and query
+-- by index (queue heads by ORDER BY ... LIMIT 1 probes). They stay index
+-- driven from 0 to 10M rows (pg_test/test_scale.py checks it).
 
 -- ---------------------------------------------------------------- helpers
 
@@ -608,37 +614,41 @@ $$;
 CREATE FUNCTION flow._claim(owner_name text, owner_pid integer, owner_started timestamptz,
     max_count integer, lease interval, names text[], turn integer)
 RETURNS SETOF flow.claimed_command
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off AS $$
 DECLARE
     lanes text[];
+    limited text[];
     locked text[];
 BEGIN
-    -- Limited queues with due work are locked first, so the running counts
-    -- read by the next statement (a fresh snapshot) are exact across all
-    -- workers. A queue locked elsewhere (another worker claiming from it, or
-    -- a flow.set_queue in an open transaction) is skipped this turn, never
-    -- waited for: one open transaction can hold up one queue, not the engine.
-    -- (index _commands_due: LIMIT 1 keeps the planner on the index even when
-    -- statistics are stale after a bulk enqueue.)
-    SELECT array_agg(l.name) INTO locked FROM (
-        SELECT q.name FROM flow._queues q
-        WHERE NOT q.paused AND q.concurrency IS NOT NULL
-          -- an external claim locks only the queues of the definitions it names
-          AND (names IS NULL OR EXISTS (SELECT 1 FROM flow._definitions d
-                                        WHERE d.queue = q.name AND d.name = ANY (names)))
-          AND EXISTS (SELECT 1 FROM flow._commands c
-                      WHERE c.queue = q.name AND c.status IN ('pending', 'waiting') AND c.next_run_at <= now()
-                      LIMIT 1)
-        ORDER BY q.name FOR UPDATE SKIP LOCKED) l;
-    -- Only queues that offer due work take part (and count in the rotation).
-    SELECT array_agg(q.name ORDER BY q.name) INTO lanes FROM flow._queues q
-    WHERE NOT q.paused
-      AND CASE WHEN q.concurrency IS NULL
-               THEN EXISTS (SELECT 1 FROM flow._commands c
-                            WHERE c.queue = q.name AND c.status IN ('pending', 'waiting') AND c.next_run_at <= now()
-                            LIMIT 1)
-               ELSE q.name = ANY (locked) END;
-    IF lanes IS NULL THEN
+    -- Which queues offer due work: each unpaused queue's head in the due index
+    -- (an ORDER BY ... LIMIT 1 probe of _commands_due per queue: an index
+    -- probe whatever the table's size or statistics, never a scan of the
+    -- pending commands; see the plan test in pg_test/test_engine.py).
+    -- An external claim only takes part in the limited queues of the
+    -- definitions it names.
+    SELECT array_agg(q.name) FILTER (WHERE q.concurrency IS NULL),
+           array_agg(q.name) FILTER (WHERE q.concurrency IS NOT NULL
+                                     AND (names IS NULL OR EXISTS (SELECT 1 FROM flow._definitions d
+                                                                   WHERE d.queue = q.name AND d.name = ANY (names))))
+    INTO lanes, limited
+    FROM flow._queues q CROSS JOIN LATERAL (
+        SELECT c.next_run_at FROM flow._commands c                  -- index _commands_due
+        WHERE c.queue = q.name AND c.status IN ('pending', 'waiting')
+        ORDER BY c.next_run_at LIMIT 1) h
+    WHERE NOT q.paused AND h.next_run_at <= now();
+    -- Limited queues are locked before their running commands are counted
+    -- (by the next statement, with a fresh snapshot), so the counts are exact
+    -- across all workers. A queue locked elsewhere (another worker claiming
+    -- from it, or a flow.set_queue in an open transaction) is skipped this
+    -- turn, never waited for: one open transaction can hold up one queue,
+    -- not the engine.
+    IF limited IS NOT NULL THEN
+        SELECT array_agg(l.name) INTO locked FROM (
+            SELECT q.name FROM flow._queues q WHERE q.name = ANY (limited)
+            ORDER BY q.name FOR UPDATE SKIP LOCKED) l;
+        lanes := coalesce(lanes, '{}') || locked;
+    END IF;
+    IF coalesce(cardinality(lanes), 0) = 0 THEN
         RETURN;
     END IF;
 
@@ -714,7 +724,7 @@ END $$;
 -- Milliseconds until the next command becomes due (NULL: none scheduled), so
 -- an idle worker sleeps exactly that long (rule 1).
 CREATE FUNCTION flow._next_due_ms() RETURNS bigint
-LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp SET enable_seqscan = off AS $$
     SELECT (extract(epoch FROM min(h.next_run_at) - clock_timestamp()) * 1000)::bigint
     FROM flow._queues q CROSS JOIN LATERAL (
         SELECT c.next_run_at FROM flow._commands c                  -- index _commands_due
@@ -743,7 +753,7 @@ END $$;
 -- (plpgsql, not sql: its plan is cached per session; an sql function called
 -- from plpgsql is planned again on every call, ~70 µs.)
 CREATE FUNCTION flow._lock_runs_of(command_ids uuid[]) RETURNS void
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off AS $$
 BEGIN
     PERFORM 1 FROM flow._runs r
     WHERE r.id IN (SELECT c.run_id FROM flow._commands c WHERE c.id = ANY (command_ids))
@@ -754,7 +764,7 @@ END $$;
 -- false): for work that can wait for a later round, such as concluding an
 -- attempt whose owner is gone.
 CREATE FUNCTION flow._try_lock_run_of(command_id uuid) RETURNS boolean
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off AS $$
 BEGIN
     PERFORM 1 FROM flow._runs r
     WHERE r.id = (SELECT c.run_id FROM flow._commands c WHERE c.id = _try_lock_run_of.command_id)
@@ -765,7 +775,7 @@ END $$;
 -- Close every unfinished command of a run (cancel or run failure). A running
 -- one gets an attempt row; its worker's later settlement finds no lease.
 CREATE FUNCTION flow._close_open_commands(run_id uuid, reason text) RETURNS void
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off AS $$
 DECLARE
     interrupted integer;
 BEGIN
@@ -792,7 +802,7 @@ END $$;
 -- skipped, never waited for: its commands are handed back (_release).
 CREATE FUNCTION flow._begin_batch(command_ids uuid[], lease_tokens uuid[])
 RETURNS TABLE (command_id uuid, run_locked boolean)
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off AS $$
 DECLARE
     locked uuid[];
 BEGIN
@@ -812,7 +822,7 @@ END $$;
 -- elsewhere). Takes no run lock and skips a command row locked elsewhere;
 -- returns those still held, so the worker tries again later.
 CREATE FUNCTION flow._release(command_ids uuid[], lease_tokens uuid[]) RETURNS SETOF uuid
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off AS $$
 DECLARE
     released uuid[];
 BEGIN
@@ -842,7 +852,7 @@ END $$;
 -- the attempt started at its claim), so an attempt's duration is its own.
 CREATE FUNCTION flow._settle_batch(command_ids uuid[], lease_tokens uuid[], results jsonb[],
     handler_started timestamptz[] DEFAULT NULL) RETURNS integer
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off AS $$
 DECLARE
     settled integer;
     finished integer;
@@ -880,7 +890,7 @@ END $$;
 CREATE FUNCTION flow._settle_failure(command_id uuid, lease_token uuid, outcome text, code text,
     message text, retry_delay interval DEFAULT NULL, handler_started timestamptz DEFAULT NULL)
 RETURNS text
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off AS $$
 DECLARE
     c flow._commands;
     d flow._definitions;
@@ -947,7 +957,7 @@ END $$;
 -- crash restart, has every command it held charged: the conservative side
 -- of rule 3.)
 CREATE FUNCTION flow._recover() RETURNS integer
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off AS $$
 DECLARE
     lost record;
     concluded integer := 0;
@@ -983,22 +993,32 @@ BEGIN
 END $$;
 
 -- Delete up to max_runs runs that finished more than `older_than` ago, with
--- their commands, attempts and waits (ON DELETE CASCADE). Run ids are UUIDv7,
--- so "created before the cut" is a range of the primary key: no index on
--- finished_at is needed (one would make every run's final update non-HOT).
+-- their commands, attempts and waits. Run ids are UUIDv7, so "created before
+-- the cut" is a range of the primary key: no index on finished_at is needed
+-- (one would make every run's final update non-HOT).
 CREATE FUNCTION flow._prune(older_than interval, max_runs integer) RETURNS integer
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off AS $$
 DECLARE
     cut timestamptz := now() - older_than;
     hex text := lpad(to_hex((extract(epoch FROM cut) * 1000)::bigint), 12, '0');
     bound uuid := (substr(hex, 1, 8) || '-' || substr(hex, 9, 4) || '-7000-8000-000000000000')::uuid;
     pruned integer;
 BEGIN
-    DELETE FROM flow._runs r
-    WHERE r.id IN (SELECT x.id FROM flow._runs x
-                   WHERE x.id < bound AND x.status <> 'running' AND x.finished_at < cut
-                   ORDER BY x.id LIMIT max_runs);
-    GET DIAGNOSTICS pruned = ROW_COUNT;
+    WITH gone AS (
+        DELETE FROM flow._runs r
+        WHERE r.id IN (SELECT x.id FROM flow._runs x
+                       WHERE x.id < bound AND x.status <> 'running' AND x.finished_at < cut
+                       ORDER BY x.id LIMIT max_runs)
+        RETURNING r.id
+    ), commands AS (
+        DELETE FROM flow._commands c USING gone WHERE c.run_id = gone.id      -- index _commands_run_id_key_key
+        RETURNING c.id
+    ), attempts AS (
+        DELETE FROM flow._attempts a USING commands WHERE a.command_id = commands.id
+    ), waits AS (
+        DELETE FROM flow._waits w USING commands WHERE w.command_id = commands.id
+    )
+    SELECT count(*) INTO pruned FROM gone;
     RETURN pruned;
 END $$;
 
@@ -1008,7 +1028,7 @@ END $$;
 -- flow.event_retention bounds. (index _events_name_key is not needed: the
 -- scan is by position, which grows with emitted_at.)
 CREATE FUNCTION flow._retire_events(older_than interval, max_events integer) RETURNS integer
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off AS $$
 DECLARE
     retired integer;
 BEGIN
@@ -1121,7 +1141,7 @@ $$;
 -- Mark the open waits of one command satisfied by the newest journal entries
 -- and make it due when none is left open.
 CREATE FUNCTION flow._promote_if_satisfied(command_id uuid) RETURNS void
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off AS $$
 BEGIN
     -- Lock first, check in the next statement: its fresh snapshot sees every
     -- wait satisfied by emitters that committed while we waited for the lock.
@@ -1279,7 +1299,7 @@ END $$;
 -- caller may resolve it. A wrong or stale token is FL013; a command already
 -- settled under this very token is FL017 (double completion).
 CREATE FUNCTION flow._leased(caller oid, command_id uuid, lease_token uuid) RETURNS flow._commands
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off AS $$
 DECLARE
     c flow._commands;
     owner_ oid;
@@ -1346,7 +1366,7 @@ END $$;
 
 CREATE FUNCTION flow._claim_external(caller oid, names text[], worker text, max_count integer, lease interval)
 RETURNS SETOF flow.claimed_command
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off AS $$
 DECLARE
     wanted text;
     expired record;
@@ -1443,7 +1463,7 @@ END $$;
 -- 'already_completed' for a second completion under the same token.
 CREATE FUNCTION flow._complete_many(caller oid, command_ids uuid[], lease_tokens uuid[], results jsonb[])
 RETURNS TABLE (command_id uuid, status text)
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off AS $$
 DECLARE
     bad record;
 BEGIN

@@ -118,6 +118,13 @@ CREATE TABLE flow._definitions (
     CHECK (handler IS NOT NULL OR NOT takes_context)
 );
 
+-- Runs, commands, attempts and waits carry no foreign keys: each would cost
+-- every enqueue and settlement a row lock on the referenced row (a
+-- definition row locked by every concurrent enqueuer turns into multixacts).
+-- Their references hold by construction: rows are written only by flow's
+-- functions, which resolve definitions and queues first; definitions and
+-- queues are never deleted; flow._prune deletes a run with its commands,
+-- attempts and waits in one statement.
 CREATE TABLE flow._runs (
     id           uuid PRIMARY KEY,
     key          text CHECK (key <> ''),
@@ -132,7 +139,6 @@ CREATE TABLE flow._runs (
     deadline     timestamptz,
     created_at   timestamptz NOT NULL DEFAULT now(),
     finished_at  timestamptz,
-    FOREIGN KEY (name, version) REFERENCES flow._definitions (name, version),
     UNIQUE (owner, key),
     CHECK ((status = 'running') = (finished_at IS NULL)),
     CHECK (status = 'succeeded' OR result IS NULL)
@@ -140,12 +146,12 @@ CREATE TABLE flow._runs (
 
 CREATE TABLE flow._commands (
     id                uuid PRIMARY KEY,
-    run_id            uuid NOT NULL REFERENCES flow._runs (id) ON DELETE CASCADE,
-    parent_id         uuid REFERENCES flow._commands (id) ON DELETE CASCADE,
+    run_id            uuid NOT NULL,
+    parent_id         uuid,
     key               text NOT NULL CHECK (key <> ''),
     name              text NOT NULL,
     version           integer NOT NULL,
-    queue             text NOT NULL REFERENCES flow._queues (name),
+    queue             text NOT NULL,
     args              jsonb NOT NULL,
     declaration       jsonb NOT NULL,     -- what a re-spawn of the same key must match
     status            flow.command_status NOT NULL,
@@ -172,7 +178,6 @@ CREATE TABLE flow._commands (
     created_at        timestamptz NOT NULL DEFAULT now(),
     finished_at       timestamptz,
     lease_interval    interval,              -- an external lease's length: what a heartbeat extends by
-    FOREIGN KEY (name, version) REFERENCES flow._definitions (name, version),
     UNIQUE (run_id, key),
     CHECK ((status = 'running') = (lease_token IS NOT NULL)),
     CHECK ((status = 'running') = (lease_expires_at IS NOT NULL)),
@@ -191,7 +196,7 @@ CREATE INDEX _commands_parent ON flow._commands (parent_id) WHERE parent_id IS N
 
 -- One row per finished attempt (the live one is on the command row).
 CREATE TABLE flow._attempts (
-    command_id   uuid NOT NULL REFERENCES flow._commands (id) ON DELETE CASCADE,
+    command_id   uuid NOT NULL,
     attempt      integer NOT NULL CHECK (attempt >= 1),
     lease_token  uuid NOT NULL,
     owner        text NOT NULL,
@@ -220,7 +225,7 @@ CREATE TABLE flow._events (
 CREATE INDEX _events_name_key ON flow._events (name, key, position);
 
 CREATE TABLE flow._waits (
-    command_id      uuid NOT NULL REFERENCES flow._commands (id) ON DELETE CASCADE,
+    command_id      uuid NOT NULL,
     name            text NOT NULL,
     key             text NOT NULL,
     event_position  bigint REFERENCES flow._events (position),

@@ -105,6 +105,18 @@ unsafe extern "C-unwind" {
     fn get_timeout_indicator(id: u32, reset_indicator: bool) -> bool;
 }
 
+/// Whether this transaction's subtransactions that wrote (each handler that
+/// writes has one) nearly fill PostgreSQL's per-backend cache of them
+/// (PGPROC_MAX_CACHED_SUBXIDS, 64): one more and every snapshot taken in the
+/// server would be "suboverflowed" and read pg_subtrans, slowing every
+/// session. A chunk ends here; a few slots stay free for the settlements of
+/// failures, which run in subtransactions of their own.
+pub fn subxid_cache_nearly_full() -> bool {
+    const MAX_CACHED_SUBXIDS: u8 = 64;
+    let status = unsafe { (*pg_sys::MyProc).subxidStatus };
+    status.overflowed || status.count >= MAX_CACHED_SUBXIDS - 8
+}
+
 /// The command whose attempt this worker is in, from before its handler starts
 /// until the attempt's outcome is known (what a worker stopped meanwhile is
 /// charged for).

@@ -191,7 +191,7 @@ unsafe extern "C-unwind" fn on_xact_event(event: pg_sys::XactEvent::Type, _arg: 
     match event {
         pg_sys::XactEvent::XACT_EVENT_COMMIT | pg_sys::XactEvent::XACT_EVENT_PARALLEL_COMMIT => {
             if WAKE_AT_COMMIT.with(|w| w.replace(false)) {
-                wake_idle_workers();
+                wake_workers();
             }
             let counters = COUNTERS.get();
             PENDING.with(|p| {
@@ -209,10 +209,14 @@ unsafe extern "C-unwind" fn on_xact_event(event: pg_sys::XactEvent::Type, _arg: 
 }
 
 /// Set the latch of every idle worker. Post-commit: must not raise.
-pub fn wake_idle_workers() {
+/// Busy workers are woken too: a commit that lands while a worker finishes
+/// its batch (after its last claim found nothing, before it waits) leaves its
+/// latch set, so that wait returns at once and claims again, instead of
+/// sleeping a whole poll interval.
+pub fn wake_workers() {
     let table = WORKERS.share();
     for slot in table.slots.iter() {
-        if slot.procno >= 0 && !slot.busy && slot.pid != unsafe { pg_sys::MyProcPid } {
+        if slot.procno >= 0 && slot.pid != unsafe { pg_sys::MyProcPid } {
             unsafe {
                 let proc_ = (*pg_sys::ProcGlobal).allProcs.add(slot.procno as usize);
                 pg_sys::SetLatch(&mut (*proc_).procLatch);

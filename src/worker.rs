@@ -183,17 +183,22 @@ impl Worker {
                 None => {}
             }
         }
+        // Pruning keeps pace with the engine busy or not: it runs between
+        // batches too, and an idle worker goes on at once while more is due.
+        let more_to_prune = self.maybe_prune();
         if !self.prefetched.is_empty() {
             let claimed = std::mem::take(&mut self.prefetched);
             return self.run_batch(claimed);
         }
-        self.maybe_prune();
 
         let claimed = match transaction(|| self.claim()) {
             Some(claimed) => claimed,
             None => return self.failed_turn(),
         };
         if claimed.is_empty() {
+            if more_to_prune {
+                return Duration::ZERO;
+            }
             return match transaction(next_due_ms) {
                 Some(Some(ms)) if ms > 0 => idle.min(Duration::from_millis(ms as u64)),
                 // Due now but not claimable (queue full or paused): a settlement wakes us.
@@ -248,7 +253,7 @@ impl Worker {
                     entered.set(entered.get() + 1);
                     chunk.execute(index, command);
                     ran += 1;
-                    if isolating || chunk_started.elapsed() >= CHUNK_BUDGET {
+                    if isolating || chunk_started.elapsed() >= CHUNK_BUDGET || executor::subxid_cache_nearly_full() {
                         break;
                     }
                 }
@@ -319,9 +324,10 @@ impl Worker {
     }
 
     /// Worker 0 deletes finished runs past `flow.retention`, a bounded batch at a time.
-    fn maybe_prune(&mut self) {
+    /// Returns whether more is due for deletion now.
+    fn maybe_prune(&mut self) -> bool {
         if self.index != 0 || self.last_prune.is_some_and(|at| at.elapsed() < PRUNE_INTERVAL) {
-            return;
+            return false;
         }
         self.last_prune = Some(Instant::now());
         let mut more = false;
@@ -343,6 +349,7 @@ impl Worker {
             // More may be waiting: come back on the next turn, not in PRUNE_INTERVAL.
             self.last_prune = None;
         }
+        more
     }
 
     fn failed_turn(&mut self) -> Duration {

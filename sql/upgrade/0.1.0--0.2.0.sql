@@ -68,3 +68,10 @@ DROP FUNCTION flow.define(text, regprocedure, integer, text, integer, interval, 
 DROP FUNCTION flow._define(oid, text, regprocedure, integer, text, integer, interval, interval, interval, interval);
 ALTER TABLE flow._definitions ADD COLUMN args_type regtype;
 ALTER TYPE flow.claimed_command ADD ATTRIBUTE args_type regtype;
+-- Runs, commands, attempts and waits lose their foreign keys (see
+-- sql/schema.sql): flow._prune deletes what they cascaded.
+ALTER TABLE flow._runs DROP CONSTRAINT _runs_name_version_fkey;
+ALTER TABLE flow._commands DROP CONSTRAINT _commands_run_id_fkey, DROP CONSTRAINT _commands_parent_id_fkey,
+    DROP CONSTRAINT _commands_queue_fkey, DROP CONSTRAINT _commands_name_version_fkey;
+ALTER TABLE flow._attempts DROP CONSTRAINT _attempts_command_id_fkey;
+ALTER TABLE flow._waits DROP CONSTRAINT _waits_command_id_fkey;
