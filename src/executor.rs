@@ -183,7 +183,10 @@ pub fn engine_query<R>(
                 let plan = client.prepare_mut(sql, types).unwrap_or_else(|e| error!("flow: {e}")).keep();
                 plans.insert(sql, plan);
             }
-            let table = client.update(&plans[sql], None, args).unwrap_or_else(|e| error!("flow: {e}"));
+            // select, not update: the plan was prepared mutating (it runs
+            // read-write), and `update` would also force a transaction id on
+            // the current (sub)transaction (see call_handler)
+            let table = client.select(&plans[sql], None, args).unwrap_or_else(|e| error!("flow: {e}"));
             read(table)
         })
     }))
@@ -632,8 +635,12 @@ fn call_handler(command: &Claimed, context: Option<&JsonB>) -> Option<JsonB> {
         HANDLER_PLANS.with(|plans| {
             let plans = plans.borrow();
             let args = [DatumWithOid::from(JsonB(command.args.0.clone())), DatumWithOid::from(context.map(|c| JsonB(c.0.clone())))];
+            // The plan was prepared mutating, so it runs read-write; pgrx's
+            // `update` would also assign the handler's subtransaction a
+            // transaction id, which costs every handler that writes nothing a
+            // pg_subtrans entry and a slot of the 64-entry subxid cache.
             client
-                .update(&plans[&key], Some(1), &args)
+                .select(&plans[&key], Some(1), &args)
                 .and_then(|t| t.first().get_one::<JsonB>())
                 .unwrap_or_else(|e| error!("flow: {e}"))
         })
