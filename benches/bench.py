@@ -21,8 +21,8 @@ Targets (each a ratio measured here, never an absolute time):
               with 1,000 pending; the claim's plan is printed
   snapshot    drain while another session holds a snapshot >= 0.8x without
   external    4 clients claiming 100 + complete_many >= 1x graphile's drain
-  churn       10 minutes (--quick: 1) at half the peak rate with
-              flow.retention = '1 min': table sizes per interval (plateau)
+  churn       10 minutes at half the peak drain rate with flow.retention =
+              '1 min' (--quick: 2 minutes, '20 s'): sizes per interval (plateau)
 It is a benchmark, not a test: CI runs none of it.
 """
 import json
@@ -205,11 +205,11 @@ def claim_plan(pg):
         return [r[0] for r in c.execute("EXPLAIN EXECUTE heads('{}')").fetchall()]
 
 
-def churn(pg, seconds, rate, every):
-    """Enqueue at `rate` runs/s for `seconds` with flow.retention = '1 min';
-    returns [(elapsed s, flow's relation sizes in MB, runs kept)]."""
+def churn(pg, seconds, rate, every, retention):
+    """Enqueue at `rate` runs/s for `seconds` with flow.retention = `retention`;
+    returns [(elapsed s, MB of flow's tables with their indexes, runs kept, runs pending)]."""
     with pg.connect() as c:
-        c.execute("ALTER SYSTEM SET flow.retention = '1 min'")
+        c.execute(f"ALTER SYSTEM SET flow.retention = '{retention}'")
         c.execute("SELECT pg_reload_conf()")
         c.execute("SELECT flow.set_queue('drain', paused => false)")
         samples, t0, sent, next_sample = [], time.perf_counter(), 0, every
@@ -225,8 +225,9 @@ def churn(pg, seconds, rate, every):
                 mb = c.execute("SELECT round(sum(pg_total_relation_size(c.oid)) / 1048576.0, 1) FROM pg_class c"
                                " JOIN pg_namespace n ON n.oid = c.relnamespace"
                                " WHERE n.nspname = 'flow' AND c.relkind = 'r'").fetchone()[0]
-                kept = c.execute("SELECT count(*) FROM flow._runs").fetchone()[0]
-                samples.append((round(now), float(mb), kept))
+                kept, pending = c.execute("SELECT count(*), count(*) FILTER (WHERE status = 'running')"
+                                          " FROM flow._runs").fetchone()
+                samples.append((round(now), float(mb), kept, pending))
                 next_sample += every
         c.execute("ALTER SYSTEM RESET flow.retention")
         c.execute("SELECT pg_reload_conf()")
@@ -249,7 +250,7 @@ def main():
     quick = "--quick" in sys.argv
     rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else (1 if quick else 3)
     scale_n = 100_000 if quick else 1_000_000
-    churn_s = 60 if quick else 600
+    churn_s, retention = (120, "20 s") if quick else (600, "1 min")
     print(f"flow benchmark, {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores, "
           f"loadavg {open('/proc/loadavg').read().split()[:3]}, {rounds} interleaved round(s)"
           f"{' (--quick)' if quick else ''}", flush=True)
@@ -292,7 +293,7 @@ def main():
         add("plain-SQL floor, 2 sessions (jobs/s)", floor(pg, 2))
         plan = claim_plan(pg)
         peak = statistics.median(fig["flow drain flow.noop (jobs/s)"])
-        samples = churn(pg, churn_s, peak / 2, churn_s / 10)
+        samples = churn(pg, churn_s, peak / 2, churn_s / 10, retention)
     finally:
         pg.stop()
         subprocess.run([str(PEERS / "pg.sh"), "stop"], capture_output=True)
@@ -326,9 +327,10 @@ def main():
           f"a reader ran {m['reader during the writing drain (queries/s)']:,.0f} queries/s during it, "
           f"{m['reader alone (queries/s)']:,.0f} alone")
     print("\nclaim, generic plan of the queue-head probe:\n  " + "\n  ".join(plan))
-    print(f"\nchurn at {peak / 2:,.0f} runs/s, flow.retention = '1 min' (s, MB of flow's tables, runs kept):")
-    for at, mb, kept in samples:
-        print(f"  {at:>5} s  {mb:>8.1f} MB  {kept:>9,}")
+    print(f"\nchurn at {peak / 2:,.0f} runs/s for {churn_s} s, flow.retention = '{retention}' "
+          "(elapsed, MB of flow's tables and indexes, runs kept, of which not finished):")
+    for at, mb, kept, pending in samples:
+        print(f"  {at:>5} s  {mb:>8.1f} MB  {kept:>9,}  {pending:>7,}")
 
 
 

@@ -592,9 +592,12 @@ LANGUAGE sql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
 $$;
 
 -- The context a handler or external worker sees for a command in its current attempt.
+-- (plpgsql, not sql: called per claimed command, and a SQL function with a
+-- SET clause is planned again on every call)
 CREATE FUNCTION flow._context(c flow._commands) RETURNS flow.context
-LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
-    SELECT ROW(c.run_id, (SELECT r.key FROM flow._runs r WHERE r.id = c.run_id), c.id, c.key, c.name,
+LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    RETURN ROW(c.run_id, (SELECT r.key FROM flow._runs r WHERE r.id = c.run_id), c.id, c.key, c.name,
                c.version, c.queue, c.attempts, c.attempt_deadline,
                coalesce((SELECT jsonb_agg(jsonb_build_object('name', w.name, 'key', w.key,
                                  'payload', e.payload, 'position', e.position) ORDER BY w.name, w.key)
@@ -604,8 +607,8 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
                coalesce((SELECT jsonb_agg(jsonb_build_object('name', w.name, 'key', w.key) ORDER BY w.name, w.key)
                          FROM flow._waits w WHERE w.command_id = c.id AND w.event_position IS NULL),
                         '[]'::jsonb),
-               c.created_at, c.budget_started_at, c.attempt_started_at)::flow.context
-$$;
+               c.created_at, c.budget_started_at, c.attempt_started_at)::flow.context;
+END $$;
 
 -- Claim up to max_count due commands in one short transaction (rule 3): the
 -- attempt is counted and its lease recorded before any handler runs.

@@ -97,7 +97,10 @@ ALTER TABLE flow._waits DROP CONSTRAINT _waits_command_id_fkey;
 -- lifetime, often from when _commands was empty, so the functions of the
 -- claim, settle and recovery paths run with `enable_seqscan = off` and query
 -- by index (queue heads by ORDER BY ... LIMIT 1 probes). They stay index
--- driven from 0 to 10M rows (pg_test/test_scale.py checks it).
+-- driven from 0 to 10M rows (pg_test/test_scale.py checks it). And `jit =
+-- off`: the cost penalty of a sequential scan that has no alternative (of
+-- the few rows of _queues) would otherwise pass jit_above_cost, and compiling
+-- takes 100+ ms per call.
 
 -- ---------------------------------------------------------------- helpers
 
@@ -675,9 +678,12 @@ LANGUAGE sql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
 $$;
 
 -- The context a handler or external worker sees for a command in its current attempt.
+-- (plpgsql, not sql: called per claimed command, and a SQL function with a
+-- SET clause is planned again on every call)
 CREATE OR REPLACE FUNCTION flow._context(c flow._commands) RETURNS flow.context
-LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
-    SELECT ROW(c.run_id, (SELECT r.key FROM flow._runs r WHERE r.id = c.run_id), c.id, c.key, c.name,
+LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    RETURN ROW(c.run_id, (SELECT r.key FROM flow._runs r WHERE r.id = c.run_id), c.id, c.key, c.name,
                c.version, c.queue, c.attempts, c.attempt_deadline,
                coalesce((SELECT jsonb_agg(jsonb_build_object('name', w.name, 'key', w.key,
                                  'payload', e.payload, 'position', e.position) ORDER BY w.name, w.key)
@@ -687,8 +693,8 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
                coalesce((SELECT jsonb_agg(jsonb_build_object('name', w.name, 'key', w.key) ORDER BY w.name, w.key)
                          FROM flow._waits w WHERE w.command_id = c.id AND w.event_position IS NULL),
                         '[]'::jsonb),
-               c.created_at, c.budget_started_at, c.attempt_started_at)::flow.context
-$$;
+               c.created_at, c.budget_started_at, c.attempt_started_at)::flow.context;
+END $$;
 
 -- Claim up to max_count due commands in one short transaction (rule 3): the
 -- attempt is counted and its lease recorded before any handler runs.
@@ -700,7 +706,7 @@ $$;
 CREATE OR REPLACE FUNCTION flow._claim(owner_name text, owner_pid integer, owner_started timestamptz,
     max_count integer, lease interval, names text[], turn integer)
 RETURNS SETOF flow.claimed_command
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET jit = off AS $$
 DECLARE
     lanes text[];
     limited text[];
@@ -810,7 +816,7 @@ END $$;
 -- Milliseconds until the next command becomes due (NULL: none scheduled), so
 -- an idle worker sleeps exactly that long (rule 1).
 CREATE OR REPLACE FUNCTION flow._next_due_ms() RETURNS bigint
-LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp SET enable_seqscan = off AS $$
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET jit = off AS $$
     SELECT (extract(epoch FROM min(h.next_run_at) - clock_timestamp()) * 1000)::bigint
     FROM flow._queues q CROSS JOIN LATERAL (
         SELECT c.next_run_at FROM flow._commands c                  -- index _commands_due
@@ -839,7 +845,7 @@ END $$;
 -- (plpgsql, not sql: its plan is cached per session; an sql function called
 -- from plpgsql is planned again on every call, ~70 µs.)
 CREATE OR REPLACE FUNCTION flow._lock_runs_of(command_ids uuid[]) RETURNS void
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET jit = off AS $$
 BEGIN
     PERFORM 1 FROM flow._runs r
     WHERE r.id IN (SELECT c.run_id FROM flow._commands c WHERE c.id = ANY (command_ids))
@@ -850,7 +856,7 @@ END $$;
 -- false): for work that can wait for a later round, such as concluding an
 -- attempt whose owner is gone.
 CREATE OR REPLACE FUNCTION flow._try_lock_run_of(command_id uuid) RETURNS boolean
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET jit = off AS $$
 BEGIN
     PERFORM 1 FROM flow._runs r
     WHERE r.id = (SELECT c.run_id FROM flow._commands c WHERE c.id = _try_lock_run_of.command_id)
@@ -861,7 +867,7 @@ END $$;
 -- Close every unfinished command of a run (cancel or run failure). A running
 -- one gets an attempt row; its worker's later settlement finds no lease.
 CREATE OR REPLACE FUNCTION flow._close_open_commands(run_id uuid, reason text) RETURNS void
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET jit = off AS $$
 DECLARE
     interrupted integer;
 BEGIN
@@ -888,7 +894,7 @@ END $$;
 -- skipped, never waited for: its commands are handed back (_release).
 CREATE OR REPLACE FUNCTION flow._begin_batch(command_ids uuid[], lease_tokens uuid[])
 RETURNS TABLE (command_id uuid, run_locked boolean)
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET jit = off AS $$
 DECLARE
     locked uuid[];
 BEGIN
@@ -908,7 +914,7 @@ END $$;
 -- elsewhere). Takes no run lock and skips a command row locked elsewhere;
 -- returns those still held, so the worker tries again later.
 CREATE OR REPLACE FUNCTION flow._release(command_ids uuid[], lease_tokens uuid[]) RETURNS SETOF uuid
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET jit = off AS $$
 DECLARE
     released uuid[];
 BEGIN
@@ -938,7 +944,7 @@ END $$;
 -- the attempt started at its claim), so an attempt's duration is its own.
 CREATE OR REPLACE FUNCTION flow._settle_batch(command_ids uuid[], lease_tokens uuid[], results jsonb[],
     handler_started timestamptz[] DEFAULT NULL) RETURNS integer
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET jit = off AS $$
 DECLARE
     settled integer;
     finished integer;
@@ -976,7 +982,7 @@ END $$;
 CREATE OR REPLACE FUNCTION flow._settle_failure(command_id uuid, lease_token uuid, outcome text, code text,
     message text, retry_delay interval DEFAULT NULL, handler_started timestamptz DEFAULT NULL)
 RETURNS text
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET jit = off AS $$
 DECLARE
     c flow._commands;
     d flow._definitions;
@@ -1043,7 +1049,7 @@ END $$;
 -- crash restart, has every command it held charged: the conservative side
 -- of rule 3.)
 CREATE OR REPLACE FUNCTION flow._recover() RETURNS integer
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET jit = off AS $$
 DECLARE
     lost record;
     concluded integer := 0;
@@ -1083,7 +1089,7 @@ END $$;
 -- the cut" is a range of the primary key: no index on finished_at is needed
 -- (one would make every run's final update non-HOT).
 CREATE OR REPLACE FUNCTION flow._prune(older_than interval, max_runs integer) RETURNS integer
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET jit = off AS $$
 DECLARE
     cut timestamptz := now() - older_than;
     hex text := lpad(to_hex((extract(epoch FROM cut) * 1000)::bigint), 12, '0');
@@ -1114,7 +1120,7 @@ END $$;
 -- flow.event_retention bounds. (index _events_name_key is not needed: the
 -- scan is by position, which grows with emitted_at.)
 CREATE OR REPLACE FUNCTION flow._retire_events(older_than interval, max_events integer) RETURNS integer
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET jit = off AS $$
 DECLARE
     retired integer;
 BEGIN
@@ -1227,7 +1233,7 @@ $$;
 -- Mark the open waits of one command satisfied by the newest journal entries
 -- and make it due when none is left open.
 CREATE OR REPLACE FUNCTION flow._promote_if_satisfied(command_id uuid) RETURNS void
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET jit = off AS $$
 BEGIN
     -- Lock first, check in the next statement: its fresh snapshot sees every
     -- wait satisfied by emitters that committed while we waited for the lock.
@@ -1385,7 +1391,7 @@ END $$;
 -- caller may resolve it. A wrong or stale token is FL013; a command already
 -- settled under this very token is FL017 (double completion).
 CREATE OR REPLACE FUNCTION flow._leased(caller oid, command_id uuid, lease_token uuid) RETURNS flow._commands
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET jit = off AS $$
 DECLARE
     c flow._commands;
     owner_ oid;
@@ -1452,7 +1458,7 @@ END $$;
 
 CREATE OR REPLACE FUNCTION flow._claim_external(caller oid, names text[], worker text, max_count integer, lease interval)
 RETURNS SETOF flow.claimed_command
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET jit = off AS $$
 DECLARE
     wanted text;
     expired record;
@@ -1549,7 +1555,7 @@ END $$;
 -- 'already_completed' for a second completion under the same token.
 CREATE OR REPLACE FUNCTION flow._complete_many(caller oid, command_ids uuid[], lease_tokens uuid[], results jsonb[])
 RETURNS TABLE (command_id uuid, status text)
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET jit = off AS $$
 DECLARE
     bad record;
 BEGIN

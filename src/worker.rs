@@ -44,6 +44,9 @@ const ISOLATION_PERIOD: Duration = Duration::from_secs(10);
 /// their run's lock to close them first.
 const HAND_BACK_DELAY: Duration = Duration::from_millis(1000);
 
+/// The smallest chunk window (see Worker::chunk_window).
+const MIN_CHUNK_WINDOW: usize = 8;
+
 unsafe extern "C-unwind" {
     /// PostgreSQL's SIGTERM handler for backends: a fast shutdown cancels a
     /// running handler at its next interrupt check (pgrx's only sets a flag).
@@ -131,6 +134,8 @@ struct Worker {
     /// Recent time per command (µs, moving average), to size the next claim.
     per_command_us: f64,
     last_prune: Option<Instant>,
+    /// How many commands the next chunk locks runs for and may run (see run_batch).
+    chunk_window: usize,
     /// Until when chunks hold one command each (see ISOLATION_PERIOD).
     isolate_until: Option<Instant>,
     /// Claimed commands to hand back to their queue (flow._release), with
@@ -153,6 +158,7 @@ impl Worker {
             last_prune: None,
             isolate_until: None,
             unreleased: Vec::new(),
+            chunk_window: usize::MAX,
         }
     }
 
@@ -174,39 +180,47 @@ impl Worker {
                 }
             }
         }
+        // Work first: a wake-up at commit goes straight to the claim; upkeep
+        // (recovery, pruning) runs after a batch, or when there was nothing to do.
+        let claimed = if self.prefetched.is_empty() {
+            match transaction(|| self.claim()) {
+                Some(claimed) => claimed,
+                None => return self.failed_turn(),
+            }
+        } else {
+            std::mem::take(&mut self.prefetched)
+        };
+        if !claimed.is_empty() {
+            let sleep = self.run_batch(claimed);
+            self.upkeep();
+            return sleep;
+        }
+        match self.upkeep() {
+            None => return self.failed_turn(),
+            // Pruning keeps pace: an idle worker goes on at once while more is due.
+            Some(true) => return Duration::ZERO,
+            Some(false) => {}
+        }
+        match transaction(next_due_ms) {
+            Some(Some(ms)) if ms > 0 => idle.min(Duration::from_millis(ms as u64)),
+            // Due now but not claimable (queue full or paused): a settlement wakes us.
+            Some(_) => idle,
+            None => self.failed_turn(),
+        }
+    }
+
+    /// Recovery (every RECOVERY_INTERVAL) and pruning (worker 0) when due.
+    /// Returns whether more is due for pruning now, None if recovery failed.
+    fn upkeep(&mut self) -> Option<bool> {
         if self.last_recovery.is_none_or(|at| at.elapsed() >= RECOVERY_INTERVAL) {
             self.last_recovery = Some(Instant::now());
             match transaction(recover) {
                 Some(0) => {}
                 Some(n) => executor::log(&format!("flow: concluded {n} attempts whose owner was gone")),
-                None if self.prefetched.is_empty() => return self.failed_turn(),
-                None => {}
+                None => return None,
             }
         }
-        // Pruning keeps pace with the engine busy or not: it runs between
-        // batches too, and an idle worker goes on at once while more is due.
-        let more_to_prune = self.maybe_prune();
-        if !self.prefetched.is_empty() {
-            let claimed = std::mem::take(&mut self.prefetched);
-            return self.run_batch(claimed);
-        }
-
-        let claimed = match transaction(|| self.claim()) {
-            Some(claimed) => claimed,
-            None => return self.failed_turn(),
-        };
-        if claimed.is_empty() {
-            if more_to_prune {
-                return Duration::ZERO;
-            }
-            return match transaction(next_due_ms) {
-                Some(Some(ms)) if ms > 0 => idle.min(Duration::from_millis(ms as u64)),
-                // Due now but not claimable (queue full or paused): a settlement wakes us.
-                Some(_) => idle,
-                None => self.failed_turn(),
-            };
-        }
-        self.run_batch(claimed)
+        Some(self.maybe_prune())
     }
 
     /// Release the handed-back commands put aside at least HAND_BACK_DELAY ago.
@@ -238,13 +252,16 @@ impl Worker {
         while !rest.is_empty() {
             let index = self.index;
             let this = &*self;
+            // The commands this chunk may run (it begins by locking their runs):
+            // as many as the last chunk that ended early managed, or all.
+            let window = &rest[..rest.len().min(self.chunk_window)];
             // How many commands of this chunk were entered (1 in isolation: the culprit).
             let entered = Cell::new(0usize);
             let ran = try_transaction(|| {
-                let mut chunk = executor::Chunk::begin(rest);
+                let mut chunk = executor::Chunk::begin(window);
                 let chunk_started = Instant::now();
                 let mut ran = 0;
-                for command in rest {
+                for command in window {
                     let (id, run) = (*command.command_id.as_bytes(), *command.run_id.as_bytes());
                     shmem::set_worker_state(index, true, Some((id, run)), 1);
                     // Order matters: a cancel sets its flag before it signals, so
@@ -263,6 +280,9 @@ impl Worker {
             });
             match ran {
                 Ok((ran, next, handed_back)) => {
+                    // A chunk cut short (time, subtransaction ids) sizes the next
+                    // window; one that ran its whole window lets it grow again.
+                    self.chunk_window = if ran < window.len() { ran.max(MIN_CHUNK_WINDOW) } else { window.len().saturating_mul(2) };
                     let at = Instant::now();
                     self.unreleased.extend(handed_back.into_iter().map(|(id, token)| (id, token, at)));
                     let runs: Vec<[u8; 16]> = rest[..ran].iter().map(|c| *c.run_id.as_bytes()).collect();
