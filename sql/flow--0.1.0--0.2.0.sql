@@ -79,6 +79,14 @@ ALTER TABLE flow._commands DROP CONSTRAINT _commands_run_id_fkey, DROP CONSTRAIN
     DROP CONSTRAINT _commands_queue_fkey, DROP CONSTRAINT _commands_name_version_fkey;
 ALTER TABLE flow._attempts DROP CONSTRAINT _attempts_command_id_fkey;
 ALTER TABLE flow._waits DROP CONSTRAINT _waits_command_id_fkey;
+-- Commands say whether external workers run them; the claim index keeps the
+-- two kinds apart (see sql/schema.sql).
+ALTER TABLE flow._commands ADD COLUMN external boolean NOT NULL DEFAULT false;
+UPDATE flow._commands c SET external = true
+FROM flow._definitions d WHERE d.name = c.name AND d.version = c.version AND d.handler IS NULL;
+DROP INDEX flow._commands_due;
+CREATE INDEX _commands_due ON flow._commands (queue, external, next_run_at, id)
+    WHERE status IN ('pending', 'waiting');
 
 -- src/lib.rs:24
 -- requires:
@@ -396,6 +404,11 @@ BEGIN
         max_attempts = excluded.max_attempts, backoff = excluded.backoff,
         backoff_max = excluded.backoff_max, max_elapsed = excluded.max_elapsed,
         timeout = excluded.timeout, args_type = excluded.args_type, updated_at = now();
+    -- A version redefined with or without a handler changes who runs its
+    -- commands still to come (rare: a scan of the unfinished commands is fine).
+    UPDATE flow._commands c SET external = (handler IS NULL)
+    WHERE c.name = _define.name AND c.version = _define.version
+      AND c.status IN ('pending', 'waiting') AND c.external <> (handler IS NULL);
 END $$;
 
 -- Open a definition (every version) to another role, or close it again.
@@ -578,10 +591,10 @@ RETURNS void
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     INSERT INTO flow._commands (id, run_id, key, name, version, queue, args, declaration, status,
-        next_run_at, not_before, budget_started_at, deadline)
+        next_run_at, not_before, budget_started_at, deadline, external)
     SELECT flow._new_id(), t.run_id, 'root', d.name, d.version, lane, t.args,
         jsonb_build_object('name', d.name, 'version', d.version, 'args', t.args, 'queue', lane),
-        'pending', due, due, due, ends
+        'pending', due, due, due, ends, d.handler IS NULL
     FROM unnest(run_ids, args) AS t(run_id, args);
     PERFORM flow._wake();
 END $$;
@@ -725,7 +738,7 @@ BEGIN
     INTO lanes, limited
     FROM flow._queues q CROSS JOIN LATERAL (
         SELECT c.next_run_at FROM flow._commands c                  -- index _commands_due
-        WHERE c.queue = q.name AND c.status IN ('pending', 'waiting')
+        WHERE c.queue = q.name AND c.external = (names IS NOT NULL) AND c.status IN ('pending', 'waiting')
         ORDER BY c.next_run_at LIMIT 1) h
     WHERE NOT q.paused AND h.next_run_at <= now();
     -- Limited queues are locked before their running commands are counted
@@ -765,9 +778,9 @@ BEGIN
                         ELSE c.budget_started_at END AS budget_start
             FROM flow._commands c                                   -- index _commands_due
             JOIN flow._definitions d ON d.name = c.name AND d.version = c.version
-            WHERE c.queue = l.name AND c.status IN ('pending', 'waiting') AND c.next_run_at <= now()
-              AND CASE WHEN names IS NULL THEN d.handler IS NOT NULL
-                       ELSE d.handler IS NULL AND d.name = ANY (names) END
+            WHERE c.queue = l.name AND c.external = (names IS NOT NULL)
+              AND c.status IN ('pending', 'waiting') AND c.next_run_at <= now()
+              AND (names IS NULL OR d.name = ANY (names))
             ORDER BY c.next_run_at, c.id
             LIMIT least(l.room, max_count)
             FOR UPDATE OF c SKIP LOCKED
@@ -820,7 +833,8 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp SET enable_seqscan = o
     SELECT (extract(epoch FROM min(h.next_run_at) - clock_timestamp()) * 1000)::bigint
     FROM flow._queues q CROSS JOIN LATERAL (
         SELECT c.next_run_at FROM flow._commands c                  -- index _commands_due
-        WHERE c.queue = q.name AND c.status IN ('pending', 'waiting') AND c.next_run_at < 'infinity'
+        WHERE c.queue = q.name AND NOT c.external AND c.status IN ('pending', 'waiting')
+          AND c.next_run_at < 'infinity'
         ORDER BY c.next_run_at LIMIT 1) h
     WHERE NOT q.paused
 $$;
@@ -1345,14 +1359,14 @@ BEGIN
         'waits', (SELECT coalesce(jsonb_agg(DISTINCT jsonb_build_object('name', w.name, 'key', w.key)), '[]')
                   FROM unnest(waits) w));
     INSERT INTO flow._commands (id, run_id, parent_id, key, name, version, queue, args, declaration, status,
-        next_run_at, not_before, budget_started_at, deadline)
+        next_run_at, not_before, budget_started_at, deadline, external)
     VALUES (child, parent.run_id, parent.id, key, d.name, d.version, lane, args, declared,
         CASE WHEN cardinality(waits) > 0 THEN 'waiting' ELSE 'pending' END::flow.command_status,
         -- a wait ends at `within`, and at the run's deadline at the latest
         CASE WHEN cardinality(waits) = 0 THEN due
              ELSE least(CASE WHEN within IS NULL THEN 'infinity' ELSE greatest(now() + within, due) END,
                         coalesce(parent.deadline, 'infinity')) END,
-        due, due, parent.deadline)
+        due, due, parent.deadline, d.handler IS NULL)
     ON CONFLICT ON CONSTRAINT _commands_run_id_key_key DO NOTHING;
     IF NOT FOUND THEN
         -- Keys are unique within a run: the same declaration again is a no-op

@@ -178,6 +178,7 @@ CREATE TABLE flow._commands (
     created_at        timestamptz NOT NULL DEFAULT now(),
     finished_at       timestamptz,
     lease_interval    interval,              -- an external lease's length: what a heartbeat extends by
+    external          boolean NOT NULL DEFAULT false,  -- its definition has no handler: external workers run it
     UNIQUE (run_id, key),
     CHECK ((status = 'running') = (lease_token IS NOT NULL)),
     CHECK ((status = 'running') = (lease_expires_at IS NOT NULL)),
@@ -187,8 +188,10 @@ CREATE TABLE flow._commands (
     CHECK (status = 'succeeded' OR result IS NULL),
     CHECK (status <> 'running' OR attempts >= 1)
 );
--- The claim path: due commands of one queue in (next_run_at, id) order.
-CREATE INDEX _commands_due ON flow._commands (queue, next_run_at, id)
+-- The claim path: due commands of one queue in (next_run_at, id) order,
+-- those for in-database workers apart from those for external workers, so
+-- neither kind's backlog is in the other's way.
+CREATE INDEX _commands_due ON flow._commands (queue, external, next_run_at, id)
     WHERE status IN ('pending', 'waiting');
 -- Concurrency accounting and recovery of dead owners.
 CREATE INDEX _commands_running ON flow._commands (queue) WHERE status = 'running';

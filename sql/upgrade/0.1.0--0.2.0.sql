@@ -75,3 +75,11 @@ ALTER TABLE flow._commands DROP CONSTRAINT _commands_run_id_fkey, DROP CONSTRAIN
     DROP CONSTRAINT _commands_queue_fkey, DROP CONSTRAINT _commands_name_version_fkey;
 ALTER TABLE flow._attempts DROP CONSTRAINT _attempts_command_id_fkey;
 ALTER TABLE flow._waits DROP CONSTRAINT _waits_command_id_fkey;
+-- Commands say whether external workers run them; the claim index keeps the
+-- two kinds apart (see sql/schema.sql).
+ALTER TABLE flow._commands ADD COLUMN external boolean NOT NULL DEFAULT false;
+UPDATE flow._commands c SET external = true
+FROM flow._definitions d WHERE d.name = c.name AND d.version = c.version AND d.handler IS NULL;
+DROP INDEX flow._commands_due;
+CREATE INDEX _commands_due ON flow._commands (queue, external, next_run_at, id)
+    WHERE status IN ('pending', 'waiting');
