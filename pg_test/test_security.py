@@ -150,7 +150,15 @@ def mallory_on_every_worker(pg, sql):
     pg.one(f"SELECT flow.define('{name}', 'app.mallory_sql'::regproc, max_attempts => 1)", user="mallory")
     workers = {r[0] for r in pg.all("SELECT pid FROM flow.workers")}
     seen = set()
-    for _ in range(40):
+    busy = unique("busy")
+    pg.one(f"SELECT flow.define('{busy}', 'flow.run_sql'::regproc)")
+    for i in range(40):
+        # an idle engine hands single runs to its first idle worker: every
+        # other round, keep a worker busy so that the run lands on another
+        if i % 2:
+            blocker = pg.one(f"SELECT flow.enqueue('{busy}', '{{\"sql\": \"SELECT pg_sleep(0.3)\"}}')")
+            pg.wait_for("SELECT count(*) = 1 FROM flow.workers w JOIN flow._commands c ON c.id = w.command_id"
+                        " WHERE c.run_id = %s", blocker, timeout=5)
         run = pg.one("SELECT flow.enqueue(%s, jsonb_build_object('sql', %s::text))", name, sql, user="mallory")
         status, result, _ = pg.await_run(run, user="mallory")
         assert status == "succeeded"

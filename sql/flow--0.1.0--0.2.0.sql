@@ -827,7 +827,10 @@ BEGIN
 END $$;
 
 -- Milliseconds until the next command becomes due (NULL: none scheduled), so
--- an idle worker sleeps exactly that long (rule 1).
+-- an idle worker sleeps exactly that long (rule 1). Queues that are paused or
+-- full are left out: what frees them (flow.set_queue, a settlement) wakes the
+-- workers. So "due now" means a claim may take it: it came due after the
+-- worker's last claim.
 CREATE OR REPLACE FUNCTION flow._next_due_ms() RETURNS bigint
 LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET jit = off AS $$
     SELECT (extract(epoch FROM min(h.next_run_at) - clock_timestamp()) * 1000)::bigint
@@ -837,6 +840,9 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp SET enable_seqscan = o
           AND c.next_run_at < 'infinity'
         ORDER BY c.next_run_at LIMIT 1) h
     WHERE NOT q.paused
+      AND (q.concurrency IS NULL
+           OR q.concurrency > (SELECT count(*) FROM flow._commands r      -- index _commands_running
+                               WHERE r.queue = q.name AND r.status = 'running'))
 $$;
 
 -- ---------------------------------------------------------------- settle
@@ -986,7 +992,10 @@ BEGIN
       AND NOT EXISTS (SELECT 1 FROM flow._commands c WHERE c.run_id = r.id AND c.finished_at IS NULL);
     GET DIAGNOSTICS finished = ROW_COUNT;
     PERFORM flow._observe('attempts_succeeded', settled), flow._observe('runs_succeeded', finished);
-    PERFORM flow._wake();
+    -- a limited queue may have room now (otherwise nobody is waiting for this)
+    IF EXISTS (SELECT 1 FROM flow._queues q WHERE q.concurrency IS NOT NULL) THEN
+        PERFORM flow._wake();
+    END IF;
     RETURN settled;
 END $$;
 

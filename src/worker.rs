@@ -44,6 +44,10 @@ const ISOLATION_PERIOD: Duration = Duration::from_secs(10);
 /// their run's lock to close them first.
 const HAND_BACK_DELAY: Duration = Duration::from_millis(1000);
 
+/// How long a worker waits before claiming again when work is due that its
+/// last claim did not get (see Worker::turn).
+const DUE_AGAIN_PAUSE: Duration = Duration::from_millis(10);
+
 /// The smallest chunk window (see Worker::chunk_window).
 const MIN_CHUNK_WINDOW: usize = 8;
 
@@ -134,6 +138,8 @@ struct Worker {
     /// Recent time per command (µs, moving average), to size the next claim.
     per_command_us: f64,
     last_prune: Option<Instant>,
+    /// The last claim came back short of its size (see turn).
+    took_all_due: Cell<bool>,
     /// How many commands the next chunk locks runs for and may run (see run_batch).
     chunk_window: usize,
     /// Until when chunks hold one command each (see ISOLATION_PERIOD).
@@ -159,6 +165,7 @@ impl Worker {
             isolate_until: None,
             unreleased: Vec::new(),
             chunk_window: usize::MAX,
+            took_all_due: Cell::new(false),
         }
     }
 
@@ -182,13 +189,19 @@ impl Worker {
         }
         // Work first: a wake-up at commit goes straight to the claim; upkeep
         // (recovery, pruning) runs after a batch, or when there was nothing to do.
-        let claimed = if self.prefetched.is_empty() {
+        // A claim that came back short took everything due then; anything due
+        // since was committed with a wake-up (this worker's latch is set if
+        // no other worker was idle), so the turn right after it skips the claim.
+        let skip_claim = self.prefetched.is_empty() && self.took_all_due.replace(false);
+        let claimed = if !self.prefetched.is_empty() {
+            std::mem::take(&mut self.prefetched)
+        } else if skip_claim {
+            Vec::new()
+        } else {
             match transaction(|| self.claim()) {
                 Some(claimed) => claimed,
                 None => return self.failed_turn(),
             }
-        } else {
-            std::mem::take(&mut self.prefetched)
         };
         if !claimed.is_empty() {
             let sleep = self.run_batch(claimed);
@@ -203,8 +216,12 @@ impl Worker {
         }
         match transaction(next_due_ms) {
             Some(Some(ms)) if ms > 0 => idle.min(Duration::from_millis(ms as u64)),
-            // Due now but not claimable (queue full or paused): a settlement wakes us.
-            Some(_) => idle,
+            // Due now in a queue with room: it came due after the claim (or the
+            // claim was skipped), so claim again, after a breath in case what
+            // holds it back is a lock (a run or a limited queue locked elsewhere).
+            Some(Some(_)) if skip_claim => Duration::ZERO,
+            Some(Some(_)) => DUE_AGAIN_PAUSE,
+            Some(None) => idle,
             None => self.failed_turn(),
         }
     }
@@ -382,7 +399,13 @@ impl Worker {
         let turn = self.turn.get().wrapping_add(1);
         self.turn.set(turn);
         let started = Instant::now();
-        let claimed = executor::claim(&self.name, self.backend_start, self.claim_size(), turn);
+        let size = self.claim_size();
+        let claimed = executor::claim(&self.name, self.backend_start, size, turn);
+        if claimed.len() >= size as usize {
+            // more may be due: bring in an idle worker
+            shmem::wake_workers();
+        }
+        self.took_all_due.set(claimed.len() < size as usize);
         shmem::observe("claims", 1);
         shmem::observe("claims_empty", claimed.is_empty() as u64);
         shmem::observe("claimed", claimed.len() as u64);
