@@ -391,6 +391,24 @@ def test_queues_belong_to_their_creator(pg):
     assert pg.one(f"SELECT count(*) FROM flow.queues WHERE name = '{q}'", user="mallory") == 0
 
 
+def test_a_queue_is_dropped_by_its_owner_once_nothing_uses_it(pg):
+    q = unique("drop_q")
+    pg.one(f"SELECT flow.set_queue('{q}', paused => true)", user="alice")
+    assert pg.sqlstate(f"SELECT flow.drop_queue('{q}')", user="mallory") == "FL011"
+    assert pg.sqlstate("SELECT flow.drop_queue('default')", user="mallory") == "FL011"
+    name = unique("on_drop_q")
+    pg.one(f"SELECT flow.define('{name}', 'app.alice_void'::regproc, queue => '{q}')", user="alice")
+    assert pg.sqlstate(f"SELECT flow.drop_queue('{q}')", user="alice") == "2BP01"   # a definition uses it
+    other = unique("other_q")
+    pg.one(f"SELECT flow.set_queue('{other}', paused => true)", user="alice")
+    run = pg.one(f"SELECT flow.enqueue('{name}', queue => '{other}')", user="alice")
+    assert pg.sqlstate(f"SELECT flow.drop_queue('{other}')", user="alice") == "2BP01"   # a command waits in it
+    pg.one(f"SELECT flow.cancel('{run}')", user="alice")
+    assert pg.one(f"SELECT flow.drop_queue('{other}')", user="alice") is True
+    assert pg.one(f"SELECT flow.drop_queue('{other}')", user="alice") is False
+    assert pg.one(f"SELECT count(*) FROM flow._queues WHERE name = '{other}'") == 0
+
+
 # ---------------------------------------------------------------- 9. other roles' events
 
 def test_a_workflow_cannot_read_another_roles_events(pg):
@@ -617,6 +635,40 @@ def restart_workers(pg):
     pg.wait_for("SELECT count(*) = 2 FROM flow.workers WHERE pid IS NOT NULL AND pid <> ALL (%s)", list(old))
 
 
+def warm_workers(pg):
+    """Fresh workers that have seen only fast handlers: they claim whole
+    batches, so what is enqueued into a paused queue runs in one batch."""
+    restart_workers(pg)
+    warm = unique("warm")
+    pg.one(f"SELECT flow.define('{warm}', 'app.alice_void'::regproc)", user="alice")
+    for _ in range(3):
+        for run in pg.one(f"SELECT flow.enqueue_many('{warm}', array_fill('{{}}'::jsonb, array[50]))", user="alice"):
+            pg.await_run(run, "30s", user="alice")
+
+
+def test_set_constraints_in_one_handler_does_not_reach_the_next(pg):
+    """mallory's handler makes every constraint immediate; alice's handler,
+    next in the same batch, still gets her deferred foreign key checked at the
+    end of her attempt (the worker commits between them)."""
+    q = unique("sc")
+    pg.one(f"SELECT flow.set_queue('{q}', paused => true)", user="alice")
+    pg.one(f"SELECT flow.grant_queue('{q}', 'mallory')", user="alice")
+    m, a = unique("m"), unique("a")
+    pg.one(f"SELECT flow.define('{m}', 'app.mallory_sql'::regproc, queue => '{q}', max_attempts => 1)",
+           user="mallory")
+    pg.one(f"SELECT flow.define('{a}', 'app.alice_family'::regproc, queue => '{q}', max_attempts => 1)",
+           user="alice")
+    warm_workers(pg)
+    first = pg.one(f"SELECT flow.enqueue('{m}', '{{\"sql\": \"SET CONSTRAINTS ALL IMMEDIATE\"}}')",
+                   user="mallory")
+    runs = [pg.one(f"SELECT flow.enqueue('{a}', jsonb_build_object('id', 7100 + {i}, 'parent', 7100 + {i},"
+                   " 'with_parent', true))", user="alice") for i in range(5)]
+    pg.one(f"SELECT flow.set_queue('{q}', paused => false)", user="alice")
+    assert pg.await_run(first, "30s", user="mallory")[0] == "succeeded"
+    for run in runs:
+        assert pg.await_run(run, "30s", user="alice")[0] == "succeeded"
+
+
 def test_a_stopped_worker_charges_only_the_attempt_it_was_in(pg):
     """A handler that swallows its timeout gets its worker stopped: the other
     commands that worker had claimed never started an attempt, so they go back
@@ -639,14 +691,8 @@ def test_a_stopped_worker_charges_only_the_attempt_it_was_in(pg):
     handed_back = pg.one("SELECT value FROM flow.stats WHERE name = 'handed_back'")
     stubborn = pg.one(f"SELECT flow.enqueue('{bad}')", user="mallory")
     runs = pg.one(f"SELECT flow.enqueue_many('{good}', array_fill('{{}}'::jsonb, array[30]))", user="alice")
-    # workers that have seen only fast handlers claim whole batches, so the
-    # stubborn command's worker holds alice's commands too
-    restart_workers(pg)
-    warm = unique("warm")
-    pg.one(f"SELECT flow.define('{warm}', 'app.alice_void'::regproc)", user="alice")
-    for _ in range(3):
-        for run in pg.one(f"SELECT flow.enqueue_many('{warm}', array_fill('{{}}'::jsonb, array[50]))", user="alice"):
-            pg.await_run(run, "30s", user="alice")
+    # the stubborn command's worker holds alice's commands too
+    warm_workers(pg)
     pg.one(f"SELECT flow.set_queue('{q}', paused => false)", user="alice")
     assert pg.await_run(stubborn, "30s", user="mallory")[0] == "failed"
     assert [r[0] for r in pg.all("SELECT outcome FROM flow.attempts WHERE run_id = %s", stubborn,

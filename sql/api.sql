@@ -29,6 +29,14 @@ LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
     SELECT flow._set_queue(flow._redeem(caller_ticket), name, concurrency, paused)
 $$;
 
+-- Drop a queue you manage that no definition and no unfinished command uses
+-- (2BP01 otherwise); false if there is no such queue.
+CREATE FUNCTION flow.drop_queue(name text, caller_ticket bigint DEFAULT flow._ticket())
+RETURNS boolean
+LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT flow._drop_queue(flow._redeem(caller_ticket), name)
+$$;
+
 -- Let `role` ('PUBLIC' for everyone) start commands of a definition you own,
 -- every version of it; by default only the owner's role and its members can.
 CREATE FUNCTION flow.grant_definition(name text, role text, caller_ticket bigint DEFAULT flow._ticket())

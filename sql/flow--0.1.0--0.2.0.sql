@@ -264,6 +264,9 @@ BEGIN
         RAISE EXCEPTION 'flow: queue % belongs to another role', name USING ERRCODE = 'FL011',
             HINT = 'Use a queue of your own, or ask its owner for flow.grant_queue().';
     END IF;
+    -- held to commit, so flow.drop_queue cannot remove a queue under a
+    -- definition or command that names it
+    PERFORM 1 FROM flow._queues x WHERE x.name = q.name FOR KEY SHARE;
     RETURN q.name;
 END $$;
 
@@ -457,6 +460,33 @@ BEGIN
         updated_at = now()
     WHERE x.name = q.name;
     PERFORM flow._wake();
+END $$;
+
+-- Drop a queue no definition and no unfinished command uses (its managers
+-- only; false: there is no such queue). Its finished commands keep its name.
+CREATE OR REPLACE FUNCTION flow._drop_queue(caller oid, name text) RETURNS boolean
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    q flow._queues;
+BEGIN
+    PERFORM flow._require_name('queue', name);
+    IF NOT EXISTS (SELECT 1 FROM flow._queues x WHERE x.name = _drop_queue.name) THEN
+        RETURN false;
+    END IF;
+    q := flow._manage_queue(caller, name);   -- checks the caller, locks the row
+    IF EXISTS (SELECT 1 FROM flow._definitions d WHERE d.queue = q.name)
+       OR EXISTS (SELECT 1 FROM flow._commands c                      -- index _commands_due
+                  WHERE c.queue = q.name AND c.status IN ('pending', 'waiting'))
+       OR EXISTS (SELECT 1 FROM flow._commands c                      -- index _commands_running
+                  WHERE c.queue = q.name AND c.status = 'running') THEN
+        RAISE EXCEPTION 'flow: queue % is still used by definitions or unfinished commands', name
+            USING ERRCODE = '2BP01';
+    END IF;
+    DELETE FROM flow._queues x WHERE x.name = q.name;
+    IF q.owner IS NOT NULL AND NOT flow._owns_anything(q.owner) THEN
+        PERFORM flow._unmark_owner(q.owner);
+    END IF;
+    RETURN true;
 END $$;
 
 -- REASSIGN OWNED BY ... TO ... moves flow's ownership too (src/roles.rs calls
@@ -719,7 +749,7 @@ END $$;
 CREATE OR REPLACE FUNCTION flow._claim(owner_name text, owner_pid integer, owner_started timestamptz,
     max_count integer, lease interval, names text[], turn integer)
 RETURNS SETOF flow.claimed_command
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
     lanes text[];
     limited text[];
@@ -832,7 +862,7 @@ END $$;
 -- workers. So "due now" means a claim may take it: it came due after the
 -- worker's last claim.
 CREATE OR REPLACE FUNCTION flow._next_due_ms() RETURNS bigint
-LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET jit = off AS $$
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
     SELECT (extract(epoch FROM min(h.next_run_at) - clock_timestamp()) * 1000)::bigint
     FROM flow._queues q CROSS JOIN LATERAL (
         SELECT c.next_run_at FROM flow._commands c                  -- index _commands_due
@@ -865,7 +895,7 @@ END $$;
 -- (plpgsql, not sql: its plan is cached per session; an sql function called
 -- from plpgsql is planned again on every call, ~70 µs.)
 CREATE OR REPLACE FUNCTION flow._lock_runs_of(command_ids uuid[]) RETURNS void
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 BEGIN
     PERFORM 1 FROM flow._runs r
     WHERE r.id IN (SELECT c.run_id FROM flow._commands c WHERE c.id = ANY (command_ids))
@@ -876,7 +906,7 @@ END $$;
 -- false): for work that can wait for a later round, such as concluding an
 -- attempt whose owner is gone.
 CREATE OR REPLACE FUNCTION flow._try_lock_run_of(command_id uuid) RETURNS boolean
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 BEGIN
     PERFORM 1 FROM flow._runs r
     WHERE r.id = (SELECT c.run_id FROM flow._commands c WHERE c.id = _try_lock_run_of.command_id)
@@ -887,7 +917,7 @@ END $$;
 -- Close every unfinished command of a run (cancel or run failure). A running
 -- one gets an attempt row; its worker's later settlement finds no lease.
 CREATE OR REPLACE FUNCTION flow._close_open_commands(run_id uuid, reason text) RETURNS void
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
     interrupted integer;
 BEGIN
@@ -914,7 +944,7 @@ END $$;
 -- skipped, never waited for: its commands are handed back (_release).
 CREATE OR REPLACE FUNCTION flow._begin_batch(command_ids uuid[], lease_tokens uuid[])
 RETURNS TABLE (command_id uuid, run_locked boolean)
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
     locked uuid[];
 BEGIN
@@ -934,7 +964,7 @@ END $$;
 -- elsewhere). Takes no run lock and skips a command row locked elsewhere;
 -- returns those still held, so the worker tries again later.
 CREATE OR REPLACE FUNCTION flow._release(command_ids uuid[], lease_tokens uuid[]) RETURNS SETOF uuid
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
     released uuid[];
 BEGIN
@@ -964,7 +994,7 @@ END $$;
 -- the attempt started at its claim), so an attempt's duration is its own.
 CREATE OR REPLACE FUNCTION flow._settle_batch(command_ids uuid[], lease_tokens uuid[], results jsonb[],
     handler_started timestamptz[] DEFAULT NULL) RETURNS integer
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
     settled integer;
     finished integer;
@@ -1005,7 +1035,7 @@ END $$;
 CREATE OR REPLACE FUNCTION flow._settle_failure(command_id uuid, lease_token uuid, outcome text, code text,
     message text, retry_delay interval DEFAULT NULL, handler_started timestamptz DEFAULT NULL)
 RETURNS text
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
     c flow._commands;
     d flow._definitions;
@@ -1072,7 +1102,7 @@ END $$;
 -- crash restart, has every command it held charged: the conservative side
 -- of rule 3.)
 CREATE OR REPLACE FUNCTION flow._recover() RETURNS integer
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
     lost record;
     concluded integer := 0;
@@ -1112,7 +1142,7 @@ END $$;
 -- the cut" is a range of the primary key: no index on finished_at is needed
 -- (one would make every run's final update non-HOT).
 CREATE OR REPLACE FUNCTION flow._prune(older_than interval, max_runs integer) RETURNS integer
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
     cut timestamptz := now() - older_than;
     hex text := lpad(to_hex((extract(epoch FROM cut) * 1000)::bigint), 12, '0');
@@ -1143,7 +1173,7 @@ END $$;
 -- flow.event_retention bounds. (index _events_name_key is not needed: the
 -- scan is by position, which grows with emitted_at.)
 CREATE OR REPLACE FUNCTION flow._retire_events(older_than interval, max_events integer) RETURNS integer
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
     retired integer;
 BEGIN
@@ -1256,7 +1286,7 @@ $$;
 -- Mark the open waits of one command satisfied by the newest journal entries
 -- and make it due when none is left open.
 CREATE OR REPLACE FUNCTION flow._promote_if_satisfied(command_id uuid) RETURNS void
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 BEGIN
     -- Lock first, check in the next statement: its fresh snapshot sees every
     -- wait satisfied by emitters that committed while we waited for the lock.
@@ -1414,7 +1444,7 @@ END $$;
 -- caller may resolve it. A wrong or stale token is FL013; a command already
 -- settled under this very token is FL017 (double completion).
 CREATE OR REPLACE FUNCTION flow._leased(caller oid, command_id uuid, lease_token uuid) RETURNS flow._commands
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
     c flow._commands;
     owner_ oid;
@@ -1481,7 +1511,7 @@ END $$;
 
 CREATE OR REPLACE FUNCTION flow._claim_external(caller oid, names text[], worker text, max_count integer, lease interval)
 RETURNS SETOF flow.claimed_command
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
     wanted text;
     expired record;
@@ -1578,7 +1608,7 @@ END $$;
 -- 'already_completed' for a second completion under the same token.
 CREATE OR REPLACE FUNCTION flow._complete_many(caller oid, command_ids uuid[], lease_tokens uuid[], results jsonb[])
 RETURNS TABLE (command_id uuid, status text)
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
     bad record;
 BEGIN
@@ -1713,7 +1743,7 @@ BEGIN
     RETURN format(E'flowchart LR\n%s\n', array_to_string(lines, E'\n'));
 END $$;
 
--- src/isolation.rs:185
+-- src/isolation.rs:199
 -- flow::isolation::_args_misfit_as
 CREATE OR REPLACE FUNCTION "_args_misfit_as"(
 	"owner" oid, /* pg_sys :: Oid */
@@ -1769,7 +1799,7 @@ STRICT STABLE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_lease_duration_s_wrapper';
 
--- src/isolation.rs:202
+-- src/isolation.rs:216
 -- flow::isolation::_lock_event_key
 CREATE OR REPLACE FUNCTION "_lock_event_key"(
 	"name" TEXT, /* & str */
@@ -1919,6 +1949,14 @@ CREATE OR REPLACE FUNCTION flow.set_queue(name text, concurrency integer DEFAULT
 RETURNS void
 LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
     SELECT flow._set_queue(flow._redeem(caller_ticket), name, concurrency, paused)
+$$;
+
+-- Drop a queue you manage that no definition and no unfinished command uses
+-- (2BP01 otherwise); false if there is no such queue.
+CREATE OR REPLACE FUNCTION flow.drop_queue(name text, caller_ticket bigint DEFAULT flow._ticket())
+RETURNS boolean
+LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT flow._drop_queue(flow._redeem(caller_ticket), name)
 $$;
 
 -- Let `role` ('PUBLIC' for everyone) start commands of a definition you own,

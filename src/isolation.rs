@@ -60,7 +60,15 @@ const WORKER_SETTINGS: &[(&CStr, &CStr)] = &[
 /// uses 1 (one bigint key) and 2 (two int keys).
 const EVENT_LOCK_TAG: u16 = 0x464C; // "FL"
 
+/// Whether a handler ran SET CONSTRAINTS since the last call (which resets
+/// it): its chunk must commit before the next handler runs, or that handler's
+/// deferred constraints would be checked on another handler's terms.
+pub fn constraint_state_changed() -> bool {
+    CONSTRAINT_STATE_CHANGED.with(|c| c.replace(false))
+}
+
 thread_local! {
+    static CONSTRAINT_STATE_CHANGED: Cell<bool> = const { Cell::new(false) };
     /// True while a handler runs in this backend.
     static IN_HANDLER: Cell<bool> = const { Cell::new(false) };
     /// The statement_timeout the worker inherited (ms, 0: none): the default attempt timeout.
@@ -157,6 +165,12 @@ pub fn after_attempt() {
 pub fn check_utility(stmt: *mut pg_sys::Node) {
     if !IN_HANDLER.with(|h| h.get()) {
         return;
+    }
+    if unsafe { (*stmt).type_ } == pg_sys::NodeTag::T_ConstraintsSetStmt {
+        // SET CONSTRAINTS lasts to the end of the transaction, which the
+        // handlers after this one share: the worker commits right after it
+        // (see constraint_state_changed).
+        CONSTRAINT_STATE_CHANGED.with(|c| c.set(true));
     }
     let refused = unsafe {
         match (*stmt).type_ {

@@ -287,7 +287,11 @@ impl Worker {
                     entered.set(entered.get() + 1);
                     chunk.execute(index, command);
                     ran += 1;
-                    if isolating || chunk_started.elapsed() >= CHUNK_BUDGET || executor::subxid_cache_nearly_full() {
+                    if isolating
+                        || chunk_started.elapsed() >= CHUNK_BUDGET
+                        || executor::subxid_cache_nearly_full()
+                        || isolation::constraint_state_changed()
+                    {
                         break;
                     }
                 }
