@@ -324,7 +324,9 @@ def main():
     print(f"\nplain-SQL floor of an in-database engine (../shared/peers/floor/indb.sql, batch 100, 2 sessions): "
           f"{m['plain-SQL floor, 2 sessions (jobs/s)']:,.0f} jobs/s; flow.noop drains at "
           f"{m['flow drain flow.noop (jobs/s)'] / m['plain-SQL floor, 2 sessions (jobs/s)']:.2f}x of it")
-    print(f"\nwriting drain: subtransaction SLRU accesses {m['subtrans SLRU accesses during it']:,.0f}; "
+    print(f"\nwriting drain of {N_DRAIN:,}: pg_subtrans SLRU accesses {m['subtrans SLRU accesses during it']:,.0f} "
+          "(each writing handler's subtransaction id takes one entry; an overflowed snapshot would add "
+          "reads for every visibility check of every session); "
           f"a reader ran {m['reader during the writing drain (queries/s)']:,.0f} queries/s during it, "
           f"{m['reader alone (queries/s)']:,.0f} alone")
     print("\nclaim, generic plan of the queue-head probe:\n  " + "\n  ".join(plan))
