@@ -194,13 +194,14 @@ def enqueue_many_rate(pg, n):
 
 
 def claim_plan(pg):
-    """The plans of the claim's two statements, generic (as a worker caches them)."""
+    """The generic plan (as a worker caches it) of the claim's queue-head probe
+    (the statement of flow._claim in sql/engine.sql, as an in-database worker runs it)."""
     with pg.connect() as c:
         c.execute("SET plan_cache_mode = force_generic_plan")
         c.execute("""PREPARE heads(text[]) AS
             SELECT q.name FROM flow._queues q CROSS JOIN LATERAL (
                 SELECT c.next_run_at FROM flow._commands c
-                WHERE c.queue = q.name AND c.status IN ('pending', 'waiting')
+                WHERE c.queue = q.name AND NOT c.external AND c.status IN ('pending', 'waiting')
                 ORDER BY c.next_run_at LIMIT 1) h
             WHERE NOT q.paused AND h.next_run_at <= now() AND q.name <> ALL ($1)""")
         return [r[0] for r in c.execute("EXPLAIN EXECUTE heads('{}')").fetchall()]

@@ -238,6 +238,13 @@ CREATE TABLE flow._waits (
 );
 CREATE INDEX _waits_open ON flow._waits (name, key) WHERE event_position IS NULL;
 
+-- Every command leaves dead row versions behind (claim, settlement, pruning):
+-- autovacuum visits the busy tables after 2 % of their rows changed, not 20 %,
+-- and unthrottled, so their sizes level off under a steady flow of work.
+ALTER TABLE flow._runs SET (autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_cost_delay = 0);
+ALTER TABLE flow._commands SET (autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_cost_delay = 0);
+ALTER TABLE flow._attempts SET (autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_cost_delay = 0);
+
 -- The journal is append-only, even for the extension owner's own code paths.
 -- (flow._retire_events alone may delete old entries no wait refers to, under
 -- flow.event_retention.)

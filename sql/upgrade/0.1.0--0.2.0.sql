@@ -83,3 +83,7 @@ FROM flow._definitions d WHERE d.name = c.name AND d.version = c.version AND d.h
 DROP INDEX flow._commands_due;
 CREATE INDEX _commands_due ON flow._commands (queue, external, next_run_at, id)
     WHERE status IN ('pending', 'waiting');
+-- The busy tables are vacuumed sooner and unthrottled (see sql/schema.sql).
+ALTER TABLE flow._runs SET (autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_cost_delay = 0);
+ALTER TABLE flow._commands SET (autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_cost_delay = 0);
+ALTER TABLE flow._attempts SET (autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_cost_delay = 0);
