@@ -435,7 +435,7 @@ def test_finished_runs_are_pruned_after_the_retention(app):
     done = enqueue(app, name)
     assert app.await_run(done, "10s")[0] == "succeeded"
     waiting = enqueue(app, name, start_after="'1 hour'")
-    assert app.one("SELECT flow._prune('1 hour', 1000)") == 0   # too recent
+    assert app.one("SELECT pruned FROM flow._prune('1 hour', 1000, NULL)") == 0   # too recent
     app.all("ALTER SYSTEM SET flow.retention = '1s'")
     app.all("SELECT pg_reload_conf()")
     try:
@@ -447,6 +447,29 @@ def test_finished_runs_are_pruned_after_the_retention(app):
     assert app.one("SELECT count(*) FROM flow._attempts a WHERE a.command_id NOT IN"
                    " (SELECT id FROM flow._commands)") == 0
     assert app.one("SELECT status FROM flow.runs WHERE id = %s", waiting) == "running"
+
+
+def test_pruning_moves_past_a_backlog_of_unfinished_runs(app):
+    """A backlog of old unfinished runs does not stop, or slow down, the pruning
+    of the finished runs after it: each pass looks at the next window of runs."""
+    backlog = define(app, "app.hello", queue="'prune_backlog'")
+    app.one("SELECT flow.set_queue('prune_backlog', paused => true)")
+    app.one(f"SELECT cardinality(flow.enqueue_many('{backlog}', array_fill('{{}}'::jsonb, array[2500])))")
+    name = define(app, "app.hello")
+    done = [enqueue(app, name) for _ in range(5)]
+    for run in done:
+        assert app.await_run(run, "10s")[0] == "succeeded"
+    time.sleep(1.1)
+    pruned, after, passes = 0, None, 0
+    while True:
+        n, after = app.all("SELECT pruned, last FROM flow._prune('1 s', 1000, %s)", after)[0]
+        pruned, passes = pruned + n, passes + 1
+        if after is None:
+            break
+    assert app.one("SELECT count(*) FROM flow._runs WHERE id = ANY (%s)", done) == 0
+    assert pruned >= 5 and passes <= app.one("SELECT count(*) FROM flow._runs") // 1000 + 2
+    assert app.one("SELECT count(*) FROM flow.runs WHERE name = %s AND status = 'running'", backlog) == 2500
+    app.all(f"SELECT flow.cancel(r.id) FROM flow.runs r WHERE r.name = '{backlog}'")
 
 
 def test_workers_wait_calmly_without_the_extension(app):

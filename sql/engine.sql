@@ -1043,23 +1043,31 @@ BEGIN
     RETURN concluded;
 END $$;
 
--- Delete up to max_runs runs that finished more than `older_than` ago, with
--- their commands, attempts and waits. Run ids are UUIDv7, so "created before
--- the cut" is a range of the primary key: no index on finished_at is needed
--- (one would make every run's final update non-HOT).
-CREATE FUNCTION flow._prune(older_than interval, max_runs integer) RETURNS integer
+-- Delete the runs that finished more than `older_than` ago among the next
+-- `max_runs` runs after `after` (in id order; NULL: from the oldest), with
+-- their commands, attempts and waits. Returns how many were deleted and the
+-- last run looked at (NULL: none left before the cut, start again from the
+-- oldest next time). Run ids are UUIDv7, so "created before the cut" is a
+-- range of the primary key: no index on finished_at is needed (one would
+-- make every run's final update non-HOT), and the moving window never walks
+-- the same unfinished runs twice in a round, however large a backlog is.
+CREATE FUNCTION flow._prune(older_than interval, max_runs integer, after uuid,
+    OUT pruned integer, OUT last uuid)
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
     cut timestamptz := now() - older_than;
     hex text := lpad(to_hex((extract(epoch FROM cut) * 1000)::bigint), 12, '0');
     bound uuid := (substr(hex, 1, 8) || '-' || substr(hex, 9, 4) || '-7000-8000-000000000000')::uuid;
-    pruned integer;
+    window_ids uuid[];
 BEGIN
+    SELECT array_agg(x.id ORDER BY x.id) INTO window_ids FROM (
+        SELECT r.id FROM flow._runs r
+        WHERE r.id > coalesce(after, '00000000-0000-0000-0000-000000000000') AND r.id < bound
+        ORDER BY r.id LIMIT max_runs) x;
+    last := window_ids[cardinality(window_ids)];
     WITH gone AS (
         DELETE FROM flow._runs r
-        WHERE r.id IN (SELECT x.id FROM flow._runs x
-                       WHERE x.id < bound AND x.status <> 'running' AND x.finished_at < cut
-                       ORDER BY x.id LIMIT max_runs)
+        WHERE r.id = ANY (window_ids) AND r.status <> 'running' AND r.finished_at < cut
         RETURNING r.id
     ), commands AS (
         DELETE FROM flow._commands c USING gone WHERE c.run_id = gone.id      -- index _commands_run_id_key_key
@@ -1070,7 +1078,6 @@ BEGIN
         DELETE FROM flow._waits w USING commands WHERE w.command_id = commands.id
     )
     SELECT count(*) INTO pruned FROM gone;
-    RETURN pruned;
 END $$;
 
 -- Retire up to max_events journal entries emitted more than `older_than` ago

@@ -138,6 +138,9 @@ struct Worker {
     /// Recent time per command (µs, moving average), to size the next claim.
     per_command_us: f64,
     last_prune: Option<Instant>,
+    /// Where the next pruning window starts (the last run the previous one
+    /// looked at; None: from the oldest).
+    prune_after: Option<pgrx::Uuid>,
     /// The last claim came back short of its size (see turn).
     took_all_due: Cell<bool>,
     /// How many commands the next chunk locks runs for and may run (see run_batch).
@@ -162,6 +165,7 @@ impl Worker {
             prefetched: Vec::new(),
             per_command_us: 0.0,
             last_prune: None,
+            prune_after: None,
             isolate_until: None,
             unreleased: Vec::new(),
             chunk_window: usize::MAX,
@@ -364,7 +368,8 @@ impl Worker {
         (fitting as i32).clamp(1, max)
     }
 
-    /// Worker 0 deletes finished runs past `flow.retention`, a bounded batch at a time.
+    /// Worker 0 deletes finished runs past `flow.retention` (and events past
+    /// `flow.event_retention`), a bounded batch at a time.
     /// Returns whether more is due for deletion now.
     fn maybe_prune(&mut self) -> bool {
         if self.index != 0 || self.last_prune.is_some_and(|at| at.elapsed() < PRUNE_INTERVAL) {
@@ -372,19 +377,38 @@ impl Worker {
         }
         self.last_prune = Some(Instant::now());
         let mut more = false;
-        let passes = [
-            (gucs::retention(), "SELECT flow._prune(pg_catalog.make_interval(secs => $1), $2)", "runs finished"),
-            (gucs::event_retention(), "SELECT flow._retire_events(pg_catalog.make_interval(secs => $1), $2)", "events emitted"),
-        ];
-        for (retention, sql, what) in passes {
-            let Some(retention) = retention else { continue };
+        if let Some(retention) = gucs::retention() {
+            // A window of runs at a time, moving on from the last one looked at.
             let seconds = retention.as_secs() as f64;
-            let deleted = transaction(|| Spi::get_one_with_args::<i32>(sql, &[seconds.into(), PRUNE_BATCH.into()]));
-            let Some(Ok(Some(n))) = deleted else { continue };
-            if n > 0 {
-                executor::log(&format!("flow: deleted {n} {what} more than {seconds} s ago"));
+            let after = self.prune_after;
+            let window = transaction(|| {
+                Spi::get_two_with_args::<i32, pgrx::Uuid>(
+                    "SELECT pruned, last FROM flow._prune(pg_catalog.make_interval(secs => $1), $2, $3)",
+                    &[seconds.into(), PRUNE_BATCH.into(), after.into()],
+                )
+            });
+            if let Some(Ok((pruned, last))) = window {
+                if let Some(n) = pruned.filter(|n| *n > 0) {
+                    executor::log(&format!("flow: deleted {n} runs finished more than {seconds} s ago"));
+                }
+                self.prune_after = last;
+                more |= last.is_some();
             }
-            more |= n == PRUNE_BATCH;
+        }
+        if let Some(retention) = gucs::event_retention() {
+            let seconds = retention.as_secs() as f64;
+            let retired = transaction(|| {
+                Spi::get_one_with_args::<i32>(
+                    "SELECT flow._retire_events(pg_catalog.make_interval(secs => $1), $2)",
+                    &[seconds.into(), PRUNE_BATCH.into()],
+                )
+            });
+            if let Some(Ok(Some(n))) = retired {
+                if n > 0 {
+                    executor::log(&format!("flow: deleted {n} events emitted more than {seconds} s ago"));
+                }
+                more |= n == PRUNE_BATCH;
+            }
         }
         if more {
             // More may be waiting: come back on the next turn, not in PRUNE_INTERVAL.

@@ -42,6 +42,7 @@ DROP FUNCTION flow._may_satisfy(oid, uuid);
 DROP FUNCTION flow.fail(text);
 DROP FUNCTION flow._decide(text, text, text, bigint);
 DROP FUNCTION flow._begin_batch(uuid[], uuid[]);
+DROP FUNCTION flow._prune(interval, integer);
 -- Claims keep their interleaving; external leases remember their length.
 ALTER TYPE flow.claimed_command ADD ATTRIBUTE claim_order integer;
 ALTER TABLE flow._commands ADD COLUMN lease_interval interval;
