@@ -395,6 +395,7 @@ def test_a_queue_is_dropped_by_its_owner_once_nothing_uses_it(pg):
     q = unique("drop_q")
     pg.one(f"SELECT flow.set_queue('{q}', paused => true)", user="alice")
     assert pg.sqlstate(f"SELECT flow.drop_queue('{q}')", user="mallory") == "FL011"
+    pg.one("SELECT flow.set_queue('default')")   # it exists once used
     assert pg.sqlstate("SELECT flow.drop_queue('default')", user="mallory") == "FL011"
     name = unique("on_drop_q")
     pg.one(f"SELECT flow.define('{name}', 'app.alice_void'::regproc, queue => '{q}')", user="alice")
@@ -458,6 +459,33 @@ def test_an_open_set_queue_transaction_holds_up_only_its_queue(pg):
         blocker.rollback()
         blocker.close()
     assert pg.await_run(alice_run, user="alice")[0] == "succeeded"
+
+
+def test_an_open_enqueue_into_a_granted_queue_holds_up_nothing(pg):
+    """bob may enqueue into alice's limited queue; leaving that transaction
+    open must stall neither the queue's claims nor alice's flow.set_queue."""
+    q = unique("lent")
+    pg.one(f"SELECT flow.set_queue('{q}', concurrency => 2)", user="alice")
+    pg.one(f"SELECT flow.grant_queue('{q}', 'bob')", user="alice")
+    pg.all("CREATE OR REPLACE FUNCTION app.bob_void(args jsonb) RETURNS void LANGUAGE sql AS 'SELECT'")
+    pg.all("ALTER FUNCTION app.bob_void(jsonb) OWNER TO bob")
+    b, a = unique("b"), unique("a")
+    pg.one(f"SELECT flow.define('{b}', 'app.bob_void'::regproc)", user="bob")
+    pg.one(f"SELECT flow.define('{a}', 'app.alice_void'::regproc, queue => '{q}')", user="alice")
+    holder = pg.connect("bob", autocommit=False)
+    try:
+        holder.execute(f"SELECT flow.enqueue('{b}', queue => '{q}')")
+        started = time.time()
+        runs = [pg.one(f"SELECT flow.enqueue('{a}')", user="alice") for _ in range(5)]
+        for run in runs:
+            assert pg.await_run(run, "10s", user="alice")[0] == "succeeded"
+        pg.one(f"SELECT flow.set_queue('{q}', concurrency => 3)", user="alice")
+        assert time.time() - started < 8
+    finally:
+        holder.rollback()
+        holder.close()
+    # and a queue someone is enqueueing into is not dropped under them
+    assert pg.sqlstate(f"SELECT flow.drop_queue('{q}')", user="alice") == "2BP01"
 
 
 def test_another_roles_lease_is_not_found_at_once(pg):

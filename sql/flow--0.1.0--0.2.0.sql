@@ -242,7 +242,7 @@ BEGIN
             PERFORM flow._mark_owner(caller);
         END IF;
         IF for_update THEN
-            SELECT * INTO q FROM flow._queues x WHERE x.name = _queue.name FOR UPDATE;
+            SELECT * INTO q FROM flow._queues x WHERE x.name = _queue.name FOR NO KEY UPDATE;
         ELSE
             SELECT * INTO q FROM flow._queues x WHERE x.name = _queue.name;
         END IF;
@@ -270,7 +270,8 @@ BEGIN
             HINT = 'Use a queue of your own, or ask its owner for flow.grant_queue().';
     END IF;
     -- held to commit, so flow.drop_queue cannot remove a queue under a
-    -- definition or command that names it
+    -- definition or command that names it (FOR KEY SHARE: it holds up neither
+    -- claims nor flow.set_queue, which lock the row FOR NO KEY UPDATE)
     PERFORM 1 FROM flow._queues x WHERE x.name = q.name FOR KEY SHARE;
     RETURN q.name;
 END $$;
@@ -478,7 +479,10 @@ BEGIN
     IF NOT EXISTS (SELECT 1 FROM flow._queues x WHERE x.name = _drop_queue.name) THEN
         RETURN false;
     END IF;
-    q := flow._manage_queue(caller, name);   -- checks the caller, locks the row
+    q := flow._manage_queue(caller, name);   -- checks the caller
+    -- waits for enqueues and defines that name the queue to commit (they hold
+    -- it FOR KEY SHARE), so the checks below see what they wrote
+    PERFORM 1 FROM flow._queues x WHERE x.name = q.name FOR UPDATE;
     IF EXISTS (SELECT 1 FROM flow._definitions d WHERE d.queue = q.name)
        OR EXISTS (SELECT 1 FROM flow._commands c                      -- index _commands_due
                   WHERE c.queue = q.name AND c.status IN ('pending', 'waiting'))
@@ -763,7 +767,7 @@ BEGIN
     -- Which queues offer due work: each unpaused queue's head in the due index
     -- (an ORDER BY ... LIMIT 1 probe of _commands_due per queue: an index
     -- probe whatever the table's size or statistics, never a scan of the
-    -- pending commands; see the plan test in pg_test/test_engine.py).
+    -- pending commands; see pg_test/test_scale.py).
     -- An external claim only takes part in the limited queues of the
     -- definitions it names.
     SELECT array_agg(q.name) FILTER (WHERE q.concurrency IS NULL),
@@ -785,7 +789,7 @@ BEGIN
     IF limited IS NOT NULL THEN
         SELECT array_agg(l.name) INTO locked FROM (
             SELECT q.name FROM flow._queues q WHERE q.name = ANY (limited)
-            ORDER BY q.name FOR UPDATE SKIP LOCKED) l;
+            ORDER BY q.name FOR NO KEY UPDATE SKIP LOCKED) l;
         lanes := coalesce(lanes, '{}') || locked;
     END IF;
     IF coalesce(cardinality(lanes), 0) = 0 THEN
@@ -1274,12 +1278,9 @@ BEGIN
         PERFORM flow._lock_event_key(name, key, 0, 'share');
         RETURN;
     END IF;
+    -- the owners whose waits _may_satisfy lets this event satisfy
     FOR domain IN
-        WITH RECURSIVE member_of(role) AS (
-            SELECT emitter
-            UNION
-            SELECT m.roleid FROM pg_auth_members m JOIN member_of ON m.member = member_of.role)
-        SELECT role FROM member_of
+        SELECT a.oid FROM pg_roles a WHERE pg_has_role(emitter, a.oid, 'MEMBER')
         UNION
         SELECT r.owner::oid FROM flow._runs r WHERE r.id = emitter_run
         ORDER BY 1
@@ -1755,7 +1756,7 @@ BEGIN
     RETURN format(E'flowchart LR\n%s\n', array_to_string(lines, E'\n'));
 END $$;
 
--- src/isolation.rs:199
+-- src/isolation.rs:200
 -- flow::isolation::_args_misfit_as
 CREATE OR REPLACE FUNCTION "_args_misfit_as"(
 	"owner" oid, /* pg_sys :: Oid */
@@ -1811,7 +1812,7 @@ STRICT STABLE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_lease_duration_s_wrapper';
 
--- src/isolation.rs:216
+-- src/isolation.rs:217
 -- flow::isolation::_lock_event_key
 CREATE OR REPLACE FUNCTION "_lock_event_key"(
 	"name" TEXT, /* & str */

@@ -122,9 +122,11 @@ CREATE TABLE flow._definitions (
 -- every enqueue and settlement a row lock on the referenced row (a
 -- definition row locked by every concurrent enqueuer turns into multixacts).
 -- Their references hold by construction: rows are written only by flow's
--- functions, which resolve definitions and queues first; definitions and
--- queues are never deleted; flow._prune deletes a run with its commands,
--- attempts and waits in one statement.
+-- functions, which resolve definitions and queues first; definitions are
+-- never deleted, and flow.drop_queue drops only a queue no definition and no
+-- unfinished command uses (enqueue and define hold a queue they name
+-- explicitly FOR KEY SHARE meanwhile); flow._prune deletes a
+-- run with its commands, attempts and waits in one statement.
 CREATE TABLE flow._runs (
     id           uuid PRIMARY KEY,
     key          text CHECK (key <> ''),

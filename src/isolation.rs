@@ -166,14 +166,15 @@ pub fn check_utility(stmt: *mut pg_sys::Node) {
     if !IN_HANDLER.with(|h| h.get()) {
         return;
     }
-    if unsafe { (*stmt).type_ } == pg_sys::NodeTag::T_ConstraintsSetStmt {
-        // SET CONSTRAINTS lasts to the end of the transaction, which the
-        // handlers after this one share: the worker commits right after it
-        // (see constraint_state_changed).
-        CONSTRAINT_STATE_CHANGED.with(|c| c.set(true));
-    }
     let refused = unsafe {
         match (*stmt).type_ {
+            // SET CONSTRAINTS lasts to the end of the transaction, which the
+            // handlers after this one share: the worker commits right after it
+            // (see constraint_state_changed).
+            pg_sys::NodeTag::T_ConstraintsSetStmt => {
+                CONSTRAINT_STATE_CHANGED.with(|c| c.set(true));
+                false
+            }
             pg_sys::NodeTag::T_DeclareCursorStmt => {
                 ((*(stmt as *mut pg_sys::DeclareCursorStmt)).options & pg_sys::CURSOR_OPT_HOLD as c_int) != 0
             }

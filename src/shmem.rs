@@ -208,8 +208,7 @@ unsafe extern "C-unwind" fn on_xact_event(event: pg_sys::XactEvent::Type, _arg: 
     }
 }
 
-/// Set the latch of every idle worker. Post-commit: must not raise.
-/// Wake one idle worker: enough for the work of one commit, and a worker
+/// Wake one idle worker (post-commit: must not raise): enough for the work of one commit, and a worker
 /// whose claim comes back full wakes the next (Worker::claim), so a burst
 /// brings in every worker while a single enqueue costs one claim, not one per
 /// worker. With no worker idle, every busy worker's latch is set: a commit
