@@ -122,7 +122,7 @@ def test_a_dump_taken_mid_workflow_restores_and_completes(pg):
         flaky = c.execute("SELECT flow.enqueue('flaky', '{}', key => 'retrying')").fetchone()[0]
         pg.wait_for("SELECT attempts = 1 AND status = 'pending' FROM flow._commands WHERE run_id = %s", flaky)
         slow = c.execute("SELECT flow.enqueue('slow', '{}')").fetchone()[0]
-        pg.wait_for("SELECT status = 'running' FROM flow._commands WHERE run_id = %s", slow)
+        pg.wait_for("SELECT status = 'running' FROM flow.commands WHERE run_id = %s", slow)
 
         # both formats, taken while `slow` runs and a retry of `flaky` is scheduled,
         # from one exported snapshot that the expected contents are read in too

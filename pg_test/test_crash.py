@@ -122,6 +122,48 @@ def test_immediate_shutdown_during_a_handler_then_retry(pg):
     assert pg.all("SELECT attempt FROM app.effects WHERE run_id = %s", run) == [(2,)]
 
 
+def test_a_held_attempt_that_takes_its_worker_down_is_counted(pg):
+    """A handler the workers know to be fast has its commands held: run and
+    settled in the claim's transaction. One that takes its worker down on
+    some arguments still has each such attempt counted, through the worker's
+    record of the held attempt it was in, and reaches its attempt limit; the
+    commands that shared its transaction run again uncharged."""
+    pg.all("""CREATE OR REPLACE FUNCTION app.maybe_die(args jsonb, ctx flow.context) RETURNS jsonb
+              LANGUAGE plpgsql AS $$
+              BEGIN
+                  INSERT INTO app.effects VALUES (ctx.run_id, ctx.attempt);
+                  IF args ? 'die' THEN
+                      PERFORM pg_terminate_backend(pg_backend_pid());
+                      PERFORM pg_sleep(5);
+                  END IF;
+                  RETURN jsonb_build_object('attempt', ctx.attempt);
+              END $$""")
+    name = unique("held")
+    pg.one(f"SELECT flow.define('{name}', 'app.maybe_die'::regproc, max_attempts => 3, backoff => '10 ms')")
+    # every worker learns that the handler is fast
+    for _ in range(10):
+        runs = pg.one(f"SELECT flow.enqueue_many('{name}', array_fill('{{}}'::jsonb, array[20]))")
+        for run in runs:
+            assert pg.await_run(run, "30s")[0] == "succeeded"
+    log_before = len(pg.log())
+    pg.one("SELECT flow.set_queue('default', paused => true)")
+    poison = pg.one(f"SELECT flow.enqueue('{name}', '{{\"die\": true}}')")
+    good = pg.one(f"SELECT flow.enqueue_many('{name}', array_fill('{{}}'::jsonb, array[40]))")
+    pg.one("SELECT flow.set_queue('default', paused => false)")
+    status, _, error = pg.await_run(poison, "60s")
+    assert status == "failed" and error["stop_reason"] == "attempt_limit"
+    assert pg.all("SELECT attempt, outcome FROM flow.attempts WHERE run_id = %s ORDER BY attempt", poison) == \
+        [(1, "interrupted"), (2, "interrupted"), (3, "interrupted")]
+    assert pg.one("SELECT count(*) FROM app.effects WHERE run_id = %s", poison) == 0
+    for run in good:
+        assert pg.await_run(run, "30s")[0] == "succeeded"
+    assert_exactly_once(pg, good)
+    assert pg.one("SELECT max(attempts) FROM flow.commands WHERE run_id = ANY(%s)", good) == 1
+    # the first attempt was held, and concluded from its worker's record
+    assert "as interrupted: its worker stopped in it" in pg.log()[log_before:]
+    pg.wait_for("SELECT count(*) = 2 FROM flow.workers WHERE pid IS NOT NULL")
+
+
 def test_death_between_handler_and_settlement_commits_nothing(pg):
     name = define(pg, max_attempts=2, backoff="'10 ms'")
     pg.all("ALTER SYSTEM SET flow.fault_points = 'before_settle'")

@@ -111,7 +111,7 @@ def test_the_demo_saga_refunds(pg):
 
 def test_cancel_on_the_last_attempt_ends_the_run_cancelled(pg):
     run = enqueue(pg, define(pg, max_attempts=1), '{"do": "sleep", "seconds": 3}')
-    pg.wait_for("SELECT status = 'running' FROM flow._commands WHERE run_id = %s", run)
+    pg.wait_for("SELECT status = 'running' FROM flow.commands WHERE run_id = %s", run)
     time.sleep(0.3)
     assert pg.one("SELECT flow.cancel(%s)", run) is True
     assert pg.await_run(run)[0] == "cancelled"
@@ -121,7 +121,7 @@ def test_cancel_on_the_last_attempt_ends_the_run_cancelled(pg):
 def test_a_cancel_that_rolls_back_leaves_nothing_stuck(pg):
     tag = unique("rb")
     run = enqueue(pg, define(pg), f'{{"do": "sleep_first", "seconds": 2, "tag": "{tag}"}}')
-    pg.wait_for("SELECT status = 'running' FROM flow._commands WHERE run_id = %s", run)
+    pg.wait_for("SELECT status = 'running' FROM flow.commands WHERE run_id = %s", run)
     time.sleep(0.3)
     with pg.connect(autocommit=False) as c:
         assert c.execute("SELECT flow.cancel(%s)", (run,)).fetchone()[0] is True
@@ -134,7 +134,7 @@ def test_a_cancel_that_rolls_back_leaves_nothing_stuck(pg):
 def test_concurrent_cancels_each_end_their_run(pg):
     name = define(pg)
     runs = [enqueue(pg, name, '{"do": "sleep", "seconds": 5}') for _ in range(2)]
-    pg.wait_for("SELECT count(*) = 2 FROM flow._commands WHERE run_id = ANY(%s::uuid[]) AND status = 'running'",
+    pg.wait_for("SELECT count(*) = 2 FROM flow.commands WHERE run_id = ANY(%s::uuid[]) AND status = 'running'",
                 runs)
     results = {}
     threads = [threading.Thread(target=lambda r=r: results.__setitem__(r, pg.one("SELECT flow.cancel(%s)", r)))
@@ -158,7 +158,7 @@ def test_cancel_wakes_the_workers(pg):
     pg.one(f"SELECT flow.set_queue('{q}', concurrency => 1)")
     name = define(pg, queue=f"'{q}'")
     first = enqueue(pg, name, '{"do": "sleep", "seconds": 30}')
-    pg.wait_for("SELECT status = 'running' FROM flow._commands WHERE run_id = %s", first)
+    pg.wait_for("SELECT status = 'running' FROM flow.commands WHERE run_id = %s", first)
     second = enqueue(pg, name, '{"tag": "after_cancel"}')
     time.sleep(0.5)
     started = time.time()
@@ -169,7 +169,7 @@ def test_cancel_wakes_the_workers(pg):
 
 def test_a_handler_that_ignores_cancel_is_stopped(pg):
     run = enqueue(pg, define(pg), '{"do": "stubborn"}')
-    pg.wait_for("SELECT status = 'running' FROM flow._commands WHERE run_id = %s", run)
+    pg.wait_for("SELECT status = 'running' FROM flow.commands WHERE run_id = %s", run)
     time.sleep(0.3)
     started = time.time()
     assert pg.one("SELECT flow.cancel(%s)", run) is True
@@ -321,7 +321,7 @@ def test_pg_cancel_backend_interrupts_a_handler_and_it_is_retried(pg):
     tag = unique("pgcancel")
     run = enqueue(pg, define(pg, max_attempts=3, backoff="'10 ms'"),
                   f'{{"do": "sleep_first", "seconds": 5, "tag": "{tag}"}}')
-    pg.wait_for("SELECT status = 'running' FROM flow._commands WHERE run_id = %s", run)
+    pg.wait_for("SELECT status = 'running' FROM flow.commands WHERE run_id = %s", run)
     time.sleep(0.3)
     pg.all("SELECT pg_cancel_backend(pid) FROM flow.workers WHERE command_id IS NOT NULL")
     assert pg.await_run(run, "10s")[0] == "succeeded"

@@ -246,12 +246,25 @@ SELECT r.id, r.key, r.name, r.version, r.queue, r.status, r.args, r.result, r.er
 FROM flow._runs r
 WHERE pg_has_role(current_user, r.owner, 'MEMBER');
 
+-- The attempts in-database workers are in now, of commands they hold (see
+-- flow._claim): nothing in the table says so until the attempt is settled,
+-- so the views take it from the workers' shared memory.
+CREATE VIEW flow._held_attempts AS
+SELECT c.id AS command_id, c.attempts + 1 AS attempt, format('%s:%s', current_database(), w.pid) AS owner,
+       w.since AS started_at
+FROM flow._worker_states() w JOIN flow._commands c ON c.id = w.command_id
+WHERE c.status IN ('pending', 'waiting');
+
 CREATE VIEW flow.commands WITH (security_barrier) AS
-SELECT c.id, c.run_id, c.parent_id, c.key, c.name, c.version, c.queue, c.status, c.attempts,
+SELECT c.id, c.run_id, c.parent_id, c.key, c.name, c.version, c.queue,
+       CASE WHEN h.command_id IS NULL THEN c.status ELSE 'running' END AS status,
+       coalesce(h.attempt, c.attempts) AS attempts,
        c.next_run_at, c.args, c.result, c.last_error_code, c.last_error_message, c.stop_reason,
-       c.wait_timed_out, c.lease_owner, c.lease_expires_at, c.attempt_started_at, c.attempt_deadline,
+       c.wait_timed_out, coalesce(h.owner, c.lease_owner) AS lease_owner, c.lease_expires_at,
+       coalesce(h.started_at, c.attempt_started_at) AS attempt_started_at, c.attempt_deadline,
        c.created_at, c.finished_at
 FROM flow._commands c JOIN flow._runs r ON r.id = c.run_id
+LEFT JOIN flow._held_attempts h ON h.command_id = c.id
 WHERE pg_has_role(current_user, r.owner, 'MEMBER');
 
 -- Finished attempts of visible commands, plus the live one of a running command.
@@ -264,7 +277,11 @@ UNION ALL
 SELECT c.id, c.run_id, c.name, c.attempts, c.lease_owner, c.attempt_started_at, NULL, now() - c.attempt_started_at,
        'running', NULL, NULL
 FROM flow._commands c JOIN flow._runs r ON r.id = c.run_id
-WHERE c.status = 'running' AND pg_has_role(current_user, r.owner, 'MEMBER');
+WHERE c.status = 'running' AND pg_has_role(current_user, r.owner, 'MEMBER')
+UNION ALL
+SELECT c.id, c.run_id, c.name, h.attempt, h.owner, h.started_at, NULL, now() - h.started_at, 'running', NULL, NULL
+FROM flow._held_attempts h JOIN flow._commands c ON c.id = h.command_id JOIN flow._runs r ON r.id = c.run_id
+WHERE pg_has_role(current_user, r.owner, 'MEMBER');
 
 CREATE VIEW flow.definitions WITH (security_barrier) AS
 SELECT d.name, d.version, d.handler, d.handler IS NULL AS external, d.takes_context, d.owner,
@@ -285,7 +302,10 @@ SELECT q.name, q.owner, q.users, q.concurrency, q.paused,
        count(c.id) FILTER (WHERE c.status = 'failed') AS failed,
        count(c.id) FILTER (WHERE c.status = 'cancelled') AS cancelled
 FROM flow._queues q
-LEFT JOIN (flow._commands c JOIN flow._runs r ON r.id = c.run_id AND pg_has_role(current_user, r.owner, 'MEMBER'))
+LEFT JOIN (SELECT x.id, x.queue, x.next_run_at,
+                  CASE WHEN h.command_id IS NULL THEN x.status ELSE 'running' END AS status
+           FROM flow._commands x JOIN flow._runs r ON r.id = x.run_id AND pg_has_role(current_user, r.owner, 'MEMBER')
+           LEFT JOIN flow._held_attempts h ON h.command_id = x.id) c
        ON c.queue = q.name
 WHERE coalesce(pg_has_role(current_user, q.owner, 'MEMBER'), false) OR flow._among(current_user::regrole, q.users)
 GROUP BY q.name, q.owner, q.users, q.concurrency, q.paused;

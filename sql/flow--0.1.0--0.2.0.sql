@@ -92,8 +92,10 @@ CREATE INDEX _commands_due ON flow._commands (queue, external, next_run_at, id)
 ALTER TABLE flow._runs SET (autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_cost_delay = 0);
 ALTER TABLE flow._commands SET (autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_cost_delay = 0);
 ALTER TABLE flow._attempts SET (autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_cost_delay = 0);
+-- Claims hold the commands of handlers known to be fast (see flow._claim).
+DROP FUNCTION flow._claim(text, integer, timestamptz, integer, interval, text[], integer);
 
--- src/lib.rs:24
+-- src/lib.rs:25
 -- requires:
 --   schema
 
@@ -748,15 +750,29 @@ BEGIN
                c.created_at, c.budget_started_at, c.attempt_started_at)::flow.context;
 END $$;
 
--- Claim up to max_count due commands in one short transaction (rule 3): the
--- attempt is counted and its lease recorded before any handler runs.
+-- Claim up to max_count due commands (rule 3). A command is claimed in one
+-- of two ways:
+-- * leased: its row says `running`, with the attempt counted and the lease
+--   recorded, and the claim commits before any handler runs. External
+--   workers, commands of limited queues (their running count must be seen
+--   by every worker) and handlers not known to be fast are claimed so.
+-- * held (in-database workers only, for the handlers in `fast_handlers`, in
+--   queues without a limit): the row is only locked, and the worker runs
+--   and settles it in this same transaction, writing the command once. The
+--   attempt is counted at its settlement; what keeps rule 3 is the worker's
+--   record of the held attempt it is in, outside the transaction (see
+--   src/attempt_record.rs). A held command is returned with no lease
+--   (lease_expires_at NULL) and the number of the attempt it makes.
+-- `excluded`: commands other workers' records name, left alone until those
+-- records are concluded.
 -- In-database workers pass their pid and backend start (names NULL: commands
 -- with an SQL handler); external workers pass definition names and a lease.
 -- Fairness (rule 2): every unpaused queue with due work offers its head, in
 -- (next_run_at, id) order, up to its free concurrency; candidates are then
 -- interleaved round-robin across queues, starting at queue number `turn`.
 CREATE OR REPLACE FUNCTION flow._claim(owner_name text, owner_pid integer, owner_started timestamptz,
-    max_count integer, lease interval, names text[], turn integer)
+    max_count integer, lease interval, names text[], turn integer,
+    fast_handlers oid[] DEFAULT NULL, excluded uuid[] DEFAULT NULL)
 RETURNS SETOF flow.claimed_command
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
@@ -800,6 +816,7 @@ BEGIN
     WITH lane AS (
         SELECT q.name,
                (row_number() OVER (ORDER BY q.name) - 1)::integer AS ord,
+               q.concurrency IS NULL AS unlimited,
                CASE WHEN q.concurrency IS NULL THEN max_count
                     ELSE greatest(0, q.concurrency - (
                         SELECT count(*) FROM flow._commands r       -- index _commands_running
@@ -807,12 +824,12 @@ BEGIN
                END AS room
         FROM flow._queues q WHERE q.name = ANY (lanes)
     ), candidate AS (
-        SELECT h.id, h.budget_start, l.ord,
+        SELECT h.id, h.budget_start, l.ord, coalesce(l.unlimited AND h.handler = ANY (fast_handlers), false) AS held,
                row_number() OVER (PARTITION BY l.ord ORDER BY h.next_run_at, h.id) AS rank
         FROM lane l CROSS JOIN LATERAL (
             -- max_elapsed counts from when a command first became due: a wait
             -- that timed out started its budget when `within` passed
-            SELECT c.id, c.next_run_at,
+            SELECT c.id, c.next_run_at, d.handler::oid AS handler,
                    CASE WHEN c.status = 'waiting' AND c.attempts = 0 THEN c.next_run_at
                         ELSE c.budget_started_at END AS budget_start
             FROM flow._commands c                                   -- index _commands_due
@@ -820,6 +837,7 @@ BEGIN
             WHERE c.queue = l.name AND c.external = (names IS NOT NULL)
               AND c.status IN ('pending', 'waiting') AND c.next_run_at <= now()
               AND (names IS NULL OR d.name = ANY (names))
+              AND (excluded IS NULL OR c.id <> ALL (excluded))
             ORDER BY c.next_run_at, c.id
             LIMIT least(l.room, max_count)
             FOR UPDATE OF c SKIP LOCKED
@@ -827,7 +845,7 @@ BEGIN
         WHERE l.room > 0
     ), picked AS (
         -- the interleaving is kept: workers run a batch in claim_order
-        SELECT p.id, p.budget_start,
+        SELECT p.id, p.budget_start, p.held,
                row_number() OVER (ORDER BY p.rank,
                                   ((p.ord - turn) % cardinality(lanes) + cardinality(lanes)) % cardinality(lanes))::integer
                    AS claim_order
@@ -851,10 +869,22 @@ BEGIN
             lease_interval = CASE WHEN owner_pid IS NULL THEN lease END,
             wait_timed_out = c.wait_timed_out OR c.status = 'waiting'
         FROM picked p, flow._definitions d
-        WHERE c.id = p.id AND d.name = c.name AND d.version = c.version
+        WHERE c.id = p.id AND NOT p.held AND d.name = c.name AND d.version = c.version
         RETURNING c AS cmd, d.handler::oid AS handler_oid, d.owner::oid AS handler_owner, d.takes_context,
                   d.timeout AS attempt_timeout, least(p.budget_start + d.max_elapsed, c.deadline) AS hard_deadline,
                   p.claim_order, d.args_type
+    ), held AS (
+        -- locked by `candidate`, with their runs (a run locked elsewhere, by
+        -- a cancel or another chunk, leaves its command for a later claim)
+        SELECT c AS cmd, d.handler::oid AS handler_oid, d.owner::oid AS handler_owner, d.takes_context,
+               d.timeout AS attempt_timeout, least(p.budget_start + d.max_elapsed, c.deadline) AS hard_deadline,
+               p.claim_order, d.args_type, p.budget_start,
+               least(now() + d.timeout, p.budget_start + d.max_elapsed, c.deadline) AS attempt_deadline
+        FROM picked p
+        JOIN flow._commands c ON c.id = p.id
+        JOIN flow._definitions d ON d.name = c.name AND d.version = c.version
+        WHERE p.held
+          AND EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = c.run_id FOR UPDATE SKIP LOCKED)
     )
     SELECT (k.cmd).id, (k.cmd).run_id, (k.cmd).name, (k.cmd).version, (k.cmd).queue, (k.cmd).args,
            (k.cmd).attempts, (k.cmd).lease_token, (k.cmd).lease_expires_at, (k.cmd).attempt_deadline,
@@ -862,7 +892,18 @@ BEGIN
            -- the context costs ~20 µs: only for handlers that take it, and external workers
            CASE WHEN k.takes_context OR names IS NOT NULL THEN flow._context(k.cmd) END,
            k.attempt_timeout, k.hard_deadline, k.claim_order, k.args_type
-    FROM claimed k;
+    FROM claimed k
+    UNION ALL
+    -- what the row will say once this attempt is settled
+    SELECT (k.cmd).id, (k.cmd).run_id, (k.cmd).name, (k.cmd).version, (k.cmd).queue, (k.cmd).args,
+           (k.cmd).attempts + 1, gen_random_uuid(), NULL, k.attempt_deadline,
+           k.handler_oid, k.handler_owner,
+           CASE WHEN k.takes_context THEN jsonb_populate_record(flow._context(k.cmd), jsonb_build_object(
+               'attempt', (k.cmd).attempts + 1, 'deadline', k.attempt_deadline, 'budget_started_at', k.budget_start,
+               'attempt_started_at', now(), 'wait_timed_out', (k.cmd).wait_timed_out OR (k.cmd).status = 'waiting'))
+           END,
+           k.attempt_timeout, k.hard_deadline, k.claim_order, k.args_type
+    FROM held k;
 END $$;
 
 -- Milliseconds until the next command becomes due (NULL: none scheduled), so
@@ -1001,21 +1042,32 @@ END $$;
 -- (_lock_runs_of). Returns how many settled.
 -- handler_started: when each handler started (in-database workers; NULL:
 -- the attempt started at its claim), so an attempt's duration is its own.
+-- held_attempts: for commands an in-database worker holds (see _claim), the
+-- number of the attempt it made (NULL for leased ones), and owner_name the
+-- worker: the claim's writes are made here, with the settlement's.
 CREATE OR REPLACE FUNCTION flow._settle_batch(command_ids uuid[], lease_tokens uuid[], results jsonb[],
-    handler_started timestamptz[] DEFAULT NULL) RETURNS integer
+    handler_started timestamptz[] DEFAULT NULL, held_attempts integer[] DEFAULT NULL, owner_name text DEFAULT NULL)
+RETURNS integer
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
     settled integer;
     finished integer;
 BEGIN
     WITH old AS (
-        SELECT x.id, x.attempts, coalesce(t.started, x.attempt_started_at) AS attempt_started_at, x.lease_owner,
-               t.token, t.result
+        SELECT x.id, coalesce(t.held, x.attempts) AS attempts,
+               coalesce(t.started, x.attempt_started_at) AS attempt_started_at,
+               coalesce(x.lease_owner, owner_name) AS lease_owner, t.token, t.result,
+               CASE WHEN t.held IS NULL OR x.attempts > 0 OR x.status = 'pending' THEN x.budget_started_at
+                    ELSE x.next_run_at END AS budget_started_at
         FROM flow._commands x
-        JOIN unnest(command_ids, lease_tokens, results, handler_started) AS t(id, token, result, started) ON x.id = t.id
-        WHERE x.status = 'running' AND x.lease_token = t.token
+        JOIN unnest(command_ids, lease_tokens, results, handler_started, held_attempts)
+             AS t(id, token, result, started, held) ON x.id = t.id
+        WHERE CASE WHEN t.held IS NULL THEN x.status = 'running' AND x.lease_token = t.token
+                   ELSE x.status IN ('pending', 'waiting') AND x.attempts = t.held - 1 END
     ), done AS (
         UPDATE flow._commands c SET status = 'succeeded', result = old.result, finished_at = clock_timestamp(),
+            attempts = old.attempts, budget_started_at = old.budget_started_at,
+            wait_timed_out = c.wait_timed_out OR c.status = 'waiting',
             lease_token = NULL, lease_owner = NULL, lease_pid = NULL, lease_backend_start = NULL,
             lease_expires_at = NULL, lease_interval = NULL, attempt_started_at = NULL, attempt_deadline = NULL
         FROM old WHERE c.id = old.id
@@ -1041,8 +1093,13 @@ END $$;
 -- Settle a failed attempt and apply the retry policy (rules 5-6). outcome is
 -- the class: permanent, retry_after, timeout, interrupted, lease_lost, crash,
 -- retryable. Returns 'retry', 'failed', or 'expired' (lease not held: no change).
+-- held_attempt: the command is not leased but held (see _claim), or was held
+-- by a worker that stopped in its attempt (src/attempt_record.rs): the
+-- attempt with this number is counted here, by `owner_name`, unless the
+-- command has moved on since.
 CREATE OR REPLACE FUNCTION flow._settle_failure(command_id uuid, lease_token uuid, outcome text, code text,
-    message text, retry_delay interval DEFAULT NULL, handler_started timestamptz DEFAULT NULL)
+    message text, retry_delay interval DEFAULT NULL, handler_started timestamptz DEFAULT NULL,
+    held_attempt integer DEFAULT NULL, owner_name text DEFAULT NULL)
 RETURNS text
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
@@ -1053,9 +1110,28 @@ DECLARE
     cut text := flow._cut_message(coalesce(message, code));
 BEGIN
     PERFORM flow._lock_runs_of(ARRAY[command_id]);
-    SELECT * INTO c FROM flow._commands x
-    WHERE x.id = _settle_failure.command_id AND x.status = 'running' AND x.lease_token = _settle_failure.lease_token
-    FOR UPDATE;
+    IF held_attempt IS NULL THEN
+        SELECT * INTO c FROM flow._commands x
+        WHERE x.id = _settle_failure.command_id AND x.status = 'running' AND x.lease_token = _settle_failure.lease_token
+        FOR UPDATE;
+    ELSE
+        SELECT * INTO c FROM flow._commands x
+        WHERE x.id = _settle_failure.command_id AND x.status IN ('pending', 'waiting')
+          AND x.attempts = held_attempt - 1
+        FOR UPDATE;
+        IF NOT FOUND THEN
+            RETURN 'expired';
+        END IF;
+        -- what the claim of a leased attempt would have written
+        IF c.status = 'waiting' AND c.attempts = 0 THEN
+            c.budget_started_at := c.next_run_at;
+        END IF;
+        c.wait_timed_out := c.wait_timed_out OR c.status = 'waiting';
+        c.attempts := held_attempt;
+        c.lease_token := _settle_failure.lease_token;
+        c.lease_owner := owner_name;
+        c.attempt_started_at := coalesce(handler_started, clock_timestamp());
+    END IF;
     IF NOT FOUND THEN
         RETURN 'expired';
     END IF;
@@ -1082,6 +1158,7 @@ BEGIN
     PERFORM flow._observe('attempts_' || outcome, 1), flow._observe('stops_' || stop, 1);
     UPDATE flow._commands x SET
         status = CASE WHEN stop IS NULL THEN 'pending' ELSE 'failed' END::flow.command_status,
+        attempts = c.attempts, budget_started_at = c.budget_started_at, wait_timed_out = c.wait_timed_out,
         next_run_at = coalesce(next_at, x.next_run_at),
         finished_at = CASE WHEN stop IS NULL THEN NULL ELSE clock_timestamp() END,
         stop_reason = stop, last_error_code = code, last_error_message = cut,
@@ -1385,7 +1462,7 @@ DECLARE
     existing flow._commands;
     journaled bigint;
 BEGIN
-    SELECT * INTO parent FROM flow._commands c WHERE c.id = _spawn.parent_id AND c.status = 'running';
+    SELECT * INTO parent FROM flow._commands c WHERE c.id = _spawn.parent_id AND c.finished_at IS NULL;  -- leased (running) or held by this worker
     IF NOT FOUND THEN
         RAISE EXCEPTION 'flow: spawn is only possible inside a running handler' USING ERRCODE = 'FL012',
             HINT = 'Use flow.enqueue to start a new run.';
@@ -1784,7 +1861,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_current_command_wrapper';
 
--- src/executor.rs:134
+-- src/executor.rs:170
 -- flow::executor::_decide
 CREATE OR REPLACE FUNCTION "_decide"(
 	"class" TEXT, /* & str */
@@ -1931,7 +2008,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', 'run_sql_wrapper';
 
--- src/lib.rs:25
+-- src/lib.rs:26
 -- finalize
 -- flow's public SQL surface (names and named parameters are the API, see
 -- DESIGN.md) and the views a person reads.
@@ -2181,12 +2258,25 @@ SELECT r.id, r.key, r.name, r.version, r.queue, r.status, r.args, r.result, r.er
 FROM flow._runs r
 WHERE pg_has_role(current_user, r.owner, 'MEMBER');
 
+-- The attempts in-database workers are in now, of commands they hold (see
+-- flow._claim): nothing in the table says so until the attempt is settled,
+-- so the views take it from the workers' shared memory.
+CREATE OR REPLACE VIEW flow._held_attempts AS
+SELECT c.id AS command_id, c.attempts + 1 AS attempt, format('%s:%s', current_database(), w.pid) AS owner,
+       w.since AS started_at
+FROM flow._worker_states() w JOIN flow._commands c ON c.id = w.command_id
+WHERE c.status IN ('pending', 'waiting');
+
 CREATE OR REPLACE VIEW flow.commands WITH (security_barrier) AS
-SELECT c.id, c.run_id, c.parent_id, c.key, c.name, c.version, c.queue, c.status, c.attempts,
+SELECT c.id, c.run_id, c.parent_id, c.key, c.name, c.version, c.queue,
+       CASE WHEN h.command_id IS NULL THEN c.status ELSE 'running' END AS status,
+       coalesce(h.attempt, c.attempts) AS attempts,
        c.next_run_at, c.args, c.result, c.last_error_code, c.last_error_message, c.stop_reason,
-       c.wait_timed_out, c.lease_owner, c.lease_expires_at, c.attempt_started_at, c.attempt_deadline,
+       c.wait_timed_out, coalesce(h.owner, c.lease_owner) AS lease_owner, c.lease_expires_at,
+       coalesce(h.started_at, c.attempt_started_at) AS attempt_started_at, c.attempt_deadline,
        c.created_at, c.finished_at
 FROM flow._commands c JOIN flow._runs r ON r.id = c.run_id
+LEFT JOIN flow._held_attempts h ON h.command_id = c.id
 WHERE pg_has_role(current_user, r.owner, 'MEMBER');
 
 -- Finished attempts of visible commands, plus the live one of a running command.
@@ -2199,7 +2289,11 @@ UNION ALL
 SELECT c.id, c.run_id, c.name, c.attempts, c.lease_owner, c.attempt_started_at, NULL, now() - c.attempt_started_at,
        'running', NULL, NULL
 FROM flow._commands c JOIN flow._runs r ON r.id = c.run_id
-WHERE c.status = 'running' AND pg_has_role(current_user, r.owner, 'MEMBER');
+WHERE c.status = 'running' AND pg_has_role(current_user, r.owner, 'MEMBER')
+UNION ALL
+SELECT c.id, c.run_id, c.name, h.attempt, h.owner, h.started_at, NULL, now() - h.started_at, 'running', NULL, NULL
+FROM flow._held_attempts h JOIN flow._commands c ON c.id = h.command_id JOIN flow._runs r ON r.id = c.run_id
+WHERE pg_has_role(current_user, r.owner, 'MEMBER');
 
 CREATE OR REPLACE VIEW flow.definitions WITH (security_barrier) AS
 SELECT d.name, d.version, d.handler, d.handler IS NULL AS external, d.takes_context, d.owner,
@@ -2220,7 +2314,10 @@ SELECT q.name, q.owner, q.users, q.concurrency, q.paused,
        count(c.id) FILTER (WHERE c.status = 'failed') AS failed,
        count(c.id) FILTER (WHERE c.status = 'cancelled') AS cancelled
 FROM flow._queues q
-LEFT JOIN (flow._commands c JOIN flow._runs r ON r.id = c.run_id AND pg_has_role(current_user, r.owner, 'MEMBER'))
+LEFT JOIN (SELECT x.id, x.queue, x.next_run_at,
+                  CASE WHEN h.command_id IS NULL THEN x.status ELSE 'running' END AS status
+           FROM flow._commands x JOIN flow._runs r ON r.id = x.run_id AND pg_has_role(current_user, r.owner, 'MEMBER')
+           LEFT JOIN flow._held_attempts h ON h.command_id = x.id) c
        ON c.queue = q.name
 WHERE coalesce(pg_has_role(current_user, q.owner, 'MEMBER'), false) OR flow._among(current_user::regrole, q.users)
 GROUP BY q.name, q.owner, q.users, q.concurrency, q.paused;

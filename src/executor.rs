@@ -38,9 +38,24 @@ pub struct Claimed {
     pub context: Option<JsonB>,
     /// The definition's args_type, if any: the args must still fit it.
     pub args_type: Option<pg_sys::Oid>,
+    /// Held, not leased (see flow._claim): the number of the attempt it makes,
+    /// counted when it is settled in the claim's own transaction.
+    pub held_attempt: Option<i32>,
+}
+
+/// What a settlement names: the command, and its lease or held attempt.
+#[derive(Clone, Copy)]
+pub struct AttemptId {
+    pub command_id: pgrx::Uuid,
+    pub lease_token: pgrx::Uuid,
+    pub held_attempt: Option<i32>,
 }
 
 impl Claimed {
+    pub fn id(&self) -> AttemptId {
+        AttemptId { command_id: self.command_id, lease_token: self.lease_token, held_attempt: self.held_attempt }
+    }
+
     /// The attempt's deadline for a handler starting at `now` (TimestampTz µs).
     fn deadline(&self, now: i64) -> Option<i64> {
         let timeout = self.timeout_us.or_else(isolation::default_attempt_timeout_us);
@@ -93,6 +108,27 @@ thread_local! {
     static INVALID_DECISION: RefCell<Option<Decision>> = const { RefCell::new(None) };
     static HANDLER_PLANS: RefCell<HashMap<(u32, u32), OwnedPreparedStatement>> = RefCell::new(HashMap::new());
     static ENGINE_PLANS: RefCell<HashMap<&'static str, OwnedPreparedStatement>> = RefCell::new(HashMap::new());
+    /// Handlers whose last attempt in this worker took under FAST_HANDLER:
+    /// their commands are held, not leased (see flow._claim).
+    static FAST_HANDLERS: RefCell<HashSet<u32>> = RefCell::new(HashSet::new());
+}
+
+/// A handler whose last attempt in this worker finished within this long has
+/// its next commands held: run and settled in the claim's transaction, one
+/// write each and no commit before it starts. Others are leased, so a long
+/// attempt shows as `running` while it runs (and the first attempt of a
+/// handler, before anything is known of it, is leased too).
+const FAST_HANDLER: std::time::Duration = std::time::Duration::from_millis(10);
+
+fn note_handler_time(handler: pg_sys::Oid, took: std::time::Duration) {
+    FAST_HANDLERS.with(|f| {
+        let mut f = f.borrow_mut();
+        if took < FAST_HANDLER {
+            f.insert(handler.to_u32());
+        } else {
+            f.remove(&handler.to_u32());
+        }
+    });
 }
 
 // utils/timeout.h is not in pgrx-pg-sys 0.18.1. STATEMENT_TIMEOUT is 3 in
@@ -215,20 +251,40 @@ const TIMESTAMPTZ: PgOid = PgOid::BuiltIn(PgBuiltInOids::TIMESTAMPTZOID);
 const UUID_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::UUIDARRAYOID);
 const JSONB_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::JSONBARRAYOID);
 const TIMESTAMPTZ_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::TIMESTAMPTZARRAYOID);
+const INT4_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::INT4ARRAYOID);
+const OID_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::OIDARRAYOID);
 
 /// Claim up to `max` due commands for this worker process (flow._claim), in
-/// run order so that chunks lock runs in a stable order.
-pub fn claim(owner: &str, backend_start: Option<TimestampWithTimeZone>, max: i32, turn: i32) -> Vec<Claimed> {
+/// claim order: leased ones, and held ones of the handlers known to be fast
+/// (`fast_handlers`), which must run in this same transaction. Commands named
+/// in `excluded` are left alone.
+pub fn claim(
+    owner: &str,
+    backend_start: Option<TimestampWithTimeZone>,
+    max: i32,
+    turn: i32,
+    excluded: Vec<pgrx::Uuid>,
+) -> Vec<Claimed> {
     gucs::inject_fault("claim");
+    let fast: Vec<pg_sys::Oid> = FAST_HANDLERS.with(|f| f.borrow().iter().map(|oid| pg_sys::Oid::from(*oid)).collect());
     engine_query(
         "SELECT command_id, run_id, lease_token,
                 (extract(epoch FROM hard_deadline) * 1000000)::bigint - 946684800000000,
                 (extract(epoch FROM attempt_timeout) * 1000000)::bigint,
-                handler, handler_owner, args, pg_catalog.to_jsonb(context), args_type::oid
-         FROM flow._claim($1, $2, $3, $4, NULL, NULL, $5)
+                handler, handler_owner, args, pg_catalog.to_jsonb(context), args_type::oid,
+                CASE WHEN lease_expires_at IS NULL THEN attempt END
+         FROM flow._claim($1, $2, $3, $4, NULL, NULL, $5, $6, $7)
          ORDER BY claim_order",
-        &[TEXT, INT4, TIMESTAMPTZ, INT4, INT4],
-        &[owner.into(), unsafe { pg_sys::MyProcPid }.into(), backend_start.into(), max.into(), turn.into()],
+        &[TEXT, INT4, TIMESTAMPTZ, INT4, INT4, OID_ARRAY, UUID_ARRAY],
+        &[
+            owner.into(),
+            unsafe { pg_sys::MyProcPid }.into(),
+            backend_start.into(),
+            max.into(),
+            turn.into(),
+            fast.into(),
+            excluded.into(),
+        ],
         |rows| {
             rows.map(|row| Claimed {
                 command_id: row.get(1).ok().flatten().expect("command_id"),
@@ -241,6 +297,7 @@ pub fn claim(owner: &str, backend_start: Option<TimestampWithTimeZone>, max: i32
                 args: row.get::<JsonB>(8).ok().flatten().expect("args"),
                 context: row.get::<JsonB>(9).ok().flatten(),
                 args_type: row.get::<pg_sys::Oid>(10).ok().flatten(),
+                held_attempt: row.get::<i32>(11).ok().flatten(),
             })
             .collect()
         },
@@ -253,18 +310,28 @@ pub fn claim(owner: &str, backend_start: Option<TimestampWithTimeZone>, max: i32
 /// they happen, after the successes before them. Commands whose run is locked
 /// elsewhere (a cancel, an external client's open transaction) or that a
 /// cancel stopped are handed back to their queue, never waited for.
-pub struct Chunk {
+pub struct Chunk<'a> {
+    /// The worker's name: the owner of held attempts.
+    worker: &'a str,
     live: HashSet<[u8; 16]>,
     /// Runs that failed in this chunk: their other commands were cancelled.
     failed_runs: HashSet<[u8; 16]>,
-    /// (command, lease token, result, when its handler started)
-    successes: Vec<(pgrx::Uuid, pgrx::Uuid, Option<JsonB>, Option<TimestampWithTimeZone>)>,
+    /// (command, lease token, result, when its handler started, held attempt)
+    successes: Vec<(pgrx::Uuid, pgrx::Uuid, Option<JsonB>, Option<TimestampWithTimeZone>, Option<i32>)>,
     /// Commands to hand back uncharged (see `finish`).
     handed_back: Vec<(pgrx::Uuid, pgrx::Uuid)>,
 }
 
-impl Chunk {
-    pub fn begin(commands: &[Claimed]) -> Chunk {
+impl<'a> Chunk<'a> {
+    /// Held commands, in the claim's transaction: their rows and runs are
+    /// locked already.
+    pub fn held(worker: &'a str, commands: &[Claimed]) -> Chunk<'a> {
+        let live = commands.iter().map(|c| *c.command_id.as_bytes()).collect();
+        Chunk { worker, live, failed_runs: HashSet::new(), successes: Vec::new(), handed_back: Vec::new() }
+    }
+
+    /// Leased commands, in a transaction of their own.
+    pub fn begin(worker: &'a str, commands: &[Claimed]) -> Chunk<'a> {
         let ids: Vec<pgrx::Uuid> = commands.iter().map(|c| c.command_id).collect();
         let tokens: Vec<pgrx::Uuid> = commands.iter().map(|c| c.lease_token).collect();
         let states: Vec<([u8; 16], bool)> = engine_query(
@@ -288,7 +355,7 @@ impl Chunk {
             .map(|c| (c.command_id, c.lease_token))
             .collect();
         let live = live.into_iter().map(|(id, _)| id).collect();
-        Chunk { live, failed_runs: HashSet::new(), successes: Vec::new(), handed_back }
+        Chunk { worker, live, failed_runs: HashSet::new(), successes: Vec::new(), handed_back }
     }
 
     /// Run one command of the chunk for worker `index`; commands whose lease
@@ -299,20 +366,31 @@ impl Chunk {
         if !self.live.contains(command.command_id.as_bytes()) || self.failed_runs.contains(&run) {
             return;
         }
+        // A cancelled command is left to the cancel, which closes it once it
+        // has the run's lock: a leased one is handed back a moment later, a
+        // held one simply stays unsettled.
+        let leave = |chunk: &mut Self| {
+            if command.held_attempt.is_none() {
+                chunk.handed_back.push((command.command_id, command.lease_token));
+            }
+        };
         if shmem::cancel_requested(index, &run) {
-            self.handed_back.push((command.command_id, command.lease_token));
+            leave(self);
             return;
+        }
+        if let Some(attempt) = command.held_attempt {
+            crate::attempt_record::write(command.command_id.as_bytes(), attempt);
         }
         let started = crate::api::timestamp_from_pg(unsafe { pg_sys::GetCurrentTimestamp() });
         match attempt(index, command) {
-            Ok(result) => self.successes.push((command.command_id, command.lease_token, result, started)),
-            Err(failure) if failure.class == "cancelled" => {
-                self.handed_back.push((command.command_id, command.lease_token));
+            Ok(result) => {
+                self.successes.push((command.command_id, command.lease_token, result, started, command.held_attempt))
             }
+            Err(failure) if failure.class == "cancelled" => leave(self),
             Err(failure) => {
                 // Successes before this failure settle first: they happened first.
                 self.settle_successes();
-                if settle_failure(command, &failure, started) == (Settled::Failed { retry: false }) {
+                if settle_failure(&command.id(), &failure, started, self.worker) == (Settled::Failed { retry: false }) {
                     self.failed_runs.insert(run);
                 }
             }
@@ -332,21 +410,23 @@ impl Chunk {
         if self.successes.is_empty() {
             return;
         }
-        let (mut ids, mut tokens, mut results, mut starts) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        for (id, token, result, started) in self.successes.drain(..) {
+        let (mut ids, mut tokens, mut results, mut starts, mut held) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for (id, token, result, started, held_attempt) in self.successes.drain(..) {
             ids.push(id);
             tokens.push(token);
             results.push(result);
             starts.push(started);
+            held.push(held_attempt);
         }
         // Built once, in the chunk's memory context: every try reuses them.
         // (flow._settle_batch counts what it settled, at commit.)
-        let args = [ids.into(), tokens.into(), results.into(), starts.into()];
+        let args = [ids.into(), tokens.into(), results.into(), starts.into(), held.into(), self.worker.into()];
         with_settlement_retries(|| {
             gucs::inject_fault("settle_success");
             engine_query(
-                "SELECT flow._settle_batch($1, $2, $3, $4)",
-                &[UUID_ARRAY, UUID_ARRAY, JSONB_ARRAY, TIMESTAMPTZ_ARRAY],
+                "SELECT flow._settle_batch($1, $2, $3, $4, $5, $6)",
+                &[UUID_ARRAY, UUID_ARRAY, JSONB_ARRAY, TIMESTAMPTZ_ARRAY, INT4_ARRAY, TEXT],
                 &args,
                 |_| (),
             )
@@ -518,6 +598,7 @@ fn attempt(index: usize, command: &Claimed) -> Result<Option<JsonB>, Failure> {
     CURRENT_COMMAND.with(|c| c.set(None));
     stop_deadline_timer();
     shmem::observe("handler_us", started.elapsed().as_micros() as u64);
+    note_handler_time(command.handler, started.elapsed());
     // A cancel that comes late, after the handler, must not hit the cleanup.
     holding_off_cancels(isolation::after_attempt);
     ATTEMPT_IN_PROGRESS.with(|c| c.set(None));
@@ -670,13 +751,13 @@ fn handler_call_sql(handler: pg_sys::Oid) -> String {
     }
 }
 
-fn settle_failure(command: &Claimed, failure: &Failure, started: Option<TimestampWithTimeZone>) -> Settled {
+fn settle_failure(command: &AttemptId, failure: &Failure, started: Option<TimestampWithTimeZone>, worker: &str) -> Settled {
     let status: Option<String> = with_settlement_retries(|| {
     gucs::inject_fault("settle_failure");
     engine_query(
         "SELECT flow._settle_failure($1, $2, $3, $4, $5,
-                CASE WHEN $6 IS NULL THEN NULL ELSE pg_catalog.make_interval(secs => $6 / 1000000.0) END, $7)",
-        &[UUID, UUID, TEXT, TEXT, TEXT, INT8, TIMESTAMPTZ],
+                CASE WHEN $6 IS NULL THEN NULL ELSE pg_catalog.make_interval(secs => $6 / 1000000.0) END, $7, $8, $9)",
+        &[UUID, UUID, TEXT, TEXT, TEXT, INT8, TIMESTAMPTZ, INT4, TEXT],
         &[
             command.command_id.into(),
             command.lease_token.into(),
@@ -685,6 +766,8 @@ fn settle_failure(command: &Claimed, failure: &Failure, started: Option<Timestam
             failure.message.as_str().into(),
             failure.delay_us.into(),
             started.into(),
+            command.held_attempt.into(),
+            worker.into(),
         ],
         |t| t.first().get_one().unwrap_or_else(|e| error!("flow: {e}")),
     )
@@ -701,22 +784,36 @@ fn settle_failure(command: &Claimed, failure: &Failure, started: Option<Timestam
 /// and retried by its policy; should even that fail (its own settlement is
 /// what breaks), it fails permanently with that error. Returns false when
 /// neither could be written.
-pub fn settle_engine_error(command: &Claimed, message: &str, sqlstate: &str) -> bool {
+pub fn settle_engine_error(command: &AttemptId, message: &str, sqlstate: &str, worker: &str) -> bool {
     // A settlement rejected as invalid (flow's own checks, bad data, a
     // violated constraint) cannot succeed when retried: an invalid decision.
     let invalid = sqlstate.starts_with("FL") || sqlstate.starts_with("22") || sqlstate.starts_with("23");
     if invalid {
         let decision = Failure { class: "permanent", code: "invalid_decision".into(), message: message.into(), delay_us: None };
-        if in_subtransaction(|| Ok::<_, ()>(settle_failure(command, &decision, None)), |_| ()).is_ok() {
+        if in_subtransaction(|| Ok::<_, ()>(settle_failure(command, &decision, None, worker)), |_| ()).is_ok() {
             return true;
         }
     }
     let retryable = Failure { class: "retryable", code: "engine_error".into(), message: message.into(), delay_us: None };
-    if in_subtransaction(|| Ok::<_, ()>(settle_failure(command, &retryable, None)), |_| ()).is_ok() {
+    if in_subtransaction(|| Ok::<_, ()>(settle_failure(command, &retryable, None, worker)), |_| ()).is_ok() {
         return true;
     }
     let permanent = Failure { class: "permanent", ..retryable };
-    in_subtransaction(|| Ok::<_, ()>(settle_failure(command, &permanent, None)), |_| ()).is_ok()
+    in_subtransaction(|| Ok::<_, ()>(settle_failure(command, &permanent, None, worker)), |_| ()).is_ok()
+}
+
+/// Conclude the held attempt a stopped worker recorded (see
+/// attempt_record.rs) as interrupted; nothing changes if the command has
+/// moved on since (settled, or another attempt counted).
+pub fn conclude_held(command: [u8; 16], attempt: i32, worker: &str) -> bool {
+    let status: Option<String> = engine_query(
+        "SELECT flow._settle_failure($1, pg_catalog.gen_random_uuid(), 'interrupted', 'owner_died',
+                'the worker running this attempt exited before settling it', NULL, NULL, $2, $3)",
+        &[UUID, INT4, TEXT],
+        &[pgrx::Uuid::from_bytes(command).into(), attempt.into(), worker.into()],
+        |t| t.first().get_one().unwrap_or_else(|e| error!("flow: {e}")),
+    );
+    status.as_deref().is_some_and(|s| s != "expired")
 }
 
 /// Hand claimed commands back to their queue with the attempt the claim

@@ -9,6 +9,7 @@
 use pgrx::prelude::*;
 
 mod api;
+mod attempt_record;
 mod executor;
 mod gucs;
 mod handlers;

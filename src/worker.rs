@@ -8,8 +8,8 @@
 //! never kill the worker; a handler's own errors never leave its
 //! subtransaction (see executor.rs).
 
-use crate::executor::{self, Claimed};
-use crate::{api, gucs, isolation, shmem};
+use crate::executor::{self, AttemptId, Claimed};
+use crate::{api, attempt_record, gucs, isolation, shmem};
 use pgrx::bgworkers::{BackgroundWorker, BackgroundWorkerBuilder, SignalWakeFlags};
 use pgrx::prelude::*;
 use pgrx::PgTryBuilder;
@@ -34,8 +34,7 @@ const PRUNE_BATCH: i32 = 1000;
 /// it (its handlers' results become visible together at commit).
 const CHUNK_BUDGET: Duration = Duration::from_millis(50);
 
-/// After a chunk failed outside its handlers, commands run one per chunk (and
-/// claims are not prefetched) for this long, so a command that makes the
+/// After a chunk failed outside its handlers, commands run one per chunk for this long, so a command that makes the
 /// engine's SQL fail is found and settled alone.
 const ISOLATION_PERIOD: Duration = Duration::from_secs(10);
 
@@ -92,6 +91,7 @@ pub extern "C-unwind" fn flow_worker_main(arg: pg_sys::Datum) {
     isolation::pin_worker_session();
     executor::register_hard_stop();
     shmem::register_worker(index);
+    attempt_record::open(index);
     unsafe { pg_sys::before_shmem_exit(Some(on_exit), pg_sys::Datum::from(index)) };
     report_activity("flow: starting");
 
@@ -133,8 +133,9 @@ struct Worker {
     /// The extension was found installed by the last check.
     ready: bool,
     last_recovery: Option<Instant>,
-    /// Commands claimed in the commit of the previous batch's last chunk.
-    prefetched: Vec<Claimed>,
+    /// What this slot's record held when the worker started is concluded
+    /// (see attempt_record.rs); no claim before.
+    record_concluded: bool,
     /// Recent time per command (µs, moving average), to size the next claim.
     per_command_us: f64,
     last_prune: Option<Instant>,
@@ -162,7 +163,7 @@ impl Worker {
             turn: Cell::new(index as i32),
             ready: false,
             last_recovery: None,
-            prefetched: Vec::new(),
+            record_concluded: false,
             per_command_us: 0.0,
             last_prune: None,
             prune_after: None,
@@ -178,17 +179,19 @@ impl Worker {
         let idle = gucs::poll_interval();
         // First, whatever happens below: commands put aside must not stay claimed.
         self.release_handed_back();
-        // Prefetched commands are claimed and committed already: they run even
-        // if flow.enabled went off meanwhile.
-        if self.prefetched.is_empty() {
-            if !gucs::enabled() {
+        if !gucs::enabled() {
+            return idle;
+        }
+        if !self.ready {
+            self.ready = transaction(extension_installed).unwrap_or(false);
+            if !self.ready {
                 return idle;
             }
-            if !self.ready {
-                self.ready = transaction(extension_installed).unwrap_or(false);
-                if !self.ready {
-                    return idle;
-                }
+        }
+        if !self.record_concluded {
+            match transaction(|| self.conclude_records()) {
+                Some(()) => self.record_concluded = true,
+                None => return self.failed_turn(),
             }
         }
         // Work first: a wake-up at commit goes straight to the claim; upkeep
@@ -196,21 +199,16 @@ impl Worker {
         // A claim that came back short took everything due then; anything due
         // since was committed with a wake-up (this worker's latch is set if
         // no other worker was idle), so the turn right after it skips the claim.
-        let skip_claim = self.prefetched.is_empty() && self.took_all_due.replace(false);
-        let claimed = if !self.prefetched.is_empty() {
-            std::mem::take(&mut self.prefetched)
-        } else if skip_claim {
-            Vec::new()
-        } else {
-            match transaction(|| self.claim()) {
-                Some(claimed) => claimed,
-                None => return self.failed_turn(),
+        let skip_claim = self.took_all_due.replace(false);
+        if !skip_claim {
+            let Some((claimed, leased)) = self.claim_and_run_held() else { return self.failed_turn() };
+            if !leased.is_empty() {
+                self.run_batch(leased);
             }
-        };
-        if !claimed.is_empty() {
-            let sleep = self.run_batch(claimed);
-            self.upkeep();
-            return sleep;
+            if claimed > 0 {
+                self.upkeep();
+                return Duration::ZERO;
+            }
         }
         match self.upkeep() {
             None => return self.failed_turn(),
@@ -259,52 +257,169 @@ impl Worker {
         self.unreleased.extend(still_locked.into_iter().map(|(id, token)| (id, token, at)));
     }
 
-    /// Execute a claimed batch in chunks. The last chunk's transaction also
-    /// claims the next batch, so a busy worker pays one commit per batch: the
-    /// claim is still durable before any of its handlers runs (rule 3).
-    fn run_batch(&mut self, claimed: Vec<Claimed>) -> Duration {
-        let count = claimed.len() as u64;
+    /// Conclude what this slot's record held when the worker started: the
+    /// held attempt its previous incarnation stopped in (and, for worker 0,
+    /// the records of slots no worker runs any more).
+    fn conclude_records(&self) {
+        let mut records: Vec<(Option<usize>, ([u8; 16], i32))> =
+            attempt_record::left_behind(self.index).into_iter().map(|r| (None, r)).collect();
+        if self.index == 0 {
+            records.extend(attempt_record::orphans(gucs::workers()).into_iter().map(|(slot, r)| (Some(slot), r)));
+        }
+        for (slot, (command, attempt)) in records {
+            if executor::conclude_held(command, attempt, &self.name) {
+                pgrx::log!(
+                    "flow: concluded the attempt {attempt} of command {} as interrupted: its worker stopped in it",
+                    pgrx::Uuid::from_bytes(command)
+                );
+            }
+            match slot {
+                None => attempt_record::clear(),
+                Some(slot) => attempt_record::remove(slot),
+            }
+        }
+    }
+
+    fn isolating(&self) -> bool {
+        self.isolate_until.is_some_and(|until| Instant::now() < until)
+    }
+
+    /// Claim, and run the held commands at once, in the claim's own
+    /// transaction: each is written once, when it is settled, and nothing is
+    /// committed before its handler starts (see flow._claim). Returns how
+    /// many were claimed and the leased ones, committed, to run next; None if
+    /// the transaction failed.
+    fn claim_and_run_held(&mut self) -> Option<(usize, Vec<Claimed>)> {
+        let isolating = self.isolating();
+        let entered = Cell::new(None);
+        let started = Instant::now();
+        let outcome = try_transaction(|| {
+            let claimed = self.claim();
+            let count = claimed.len();
+            let (held, leased): (Vec<_>, Vec<_>) = claimed.into_iter().partition(|c| c.held_attempt.is_some());
+            let mut ran = 0;
+            if !held.is_empty() {
+                let mut chunk = executor::Chunk::held(&self.name, &held);
+                ran = self.run_chunk(&mut chunk, &held, &entered, isolating);
+                chunk.finish();
+            }
+            let runs: Vec<[u8; 16]> = held[..ran].iter().map(|c| *c.run_id.as_bytes()).collect();
+            (count, held.len(), ran, runs, leased)
+        });
+        // committed or rolled back: the held attempts are over either way
+        attempt_record::clear();
+        shmem::set_worker_state(self.index, true, None, 0);
+        match outcome {
+            Ok((count, held, ran, runs, leased)) => {
+                if held > 0 {
+                    // Those not run (the chunk was cut short) stay due, unchanged.
+                    self.chunk_window = if ran < held { ran.max(MIN_CHUNK_WINDOW) } else { held.saturating_mul(2) };
+                    shmem::clear_cancels(self.index, &runs);
+                    self.note_time_per_command(started, ran);
+                }
+                Some((count, leased))
+            }
+            // The claim itself failed (the extension is being changed, ...).
+            Err(_) if entered.get().is_none() => None,
+            Err((message, sqlstate)) => {
+                // A held handler's chunk failed outside the handler. Everything
+                // the transaction did rolled back: the held commands and the
+                // leased claims alike are due again, uncharged.
+                self.contain(entered.get(), &message, &sqlstate, &[]);
+                Some((1, Vec::new()))
+            }
+        }
+    }
+
+    /// Run the commands of `window` in `chunk`, in the current transaction,
+    /// until the chunk's limits; returns how many were entered.
+    fn run_chunk(&self, chunk: &mut executor::Chunk, window: &[Claimed], entered: &Cell<Option<AttemptId>>, isolating: bool) -> usize {
+        let chunk_started = Instant::now();
+        let mut ran = 0;
+        for command in window {
+            let (id, run) = (*command.command_id.as_bytes(), *command.run_id.as_bytes());
+            shmem::set_worker_state(self.index, true, Some((id, run)), 1);
+            // Order matters: a cancel sets its flag before it signals, so
+            // either the chunk sees the flag or its SIGINT reaches the handler.
+            unsafe { pg_sys::QueryCancelPending = 0 };
+            entered.set(Some(command.id()));
+            chunk.execute(self.index, command);
+            ran += 1;
+            if isolating
+                || chunk_started.elapsed() >= CHUNK_BUDGET
+                || executor::subxid_cache_nearly_full()
+                || isolation::constraint_state_changed()
+            {
+                break;
+            }
+        }
+        ran
+    }
+
+    /// A chunk failed outside its handlers (the engine's SQL for one of its
+    /// commands) and everything in it rolled back, so for its commands nothing
+    /// happened. Contain it: they and the leased rest of the batch (`batch`)
+    /// go back to their queues uncharged, and commands run one per chunk for
+    /// a while. A one-command chunk that fails is the culprit: it alone is
+    /// settled, with the real error, and retried by its policy.
+    fn contain(&mut self, entered: Option<AttemptId>, message: &str, sqlstate: &str, batch: &[AttemptId]) {
+        let culprit = if self.isolating() { entered } else { None };
+        self.isolate_until = Some(Instant::now() + ISOLATION_PERIOD);
+        let name = self.name.clone();
+        let contained = try_transaction(|| {
+            culprit.iter().all(|c| executor::settle_engine_error(c, message, sqlstate, &name)).then(|| {
+                let others: Vec<_> = batch
+                    .iter()
+                    .filter(|o| o.held_attempt.is_none() && culprit.is_none_or(|k| k.command_id != o.command_id))
+                    .collect();
+                executor::release(others.iter().map(|c| c.command_id).collect(), others.iter().map(|c| c.lease_token).collect())
+            })
+        });
+        if let Ok(Some(locked_elsewhere)) = contained {
+            let at = Instant::now() - HAND_BACK_DELAY;
+            self.unreleased.extend(locked_elsewhere.into_iter().map(|(id, token)| (id, token, at)));
+        } else {
+            // Not even that could be written: exit, and recovery (in the
+            // restarted worker) concludes these attempts as interrupted.
+            pgrx::warning!("flow: a batch failed outside its handlers and could not be settled; restarting the worker");
+            unsafe { pg_sys::proc_exit(1) };
+        }
+        executor::forget_plans();
+    }
+
+    fn note_time_per_command(&mut self, started: Instant, count: usize) {
+        if count == 0 {
+            return;
+        }
+        let elapsed = started.elapsed();
+        let per_command = elapsed.as_micros() as f64 / count as f64;
+        self.per_command_us = if self.per_command_us == 0.0 { per_command } else { 0.7 * self.per_command_us + 0.3 * per_command };
+        executor::log(&format!("flow: ran {count} commands in {} ms", elapsed.as_millis()));
+    }
+
+    /// Execute a batch of leased commands (their claim is committed) in
+    /// chunks, one transaction each.
+    fn run_batch(&mut self, claimed: Vec<Claimed>) {
+        let count = claimed.len();
         let started = Instant::now();
         report_activity(&format!("flow: running a batch of {count} commands"));
         // Chunks commit at least every CHUNK_BUDGET, so a slow handler does not
         // hold back the results of the fast ones claimed with it.
         let mut rest: &[Claimed] = &claimed;
-        let isolating = self.isolate_until.is_some_and(|until| Instant::now() < until);
+        let isolating = self.isolating();
         while !rest.is_empty() {
-            let index = self.index;
-            let this = &*self;
             // The commands this chunk may run (it begins by locking their runs):
             // as many as the last chunk that ended early managed, or all.
             let window = &rest[..rest.len().min(self.chunk_window)];
-            // How many commands of this chunk were entered (1 in isolation: the culprit).
-            let entered = Cell::new(0usize);
+            let entered = Cell::new(None);
+            let this = &*self;
             let ran = try_transaction(|| {
-                let mut chunk = executor::Chunk::begin(window);
-                let chunk_started = Instant::now();
-                let mut ran = 0;
-                for command in window {
-                    let (id, run) = (*command.command_id.as_bytes(), *command.run_id.as_bytes());
-                    shmem::set_worker_state(index, true, Some((id, run)), 1);
-                    // Order matters: a cancel sets its flag before it signals, so
-                    // either the chunk sees the flag or its SIGINT reaches the handler.
-                    unsafe { pg_sys::QueryCancelPending = 0 };
-                    entered.set(entered.get() + 1);
-                    chunk.execute(index, command);
-                    ran += 1;
-                    if isolating
-                        || chunk_started.elapsed() >= CHUNK_BUDGET
-                        || executor::subxid_cache_nearly_full()
-                        || isolation::constraint_state_changed()
-                    {
-                        break;
-                    }
-                }
-                let handed_back = chunk.finish();
-                let next = if ran == rest.len() && gucs::enabled() && !isolating { this.claim() } else { Vec::new() };
-                (ran, next, handed_back)
+                let mut chunk = executor::Chunk::begin(&this.name, window);
+                let ran = this.run_chunk(&mut chunk, window, &entered, isolating);
+                (ran, chunk.finish())
             });
             match ran {
-                Ok((ran, next, handed_back)) => {
+                Ok((ran, handed_back)) => {
                     // A chunk cut short (time, subtransaction ids) sizes the next
                     // window; one that ran its whole window lets it grow again.
                     self.chunk_window = if ran < window.len() { ran.max(MIN_CHUNK_WINDOW) } else { window.len().saturating_mul(2) };
@@ -313,47 +428,16 @@ impl Worker {
                     let runs: Vec<[u8; 16]> = rest[..ran].iter().map(|c| *c.run_id.as_bytes()).collect();
                     shmem::clear_cancels(self.index, &runs);
                     rest = &rest[ran..];
-                    self.prefetched = next;
                 }
                 Err((message, sqlstate)) => {
-                    // The chunk failed outside its handlers (the engine's SQL
-                    // for one of its commands) and everything in it rolled back,
-                    // so for its commands nothing happened. Contain it: they and
-                    // the rest of the batch go back to their queues uncharged,
-                    // and commands run one per chunk for a while. A one-command
-                    // chunk that fails is the culprit: it alone is settled, with
-                    // the real error, and retried by its policy.
-                    let culprit = if isolating && entered.get() == 1 { &rest[..1] } else { &rest[..0] };
-                    let others = &rest[culprit.len()..];
-                    self.isolate_until = Some(Instant::now() + ISOLATION_PERIOD);
-                    let contained = try_transaction(|| {
-                        culprit.iter().all(|c| executor::settle_engine_error(c, &message, &sqlstate)).then(|| {
-                            executor::release(
-                                others.iter().map(|c| c.command_id).collect(),
-                                others.iter().map(|c| c.lease_token).collect(),
-                            )
-                        })
-                    });
-                    if let Ok(Some(locked_elsewhere)) = contained {
-                        let at = Instant::now() - HAND_BACK_DELAY;
-                        self.unreleased.extend(locked_elsewhere.into_iter().map(|(id, token)| (id, token, at)));
-                    } else {
-                        // Not even that could be written: exit, and recovery (in the
-                        // restarted worker) concludes these attempts as interrupted.
-                        pgrx::warning!("flow: a batch failed outside its handlers and could not be settled; restarting the worker");
-                        unsafe { pg_sys::proc_exit(1) };
-                    }
-                    executor::forget_plans();
+                    let batch: Vec<AttemptId> = rest.iter().map(|c| c.id()).collect();
+                    self.contain(entered.get(), &message, &sqlstate, &batch);
                     break;
                 }
             }
         }
         shmem::set_worker_state(self.index, true, None, 0);
-        let elapsed = started.elapsed();
-        let per_command = elapsed.as_micros() as f64 / count as f64;
-        self.per_command_us = if self.per_command_us == 0.0 { per_command } else { 0.7 * self.per_command_us + 0.3 * per_command };
-        executor::log(&format!("flow: ran a batch of {count} commands in {} ms", elapsed.as_millis()));
-        Duration::ZERO
+        self.note_time_per_command(started, count);
     }
 
     /// How many commands to claim: `flow.batch_size` for fast handlers, fewer
@@ -427,8 +511,11 @@ impl Worker {
         let turn = self.turn.get().wrapping_add(1);
         self.turn.set(turn);
         let started = Instant::now();
-        let size = self.claim_size();
-        let claimed = executor::claim(&self.name, self.backend_start, size, turn);
+        // no more than a chunk is likely to run: held commands it does not
+        // reach are claimed again
+        let size = self.claim_size().min(self.chunk_window.min(i32::MAX as usize) as i32).max(1);
+        let excluded = attempt_record::held_elsewhere(self.index);
+        let claimed = executor::claim(&self.name, self.backend_start, size, turn, excluded);
         if claimed.len() >= size as usize {
             // more may be due: bring in an idle worker
             shmem::wake_workers();

@@ -88,3 +88,5 @@ CREATE INDEX _commands_due ON flow._commands (queue, external, next_run_at, id)
 ALTER TABLE flow._runs SET (autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_cost_delay = 0);
 ALTER TABLE flow._commands SET (autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_cost_delay = 0);
 ALTER TABLE flow._attempts SET (autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_cost_delay = 0);
+-- Claims hold the commands of handlers known to be fast (see flow._claim).
+DROP FUNCTION flow._claim(text, integer, timestamptz, integer, interval, text[], integer);
