@@ -724,11 +724,13 @@ BEGIN
         FROM flow._queues q WHERE q.name = ANY (lanes)
     ), candidate AS (
         SELECT h.id, h.budget_start, l.ord, coalesce(l.unlimited AND h.handler = ANY (fast_handlers), false) AS held,
+               h.cmd, h.handler, h.owner, h.takes_context, h.timeout, h.max_elapsed, h.args_type,
                row_number() OVER (PARTITION BY l.ord ORDER BY h.next_run_at, h.id) AS rank
         FROM lane l CROSS JOIN LATERAL (
             -- max_elapsed counts from when a command first became due: a wait
             -- that timed out started its budget when `within` passed
-            SELECT c.id, c.next_run_at, d.handler::oid AS handler,
+            SELECT c.id, c.next_run_at, c AS cmd, d.handler::oid AS handler, d.owner::oid AS owner, d.takes_context,
+                   d.timeout, d.max_elapsed, d.args_type,
                    CASE WHEN c.status = 'waiting' AND c.attempts = 0 THEN c.next_run_at
                         ELSE c.budget_started_at END AS budget_start
             FROM flow._commands c                                   -- index _commands_due
@@ -744,7 +746,8 @@ BEGIN
         WHERE l.room > 0
     ), picked AS (
         -- the interleaving is kept: workers run a batch in claim_order
-        SELECT p.id, p.budget_start, p.held,
+        SELECT p.id, p.budget_start, p.held, p.cmd, p.handler, p.owner, p.takes_context, p.timeout, p.max_elapsed,
+               p.args_type,
                row_number() OVER (ORDER BY p.rank,
                                   ((p.ord - turn) % cardinality(lanes) + cardinality(lanes)) % cardinality(lanes))::integer
                    AS claim_order
@@ -773,17 +776,16 @@ BEGIN
                   d.timeout AS attempt_timeout, least(p.budget_start + d.max_elapsed, c.deadline) AS hard_deadline,
                   p.claim_order, d.args_type
     ), held AS (
-        -- locked by `candidate`, with their runs (a run locked elsewhere, by
-        -- a cancel or another chunk, leaves its command for a later claim)
-        SELECT c AS cmd, d.handler::oid AS handler_oid, d.owner::oid AS handler_owner, d.takes_context,
-               d.timeout AS attempt_timeout, least(p.budget_start + d.max_elapsed, c.deadline) AS hard_deadline,
-               p.claim_order, d.args_type, p.budget_start,
-               least(now() + d.timeout, p.budget_start + d.max_elapsed, c.deadline) AS attempt_deadline
+        -- locked by `candidate` (the row as it was locked), with their runs
+        -- (a run locked elsewhere, by a cancel or another chunk, leaves its
+        -- command for a later claim)
+        SELECT p.cmd, p.handler AS handler_oid, p.owner AS handler_owner, p.takes_context,
+               p.timeout AS attempt_timeout, least(p.budget_start + p.max_elapsed, (p.cmd).deadline) AS hard_deadline,
+               p.claim_order, p.args_type, p.budget_start,
+               least(now() + p.timeout, p.budget_start + p.max_elapsed, (p.cmd).deadline) AS attempt_deadline
         FROM picked p
-        JOIN flow._commands c ON c.id = p.id
-        JOIN flow._definitions d ON d.name = c.name AND d.version = c.version
         WHERE p.held
-          AND EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = c.run_id FOR UPDATE SKIP LOCKED)
+          AND EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = (p.cmd).run_id FOR UPDATE SKIP LOCKED)
     )
     SELECT (k.cmd).id, (k.cmd).run_id, (k.cmd).name, (k.cmd).version, (k.cmd).queue, (k.cmd).args,
            (k.cmd).attempts, (k.cmd).lease_token, (k.cmd).lease_expires_at, (k.cmd).attempt_deadline,
@@ -949,44 +951,77 @@ CREATE FUNCTION flow._settle_batch(command_ids uuid[], lease_tokens uuid[], resu
 RETURNS integer
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
-    settled integer;
+    leased integer;
+    held integer;
+    leased_runs uuid[];
+    held_runs uuid[];
+    alone_runs uuid[];
+    alone_results jsonb[];
     finished integer;
+    more integer;
 BEGIN
+    -- Leased: the lease token must still be the command's.
     WITH old AS (
-        SELECT x.id, coalesce(t.held, x.attempts) AS attempts,
-               coalesce(t.started, x.attempt_started_at) AS attempt_started_at,
-               coalesce(x.lease_owner, owner_name) AS lease_owner, t.token, t.result,
-               CASE WHEN t.held IS NULL OR x.attempts > 0 OR x.status = 'pending' THEN x.budget_started_at
-                    ELSE x.next_run_at END AS budget_started_at
+        SELECT x.id, x.attempts, coalesce(t.started, x.attempt_started_at) AS attempt_started_at, x.lease_owner,
+               t.token, t.result
         FROM flow._commands x
         JOIN unnest(command_ids, lease_tokens, results, handler_started, held_attempts)
              AS t(id, token, result, started, held) ON x.id = t.id
-        WHERE CASE WHEN t.held IS NULL THEN x.status = 'running' AND x.lease_token = t.token
-                   ELSE x.status IN ('pending', 'waiting') AND x.attempts = t.held - 1 END
+        WHERE t.held IS NULL AND x.status = 'running' AND x.lease_token = t.token
     ), done AS (
         UPDATE flow._commands c SET status = 'succeeded', result = old.result, finished_at = clock_timestamp(),
-            attempts = old.attempts, budget_started_at = old.budget_started_at,
-            wait_timed_out = c.wait_timed_out OR c.status = 'waiting',
             lease_token = NULL, lease_owner = NULL, lease_pid = NULL, lease_backend_start = NULL,
             lease_expires_at = NULL, lease_interval = NULL, attempt_started_at = NULL, attempt_deadline = NULL
         FROM old WHERE c.id = old.id
-        RETURNING old.*
+        RETURNING old.*, c.run_id
+    ), attempt AS (
+        INSERT INTO flow._attempts (command_id, attempt, lease_token, owner, started_at, finished_at, outcome)
+        SELECT done.id, done.attempts, done.token, done.lease_owner, done.attempt_started_at, clock_timestamp(),
+               'succeeded'
+        FROM done
     )
-    INSERT INTO flow._attempts (command_id, attempt, lease_token, owner, started_at, finished_at, outcome)
-    SELECT done.id, done.attempts, done.token, done.lease_owner, done.attempt_started_at, clock_timestamp(), 'succeeded'
-    FROM done;
-    GET DIAGNOSTICS settled = ROW_COUNT;
+    SELECT count(*), array_agg(done.run_id) INTO leased, leased_runs FROM done;
+    -- Held (locked by this transaction's claim): the command must not have
+    -- moved on (a cancel in the handler's own transaction); the writes the
+    -- claim of a leased attempt makes are made here.
+    WITH done AS (
+        UPDATE flow._commands c SET status = 'succeeded', result = t.result, finished_at = clock_timestamp(),
+            attempts = t.held,
+            budget_started_at = CASE WHEN c.status = 'waiting' AND c.attempts = 0 THEN c.next_run_at
+                                     ELSE c.budget_started_at END,
+            wait_timed_out = c.wait_timed_out OR c.status = 'waiting'
+        FROM unnest(command_ids, lease_tokens, results, handler_started, held_attempts)
+             AS t(id, token, result, started, held)
+        WHERE c.id = t.id AND t.held IS NOT NULL AND c.status IN ('pending', 'waiting') AND c.attempts = t.held - 1
+        RETURNING c.id, t.held, t.token, t.started, c.run_id, c.result,
+                  -- a root without children: the run's only command (spawned ones descend from it)
+                  c.parent_id IS NULL AND NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = c.id) AS alone
+    ), attempt AS (
+        INSERT INTO flow._attempts (command_id, attempt, lease_token, owner, started_at, finished_at, outcome)
+        SELECT done.id, done.held, done.token, owner_name, done.started, clock_timestamp(), 'succeeded'
+        FROM done
+    )
+    SELECT count(*), array_agg(done.run_id) FILTER (WHERE NOT done.alone),
+           array_agg(done.run_id) FILTER (WHERE done.alone), array_agg(done.result) FILTER (WHERE done.alone)
+    INTO held, held_runs, alone_runs, alone_results FROM done;
+    -- The runs whose last command this was: a run of one command at once,
+    -- others once none of their commands is unfinished.
+    UPDATE flow._runs r SET status = 'succeeded', finished_at = clock_timestamp(), result = t.result
+    FROM unnest(alone_runs, alone_results) AS t(id, result)
+    WHERE r.id = t.id AND r.status = 'running';
+    GET DIAGNOSTICS finished = ROW_COUNT;
     UPDATE flow._runs r SET status = 'succeeded', finished_at = clock_timestamp(),
         result = (SELECT c.result FROM flow._commands c WHERE c.run_id = r.id AND c.parent_id IS NULL)
-    WHERE r.id IN (SELECT c.run_id FROM flow._commands c WHERE c.id = ANY (command_ids)) AND r.status = 'running'
+    WHERE r.id = ANY (coalesce(leased_runs, '{}') || coalesce(held_runs, '{}')) AND r.status = 'running'
       AND NOT EXISTS (SELECT 1 FROM flow._commands c WHERE c.run_id = r.id AND c.finished_at IS NULL);
-    GET DIAGNOSTICS finished = ROW_COUNT;
-    PERFORM flow._observe('attempts_succeeded', settled), flow._observe('runs_succeeded', finished);
+    GET DIAGNOSTICS more = ROW_COUNT;
+    finished := finished + more;
+    PERFORM flow._observe('attempts_succeeded', leased + held), flow._observe('runs_succeeded', finished);
     -- a limited queue may have room now (otherwise nobody is waiting for this)
     IF EXISTS (SELECT 1 FROM flow._queues q WHERE q.concurrency IS NOT NULL) THEN
         PERFORM flow._wake();
     END IF;
-    RETURN settled;
+    RETURN leased + held;
 END $$;
 
 -- Settle a failed attempt and apply the retry policy (rules 5-6). outcome is

@@ -299,6 +299,7 @@ impl Worker {
             let (held, leased): (Vec<_>, Vec<_>) = claimed.into_iter().partition(|c| c.held_attempt.is_some());
             let mut ran = 0;
             if !held.is_empty() {
+                report_activity(&format!("flow: running {} held commands", held.len()));
                 let mut chunk = executor::Chunk::held(&self.name, &held);
                 ran = self.run_chunk(&mut chunk, &held, &entered, isolating);
                 chunk.finish();
