@@ -233,7 +233,14 @@ def churn(pg, seconds, rate, every, retention):
                 next_sample += every
         c.execute("ALTER SYSTEM RESET flow.retention")
         c.execute("SELECT pg_reload_conf()")
-        c.execute("TRUNCATE flow._runs, flow._commands, flow._attempts, flow._waits")
+        # the workers still drain the backlog: their transactions lock these
+        # tables in another order, so a deadlock is retried
+        for _ in range(20):
+            try:
+                c.execute("TRUNCATE flow._runs, flow._commands, flow._attempts, flow._waits")
+                break
+            except psycopg.errors.DeadlockDetected:
+                time.sleep(0.5)
     return samples
 
 
