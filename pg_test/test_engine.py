@@ -336,6 +336,30 @@ def test_cancel_a_running_command_discards_its_writes(app):
     assert app.one("SELECT status FROM flow.runs WHERE id = %s", run) == "cancelled"
 
 
+def test_a_held_attempt_shows_as_running_and_is_cancelled_like_a_leased_one(app):
+    """Once the workers have seen a handler finish fast, its commands are held
+    (run in the claim's transaction, nothing written before): the views still
+    show the attempt running, and a cancel still discards its writes."""
+    name = define(app, "app.decides")
+    for _ in range(5):
+        for run in app.one(f"SELECT flow.enqueue_many('{name}', array_fill('{{}}'::jsonb, array[20]))"):
+            assert app.await_run(run, "10s")[0] == "succeeded"
+    run = enqueue(app, name, '{"do": "sleep", "seconds": 1.5, "tag": "held"}')
+    app.wait_for("SELECT status = 'running' FROM flow.commands WHERE run_id = %s", run)
+    # held: the table still says pending, the views say what happens
+    assert app.one("SELECT status FROM flow._commands WHERE run_id = %s", run) == "pending"
+    assert app.all("SELECT attempts, lease_owner IS NOT NULL, attempt_started_at IS NOT NULL"
+                   " FROM flow.commands WHERE run_id = %s", run) == [(1, True, True)]
+    assert app.one("SELECT outcome FROM flow.attempts WHERE run_id = %s", run) == "running"
+    assert app.one("SELECT count(*) FROM flow.workers WHERE command_id = (SELECT id FROM flow.commands"
+                   " WHERE run_id = %s)", run) == 1
+    assert app.one("SELECT flow.cancel(%s)", run) is True
+    assert app.await_run(run, "5s")[0] == "cancelled"
+    assert command(app, run)[0] == "cancelled"
+    assert app.one("SELECT count(*) FROM app.effects WHERE run_key = 'held'") == 0
+    assert app.one("SELECT count(*) FROM flow.attempts WHERE run_id = %s", run) == 0
+
+
 def test_cancel_a_pending_run(app):
     name = define(app, "app.hello")
     run = enqueue(app, name, start_after="'1 hour'")

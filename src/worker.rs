@@ -297,24 +297,24 @@ impl Worker {
             let claimed = self.claim();
             let count = claimed.len();
             let (held, leased): (Vec<_>, Vec<_>) = claimed.into_iter().partition(|c| c.held_attempt.is_some());
-            let mut ran = 0;
+            let (mut ran, mut cut) = (0, false);
             if !held.is_empty() {
                 report_activity(&format!("flow: running {} held commands", held.len()));
                 let mut chunk = executor::Chunk::held(&self.name, &held);
-                ran = self.run_chunk(&mut chunk, &held, &entered, isolating);
+                (ran, cut) = self.run_chunk(&mut chunk, &held, &entered, isolating);
                 chunk.finish();
             }
             let runs: Vec<[u8; 16]> = held[..ran].iter().map(|c| *c.run_id.as_bytes()).collect();
-            (count, held.len(), ran, runs, leased)
+            (count, held.len(), ran, cut, runs, leased)
         });
         // committed or rolled back: the held attempts are over either way
         attempt_record::clear();
         shmem::set_worker_state(self.index, true, None, 0);
         match outcome {
-            Ok((count, held, ran, runs, leased)) => {
+            Ok((count, held, ran, cut, runs, leased)) => {
                 if held > 0 {
                     // Those not run (the chunk was cut short) stay due, unchanged.
-                    self.chunk_window = if ran < held { ran.max(MIN_CHUNK_WINDOW) } else { held.saturating_mul(2) };
+                    self.next_window(ran, cut);
                     shmem::clear_cancels(self.index, &runs);
                     self.note_time_per_command(started, ran);
                 }
@@ -334,7 +334,8 @@ impl Worker {
 
     /// Run the commands of `window` in `chunk`, in the current transaction,
     /// until the chunk's limits; returns how many were entered.
-    fn run_chunk(&self, chunk: &mut executor::Chunk, window: &[Claimed], entered: &Cell<Option<AttemptId>>, isolating: bool) -> usize {
+    /// (The chunk window follows: see `next_window`.)
+    fn run_chunk(&self, chunk: &mut executor::Chunk, window: &[Claimed], entered: &Cell<Option<AttemptId>>, isolating: bool) -> (usize, bool) {
         let chunk_started = Instant::now();
         let mut ran = 0;
         for command in window {
@@ -351,10 +352,18 @@ impl Worker {
                 || executor::subxid_cache_nearly_full()
                 || isolation::constraint_state_changed()
             {
-                break;
+                return (ran, true);
             }
         }
-        ran
+        (ran, false)
+    }
+
+    /// How many commands the next chunk may take: as many as a chunk cut
+    /// short (time, subtransaction ids) managed; twice the window after one
+    /// that ran all it had. Held commands a chunk does not reach were claimed
+    /// for nothing, so the claim is no bigger than the window.
+    fn next_window(&mut self, ran: usize, cut: bool) {
+        self.chunk_window = if cut { ran.max(MIN_CHUNK_WINDOW) } else { self.chunk_window.saturating_mul(2) };
     }
 
     /// A chunk failed outside its handlers (the engine's SQL for one of its
@@ -416,14 +425,12 @@ impl Worker {
             let this = &*self;
             let ran = try_transaction(|| {
                 let mut chunk = executor::Chunk::begin(&this.name, window);
-                let ran = this.run_chunk(&mut chunk, window, &entered, isolating);
-                (ran, chunk.finish())
+                let (ran, cut) = this.run_chunk(&mut chunk, window, &entered, isolating);
+                (ran, cut, chunk.finish())
             });
             match ran {
-                Ok((ran, handed_back)) => {
-                    // A chunk cut short (time, subtransaction ids) sizes the next
-                    // window; one that ran its whole window lets it grow again.
-                    self.chunk_window = if ran < window.len() { ran.max(MIN_CHUNK_WINDOW) } else { window.len().saturating_mul(2) };
+                Ok((ran, cut, handed_back)) => {
+                    self.next_window(ran, cut);
                     let at = Instant::now();
                     self.unreleased.extend(handed_back.into_iter().map(|(id, token)| (id, token, at)));
                     let runs: Vec<[u8; 16]> = rest[..ran].iter().map(|c| *c.run_id.as_bytes()).collect();
