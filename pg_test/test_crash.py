@@ -3,7 +3,6 @@ engine still commits every handler's effects exactly once."""
 import os
 import random
 import signal
-import threading
 import time
 
 import psycopg

@@ -1,5 +1,4 @@
 """The in-database engine: workers claim, execute, classify, retry and settle."""
-import threading
 import time
 
 import pytest
@@ -252,8 +251,8 @@ def test_a_handler_that_kills_its_backend_stops_at_the_attempt_limit(app):
 
 def test_fairness_across_queues(app):
     name = define(app, "app.record")
-    app.one(f"SELECT flow.set_queue('fa', paused => true)")
-    app.one(f"SELECT flow.set_queue('fb', paused => true)")
+    app.one("SELECT flow.set_queue('fa', paused => true)")
+    app.one("SELECT flow.set_queue('fb', paused => true)")
     app.one(f"SELECT flow.enqueue_many('{name}', array_agg(jsonb_build_object('tag', 'fair', 'q', 'A')),"
             " queue => 'fa') FROM generate_series(1, 2000)")
     app.one(f"SELECT flow.enqueue_many('{name}', array_agg(jsonb_build_object('tag', 'fair', 'q', 'B')),"
