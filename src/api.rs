@@ -65,7 +65,7 @@ fn _stop_workers_of(run: pgrx::Uuid) -> i32 {
 
 /// A new time-ordered id (UUIDv7).
 #[pg_extern(volatile, parallel_safe)]
-fn _new_id() -> pgrx::Uuid {
+pub(crate) fn _new_id() -> pgrx::Uuid {
     pgrx::Uuid::from_bytes(*uuid::Uuid::now_v7().as_bytes())
 }
 

@@ -803,17 +803,22 @@ pub fn settle_engine_error(command: &AttemptId, message: &str, sqlstate: &str, w
 }
 
 /// Conclude the held attempt a stopped worker recorded (see
-/// attempt_record.rs) as interrupted; nothing changes if the command has
-/// moved on since (settled, or another attempt counted).
+/// attempt_record.rs) as interrupted, as recovery concludes a leased one
+/// whose owner died; nothing changes if the command has moved on since
+/// (settled, or another attempt counted). Returns whether it was concluded.
 pub fn conclude_held(command: [u8; 16], attempt: i32, worker: &str) -> bool {
-    let status: Option<String> = engine_query(
-        "SELECT flow._settle_failure($1, pg_catalog.gen_random_uuid(), 'interrupted', 'owner_died',
-                'the worker running this attempt exited before settling it', NULL, NULL, $2, $3)",
-        &[UUID, INT4, TEXT],
-        &[pgrx::Uuid::from_bytes(command).into(), attempt.into(), worker.into()],
-        |t| t.first().get_one().unwrap_or_else(|e| error!("flow: {e}")),
-    );
-    status.as_deref().is_some_and(|s| s != "expired")
+    let held = AttemptId {
+        command_id: pgrx::Uuid::from_bytes(command),
+        lease_token: crate::api::_new_id(),
+        held_attempt: Some(attempt),
+    };
+    let interrupted = Failure {
+        class: "interrupted",
+        code: "owner_died".into(),
+        message: "the worker running this attempt exited before settling it".into(),
+        delay_us: None,
+    };
+    settle_failure(&held, &interrupted, None, worker) != Settled::Expired
 }
 
 /// Hand claimed commands back to their queue with the attempt the claim
