@@ -320,6 +320,8 @@ pub struct Chunk<'a> {
     successes: Vec<(pgrx::Uuid, pgrx::Uuid, Option<JsonB>, Option<TimestampWithTimeZone>, Option<i32>)>,
     /// Commands to hand back uncharged (see `finish`).
     handed_back: Vec<(pgrx::Uuid, pgrx::Uuid)>,
+    /// Held commands: their rows and runs were locked by this transaction itself.
+    held: bool,
 }
 
 impl<'a> Chunk<'a> {
@@ -327,7 +329,7 @@ impl<'a> Chunk<'a> {
     /// locked already.
     pub fn held(worker: &'a str, commands: &[Claimed]) -> Chunk<'a> {
         let live = commands.iter().map(|c| *c.command_id.as_bytes()).collect();
-        Chunk { worker, live, failed_runs: HashSet::new(), successes: Vec::new(), handed_back: Vec::new() }
+        Chunk { worker, live, failed_runs: HashSet::new(), successes: Vec::new(), handed_back: Vec::new(), held: true }
     }
 
     /// Leased commands, in a transaction of their own.
@@ -355,7 +357,7 @@ impl<'a> Chunk<'a> {
             .map(|c| (c.command_id, c.lease_token))
             .collect();
         let live = live.into_iter().map(|(id, _)| id).collect();
-        Chunk { worker, live, failed_runs: HashSet::new(), successes: Vec::new(), handed_back }
+        Chunk { worker, live, failed_runs: HashSet::new(), successes: Vec::new(), handed_back, held: false }
     }
 
     /// Run one command of the chunk for worker `index`; commands whose lease
@@ -422,7 +424,7 @@ impl<'a> Chunk<'a> {
         // Built once, in the chunk's memory context: every try reuses them.
         // (flow._settle_batch counts what it settled, at commit.)
         let args = [ids.into(), tokens.into(), results.into(), starts.into(), held.into(), self.worker.into()];
-        with_settlement_retries(|| {
+        let settle = || {
             gucs::inject_fault("settle_success");
             engine_query(
                 "SELECT flow._settle_batch($1, $2, $3, $4, $5, $6)",
@@ -430,7 +432,20 @@ impl<'a> Chunk<'a> {
                 &args,
                 |_| (),
             )
-        });
+        };
+        if self.held {
+            // Not in a subtransaction: this transaction locked the rows it
+            // updates, and a row locked by a transaction and updated by its
+            // subtransaction gets a MultiXact as its xmax. Index entries of
+            // such a row version are never marked dead by the scans that pass
+            // them (only VACUUM removes them), so every claim would walk all
+            // the commands settled since the last vacuum. Nothing here waits
+            // for a lock, so a transient error has nothing to retry; any
+            // error goes up to the chunk, which is contained.
+            settle()
+        } else {
+            with_settlement_retries(settle)
+        }
     }
 }
 
