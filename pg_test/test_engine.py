@@ -1,4 +1,5 @@
 """The in-database engine: workers claim, execute, classify, retry and settle."""
+import json
 import time
 
 import pytest
@@ -360,6 +361,50 @@ def test_a_held_attempt_shows_as_running_and_is_cancelled_like_a_leased_one(app)
     # before the cancel closed it, that claim is concluded as cancelled
     assert all(outcome == "cancelled" for (outcome,) in
                app.all("SELECT outcome FROM flow.attempts WHERE run_id = %s", run))
+
+
+def test_held_attempts_that_share_a_subtransaction_commit_once_when_one_fails(app):
+    """Held attempts of a handler that has not failed lately share one
+    subtransaction (executor.rs, GROUP_SIZE). When one of them fails, the
+    group is rolled back and its earlier members run again, each alone: every
+    success writes exactly once, a failure nothing, and a failure that keeps
+    its writes (flow.fail keep_writes) once."""
+    app.all("""
+        CREATE FUNCTION app.grouped(args jsonb, ctx flow.context) RETURNS jsonb LANGUAGE plpgsql AS $$
+        BEGIN
+            INSERT INTO app.effects (run_key, attempt) VALUES (args->>'tag', ctx.attempt);
+            CASE args->>'do'
+                WHEN 'raise' THEN RAISE EXCEPTION 'broken';
+                WHEN 'fail_keeping' THEN PERFORM flow.fail('kept', keep_writes => true);
+                ELSE NULL;
+            END CASE;
+            RETURN jsonb_build_object('tag', args->>'tag');
+        END $$;
+    """)
+    queue = unique("grouped")
+    name = define(app, "app.grouped", max_attempts=1, queue=f"'{queue}'")
+    # the workers see it finish fast: from then on its commands are held
+    for _ in range(3):
+        for run in app.one(f"SELECT flow.enqueue_many('{name}', array_fill('{{}}'::jsonb, array[20]))"):
+            assert app.await_run(run, "10s")[0] == "succeeded"
+    reruns = app.one("SELECT value FROM flow.stats WHERE name = 'group_reruns'")
+    app.one("SELECT flow.set_queue(%s, paused => true)", queue)
+    special = {60: "raise", 130: "fail_keeping", 131: "raise", 250: "raise"}
+    args = [json.dumps({"tag": f"g{i}", "do": special.get(i, "none")}) for i in range(300)]
+    runs = app.one(f"SELECT flow.enqueue_many('{name}', %s::jsonb[])", args)
+    app.one("SELECT flow.set_queue(%s, paused => false)", queue)
+    outcomes = [app.await_run(run, "30s") for run in runs]
+    for i, (status, result, error) in enumerate(outcomes):
+        if i in special:
+            assert status == "failed", i
+        else:
+            assert (status, result) == ("succeeded", {"tag": f"g{i}"}), i
+    effects = dict(app.all("SELECT run_key, count(*) FROM app.effects WHERE run_key LIKE 'g%%' GROUP BY run_key"))
+    expected = {f"g{i}": 1 for i in range(300) if special.get(i) != "raise"}
+    assert effects == expected
+    assert app.all("SELECT DISTINCT attempts FROM flow.commands WHERE run_id = ANY (%s)", runs) == [(1,)]
+    # the failures ran in groups: the members before them ran again
+    assert app.one("SELECT value FROM flow.stats WHERE name = 'group_reruns'") > reruns
 
 
 def test_cancel_a_pending_run(app):

@@ -94,6 +94,8 @@ ALTER TABLE flow._commands SET (autovacuum_vacuum_scale_factor = 0.02, autovacuu
 ALTER TABLE flow._attempts SET (autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_cost_delay = 0);
 -- Claims hold the commands of handlers known to be fast (see flow._claim).
 DROP FUNCTION flow._claim(text, integer, timestamptz, integer, interval, text[], integer);
+-- The handler context is built in flow._claim itself.
+DROP FUNCTION flow._context(flow._commands);
 
 -- src/lib.rs:25
 -- requires:
@@ -731,25 +733,6 @@ LANGUAGE sql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
                   * (0.75 + random() * 0.5)))::double precision)
 $$;
 
--- The context a handler or external worker sees for a command in its current attempt.
--- (plpgsql, not sql: called per claimed command, and a SQL function with a
--- SET clause is planned again on every call)
-CREATE OR REPLACE FUNCTION flow._context(c flow._commands) RETURNS flow.context
-LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
-BEGIN
-    RETURN ROW(c.run_id, (SELECT r.key FROM flow._runs r WHERE r.id = c.run_id), c.id, c.key, c.name,
-               c.version, c.queue, c.attempts, c.attempt_deadline,
-               coalesce((SELECT jsonb_agg(jsonb_build_object('name', w.name, 'key', w.key,
-                                 'payload', e.payload, 'position', e.position) ORDER BY w.name, w.key)
-                         FROM flow._waits w JOIN flow._events e ON e.position = w.event_position
-                         WHERE w.command_id = c.id), '[]'::jsonb),
-               c.wait_timed_out,
-               coalesce((SELECT jsonb_agg(jsonb_build_object('name', w.name, 'key', w.key) ORDER BY w.name, w.key)
-                         FROM flow._waits w WHERE w.command_id = c.id AND w.event_position IS NULL),
-                        '[]'::jsonb),
-               c.created_at, c.budget_started_at, c.attempt_started_at)::flow.context;
-END $$;
-
 -- Claim up to max_count due commands (rule 3). A command is claimed in one
 -- of two ways:
 -- * leased: its row says `running`, with the attempt counted and the lease
@@ -887,25 +870,43 @@ BEGIN
         FROM picked p
         WHERE p.held
           AND EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = (p.cmd).run_id FOR UPDATE SKIP LOCKED)
+    ), handed AS (
+        -- the attempt as a leased claim wrote it, or as the held attempt's
+        -- settlement will write it
+        SELECT k.cmd, (k.cmd).attempts AS attempt, (k.cmd).lease_token, (k.cmd).lease_expires_at,
+               (k.cmd).attempt_deadline, (k.cmd).budget_started_at AS budget_start,
+               (k.cmd).attempt_started_at AS started, (k.cmd).wait_timed_out,
+               k.handler_oid, k.handler_owner, k.takes_context, k.attempt_timeout, k.hard_deadline, k.claim_order,
+               k.args_type
+        FROM claimed k
+        UNION ALL
+        SELECT k.cmd, (k.cmd).attempts + 1, gen_random_uuid(), NULL, k.attempt_deadline, k.budget_start,
+               now(), (k.cmd).wait_timed_out OR (k.cmd).status = 'waiting',
+               k.handler_oid, k.handler_owner, k.takes_context, k.attempt_timeout, k.hard_deadline, k.claim_order,
+               k.args_type
+        FROM held k
     )
-    SELECT (k.cmd).id, (k.cmd).run_id, (k.cmd).name, (k.cmd).version, (k.cmd).queue, (k.cmd).args,
-           (k.cmd).attempts, (k.cmd).lease_token, (k.cmd).lease_expires_at, (k.cmd).attempt_deadline,
-           k.handler_oid, k.handler_owner,
-           -- the context costs ~20 µs: only for handlers that take it, and external workers
-           CASE WHEN k.takes_context OR names IS NOT NULL THEN flow._context(k.cmd) END,
-           k.attempt_timeout, k.hard_deadline, k.claim_order, k.args_type
-    FROM claimed k
-    UNION ALL
-    -- what the row will say once this attempt is settled
-    SELECT (k.cmd).id, (k.cmd).run_id, (k.cmd).name, (k.cmd).version, (k.cmd).queue, (k.cmd).args,
-           (k.cmd).attempts + 1, gen_random_uuid(), NULL, k.attempt_deadline,
-           k.handler_oid, k.handler_owner,
-           CASE WHEN k.takes_context THEN jsonb_populate_record(flow._context(k.cmd), jsonb_build_object(
-               'attempt', (k.cmd).attempts + 1, 'deadline', k.attempt_deadline, 'budget_started_at', k.budget_start,
-               'attempt_started_at', now(), 'wait_timed_out', (k.cmd).wait_timed_out OR (k.cmd).status = 'waiting'))
+    SELECT (h.cmd).id, (h.cmd).run_id, (h.cmd).name, (h.cmd).version, (h.cmd).queue, (h.cmd).args,
+           h.attempt, h.lease_token, h.lease_expires_at, h.attempt_deadline,
+           h.handler_oid, h.handler_owner,
+           -- the context a handler or external worker sees: only for handlers
+           -- that take it, and external workers (built here, in one
+           -- expression: a function per command would cost several times more)
+           CASE WHEN h.takes_context OR names IS NOT NULL THEN ROW(
+               (h.cmd).run_id, (SELECT r.key FROM flow._runs r WHERE r.id = (h.cmd).run_id), (h.cmd).id,
+               (h.cmd).key, (h.cmd).name, (h.cmd).version, (h.cmd).queue, h.attempt, h.attempt_deadline,
+               coalesce((SELECT jsonb_agg(jsonb_build_object('name', w.name, 'key', w.key,
+                                 'payload', e.payload, 'position', e.position) ORDER BY w.name, w.key)
+                         FROM flow._waits w JOIN flow._events e ON e.position = w.event_position
+                         WHERE w.command_id = (h.cmd).id), '[]'::jsonb),
+               h.wait_timed_out,
+               coalesce((SELECT jsonb_agg(jsonb_build_object('name', w.name, 'key', w.key) ORDER BY w.name, w.key)
+                         FROM flow._waits w WHERE w.command_id = (h.cmd).id AND w.event_position IS NULL),
+                        '[]'::jsonb),
+               (h.cmd).created_at, h.budget_start, h.started)::flow.context
            END,
-           k.attempt_timeout, k.hard_deadline, k.claim_order, k.args_type
-    FROM held k;
+           h.attempt_timeout, h.hard_deadline, h.claim_order, h.args_type
+    FROM handed h;
 END $$;
 
 -- Milliseconds until the next command becomes due (NULL: none scheduled), so
@@ -1896,7 +1897,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_current_command_wrapper';
 
--- src/executor.rs:170
+-- src/executor.rs:210
 -- flow::executor::_decide
 CREATE OR REPLACE FUNCTION "_decide"(
 	"class" TEXT, /* & str */
@@ -2400,7 +2401,7 @@ lines (family, ord, line) AS (
     UNION ALL SELECT 'flow_' || m.metric, 1, format('# TYPE flow_%s counter', m.metric)
               FROM (VALUES ('events_total'), ('claims_total'), ('claims_empty_total'), ('claimed_total'),
                            ('claim_seconds_total'), ('handler_seconds_total'), ('handed_back_total'),
-                           ('recovered_total')) m(metric)
+                           ('recovered_total'), ('group_reruns_total')) m(metric)
     UNION ALL SELECT 'flow_' || c.name || CASE WHEN c.name LIKE '%\_us' THEN '' ELSE '_total' END, 2,
               CASE WHEN c.name LIKE '%\_us'
                    THEN format('flow_%s_seconds_total %s', left(c.name, -3), round(c.value / 1e6, 6))

@@ -111,6 +111,46 @@ thread_local! {
     /// Handlers whose last attempt in this worker took under FAST_HANDLER:
     /// their commands are held, not leased (see flow._claim).
     static FAST_HANDLERS: RefCell<HashSet<u32>> = RefCell::new(HashSet::new());
+    /// Handlers that failed lately in this worker, with how many more of
+    /// their attempts run alone before they are grouped again (see GROUP_SIZE).
+    static FAILING_HANDLERS: RefCell<HashMap<u32, u32>> = RefCell::new(HashMap::new());
+}
+
+/// Held attempts of handlers that have not failed lately share one
+/// subtransaction, up to this many, instead of one each. A handler that
+/// writes takes a subtransaction id, and a transaction with more than 64 of
+/// them overflows every snapshot in the server (see subxid_cache_nearly_full):
+/// so a chunk of writing handlers each in its own subtransaction ends after
+/// 56 commands, and its claim, settlement and commit are shared by only 56.
+/// Grouped, a chunk runs up to 56 groups. When an attempt in a group fails
+/// (or is cut short), the group's subtransaction is rolled back — nothing of
+/// it was settled or committed — and its earlier members run again, each in
+/// a subtransaction of its own; the failed one is concluded with the failure
+/// it had. Their writes commit once either way.
+const GROUP_SIZE: usize = 32;
+/// After a failure, this many of the handler's attempts run alone.
+const ALONE_AFTER_FAILURE: u32 = 256;
+
+/// Whether a held attempt of `handler` may join a group.
+fn groupable(handler: pg_sys::Oid) -> bool {
+    FAILING_HANDLERS.with(|f| {
+        let mut f = f.borrow_mut();
+        match f.get_mut(&handler.to_u32()) {
+            None => true,
+            Some(left) if *left <= 1 => {
+                f.remove(&handler.to_u32());
+                false
+            }
+            Some(left) => {
+                *left -= 1;
+                false
+            }
+        }
+    })
+}
+
+fn note_handler_failed(handler: pg_sys::Oid) {
+    FAILING_HANDLERS.with(|f| f.borrow_mut().insert(handler.to_u32(), ALONE_AFTER_FAILURE));
 }
 
 /// A handler whose last attempt in this worker finished within this long has
@@ -322,6 +362,17 @@ pub struct Chunk<'a> {
     handed_back: Vec<(pgrx::Uuid, pgrx::Uuid)>,
     /// Held commands: their rows and runs were locked by this transaction itself.
     held: bool,
+    /// The open group of held attempts sharing a subtransaction, if any.
+    group: Option<Group<'a>>,
+}
+
+/// Held attempts sharing a subtransaction (see GROUP_SIZE).
+struct Group<'a> {
+    members: Vec<&'a Claimed>,
+    /// How many successes the chunk had when the group began: those after
+    /// are its members'.
+    successes_before: usize,
+    subtransaction: Subtransaction,
 }
 
 impl<'a> Chunk<'a> {
@@ -329,7 +380,7 @@ impl<'a> Chunk<'a> {
     /// locked already.
     pub fn held(worker: &'a str, commands: &[Claimed]) -> Chunk<'a> {
         let live = commands.iter().map(|c| *c.command_id.as_bytes()).collect();
-        Chunk { worker, live, failed_runs: HashSet::new(), successes: Vec::new(), handed_back: Vec::new(), held: true }
+        Chunk { worker, live, failed_runs: HashSet::new(), successes: Vec::new(), handed_back: Vec::new(), held: true, group: None }
     }
 
     /// Leased commands, in a transaction of their own.
@@ -357,13 +408,19 @@ impl<'a> Chunk<'a> {
             .map(|c| (c.command_id, c.lease_token))
             .collect();
         let live = live.into_iter().map(|(id, _)| id).collect();
-        Chunk { worker, live, failed_runs: HashSet::new(), successes: Vec::new(), handed_back, held: false }
+        Chunk { worker, live, failed_runs: HashSet::new(), successes: Vec::new(), handed_back, held: false, group: None }
     }
 
     /// Run one command of the chunk for worker `index`; commands whose lease
     /// or run is gone are skipped, those a cancel asked for are handed back
     /// (the cancel closes them once it has the run's lock).
-    pub fn execute(&mut self, index: usize, command: &Claimed) {
+    pub fn execute(&mut self, index: usize, command: &'a Claimed) {
+        self.run(index, command, true);
+    }
+
+    /// `execute`; `may_group`: a held attempt may join the open group (see
+    /// GROUP_SIZE), or open one.
+    fn run(&mut self, index: usize, command: &'a Claimed, may_group: bool) {
         let run = *command.run_id.as_bytes();
         if !self.live.contains(command.command_id.as_bytes()) || self.failed_runs.contains(&run) {
             return;
@@ -371,25 +428,48 @@ impl<'a> Chunk<'a> {
         // A cancelled command is left to the cancel, which closes it once it
         // has the run's lock: a leased one is handed back a moment later, a
         // held one simply stays unsettled.
-        let leave = |chunk: &mut Self| {
-            if command.held_attempt.is_none() {
-                chunk.handed_back.push((command.command_id, command.lease_token));
-            }
-        };
         if shmem::cancel_requested(index, &run) {
-            leave(self);
+            self.leave(command);
             return;
+        }
+        let grouped = may_group && command.held_attempt.is_some() && groupable(command.handler);
+        if !grouped || self.group.as_ref().is_some_and(|g| g.members.len() >= GROUP_SIZE) {
+            self.close_group();
+        }
+        if grouped && self.group.is_none() {
+            self.group = Some(Group { members: Vec::new(), successes_before: self.successes.len(), subtransaction: Subtransaction::begin() });
         }
         if let Some(attempt) = command.held_attempt {
             crate::attempt_record::write(command.command_id.as_bytes(), attempt);
         }
         let started = crate::api::timestamp_from_pg(unsafe { pg_sys::GetCurrentTimestamp() });
-        match attempt(index, command) {
-            Ok(result) => {
-                self.successes.push((command.command_id, command.lease_token, result, started, command.held_attempt))
+        let outcome = attempt(index, command, self.group.as_ref().filter(|_| grouped).map(|g| &g.subtransaction));
+        if let Attempted::Succeeded(result) = outcome {
+            self.successes.push((command.command_id, command.lease_token, result, started, command.held_attempt));
+            if let Some(group) = self.group.as_mut().filter(|_| grouped) {
+                group.members.push(command);
             }
-            Err(failure) if failure.class == "cancelled" => leave(self),
-            Err(failure) => {
+            return;
+        }
+        if grouped {
+            // The attempt rolled the group back (its members' writes and this
+            // one's): the members run again, each alone, and this attempt is
+            // concluded with its failure (again alone if its writes were to be kept).
+            let group = self.group.take().expect("a grouped attempt has a group");
+            self.successes.truncate(group.successes_before);
+            shmem::observe("group_reruns", group.members.len() as u64);
+            for member in group.members {
+                self.run(index, member, false);
+            }
+            if let Attempted::FailedKeepingWrites(_) = outcome {
+                self.run(index, command, false);
+                return;
+            }
+        }
+        match outcome {
+            Attempted::Succeeded(_) => unreachable!(),
+            Attempted::Failed(failure) if failure.class == "cancelled" => self.leave(command),
+            Attempted::Failed(failure) | Attempted::FailedKeepingWrites(failure) => {
                 // Successes before this failure settle first: they happened first.
                 self.settle_successes();
                 if settle_failure(&command.id(), &failure, started, self.worker) == (Settled::Failed { retry: false }) {
@@ -399,11 +479,27 @@ impl<'a> Chunk<'a> {
         }
     }
 
+    /// Leave a cancelled command to the cancel (see `run`).
+    fn leave(&mut self, command: &Claimed) {
+        if command.held_attempt.is_none() {
+            self.handed_back.push((command.command_id, command.lease_token));
+        }
+    }
+
+    /// Keep the open group's subtransaction, if any: its members' writes
+    /// join the chunk's transaction.
+    fn close_group(&mut self) {
+        if let Some(group) = self.group.take() {
+            group.subtransaction.end(true);
+        }
+    }
+
     /// Settle the successes; returns the commands to hand back. The worker
     /// releases them a moment later (HAND_BACK_DELAY): a cancel waiting for
     /// their run's lock closes them first, and if it rolled back instead, they
     /// go back to their queue and run again.
     pub fn finish(mut self) -> Vec<(pgrx::Uuid, pgrx::Uuid)> {
+        self.close_group();
         self.settle_successes();
         std::mem::take(&mut self.handed_back)
     }
@@ -485,45 +581,90 @@ fn is_transient(caught: &pg_sys::panic::CaughtError) -> bool {
     )
 }
 
-/// Run `body` in a subtransaction of the current transaction: kept when it
-/// returns Ok, rolled back when it returns Err or raises (the ERROR becomes
-/// `on_error(caught)`). The one home of that pattern, after PL/pgSQL's
-/// exception blocks: the memory context and resource owner are restored.
-pub fn in_subtransaction<R, E>(
-    body: impl FnOnce() -> Result<R, E>,
-    on_error: impl FnOnce(pg_sys::panic::CaughtError) -> E,
-) -> Result<R, E> {
-    let (outer_context, outer_owner) = unsafe { (pg_sys::CurrentMemoryContext, pg_sys::CurrentResourceOwner) };
-    unsafe {
-        pg_sys::BeginInternalSubTransaction(std::ptr::null());
-        pg_sys::MemoryContextSwitchTo(outer_context);
+/// A subtransaction begun by the engine, in which the caller goes on in its
+/// own memory context; `end` keeps or rolls it back and restores the
+/// caller's memory context and resource owner. After PL/pgSQL's exception
+/// blocks.
+struct Subtransaction {
+    outer_context: pg_sys::MemoryContext,
+    outer_owner: pg_sys::ResourceOwner,
+}
+
+impl Subtransaction {
+    fn begin() -> Subtransaction {
+        let (outer_context, outer_owner) = unsafe { (pg_sys::CurrentMemoryContext, pg_sys::CurrentResourceOwner) };
+        unsafe {
+            pg_sys::BeginInternalSubTransaction(std::ptr::null());
+            pg_sys::MemoryContextSwitchTo(outer_context);
+        }
+        Subtransaction { outer_context, outer_owner }
     }
+
+    fn end(&self, keep: bool) {
+        unsafe {
+            if keep {
+                pg_sys::ReleaseCurrentSubTransaction();
+            } else {
+                pg_sys::RollbackAndReleaseCurrentSubTransaction();
+            }
+            pg_sys::MemoryContextSwitchTo(self.outer_context);
+            pg_sys::CurrentResourceOwner = self.outer_owner;
+        }
+    }
+}
+
+/// Run `body`, turning an ERROR it raises into `on_error(caught)`, with the
+/// caller's memory context and resource owner back. The (sub)transaction the
+/// ERROR happened in must then be rolled back before anything else runs.
+fn catching<R, E>(body: impl FnOnce() -> Result<R, E>, on_error: impl FnOnce(pg_sys::panic::CaughtError) -> E) -> Result<R, E> {
+    let (outer_context, outer_owner) = unsafe { (pg_sys::CurrentMemoryContext, pg_sys::CurrentResourceOwner) };
     // catch_others wants an FnMut; on_error runs at most once.
     let on_error = std::panic::AssertUnwindSafe(Cell::new(Some(on_error)));
     let outcome = PgTryBuilder::new(std::panic::AssertUnwindSafe(body))
         .catch_others(move |caught| Err((on_error.take().expect("on_error runs once"))(caught)))
         .execute();
     unsafe {
-        if outcome.is_ok() {
-            pg_sys::ReleaseCurrentSubTransaction();
-        } else {
-            pg_sys::RollbackAndReleaseCurrentSubTransaction();
-        }
         pg_sys::MemoryContextSwitchTo(outer_context);
         pg_sys::CurrentResourceOwner = outer_owner;
     }
     outcome
 }
 
-/// Run a command's handler in its own subtransaction. On success the
-/// subtransaction is kept (its writes commit with the chunk's settlement); on
-/// failure it is rolled back and the failure classified.
-fn attempt(index: usize, command: &Claimed) -> Result<Option<JsonB>, Failure> {
+/// Run `body` in a subtransaction of the current transaction: kept when it
+/// returns Ok, rolled back when it returns Err or raises (the ERROR becomes
+/// `on_error(caught)`).
+pub fn in_subtransaction<R, E>(
+    body: impl FnOnce() -> Result<R, E>,
+    on_error: impl FnOnce(pg_sys::panic::CaughtError) -> E,
+) -> Result<R, E> {
+    let subtransaction = Subtransaction::begin();
+    let outcome = catching(body, on_error);
+    subtransaction.end(outcome.is_ok());
+    outcome
+}
+
+/// How an attempt ended.
+enum Attempted {
+    Succeeded(Option<JsonB>),
+    /// Its writes were rolled back.
+    Failed(Failure),
+    /// flow.fail(keep_writes => true): its writes are kept.
+    FailedKeepingWrites(Failure),
+}
+
+/// Run a command's handler in its own subtransaction, or in `group`'s (see
+/// GROUP_SIZE). On success the subtransaction is kept (its writes commit
+/// with the chunk's settlement); on failure it is rolled back and the
+/// failure classified — a group's too, whatever the failure.
+fn attempt(index: usize, command: &Claimed, group: Option<&Subtransaction>) -> Attempted {
     let now = unsafe { pg_sys::GetCurrentTimestamp() };
     let deadline = command.deadline(now);
     let remaining_ms = deadline.map(|d| (d - now) / 1000);
     if let Some(ms) = remaining_ms.filter(|ms| *ms <= 0) {
-        return Err(timeout_failure(ms));
+        if let Some(group) = group {
+            group.end(false);
+        }
+        return Attempted::Failed(timeout_failure(ms));
     }
     // Args that no longer fit the definition's args_type never reach the
     // handler, and retrying cannot fix them (as the reference's decode step).
@@ -543,7 +684,10 @@ fn attempt(index: usize, command: &Claimed) -> Result<Option<JsonB>, Failure> {
             |caught| Some(caught_report(&caught).message().to_string()),
         );
         if let Some(message) = misfit.unwrap_or_else(|e| e) {
-            return Err(Failure { class: "permanent", code: "argument_decode".into(), message, delay_us: None });
+            if let Some(group) = group {
+                group.end(false);
+            }
+            return Attempted::Failed(Failure { class: "permanent", code: "argument_decode".into(), message, delay_us: None });
         }
     }
 
@@ -563,8 +707,7 @@ fn attempt(index: usize, command: &Claimed) -> Result<Option<JsonB>, Failure> {
     let run = *command.run_id.as_bytes();
     let started = std::time::Instant::now();
     ATTEMPT_IN_PROGRESS.with(|c| c.set(Some(*command.command_id.as_bytes())));
-    let outcome = in_subtransaction(
-        || {
+    let body = || {
             CURRENT_COMMAND.with(|c| c.set(Some(*command.command_id.as_bytes())));
             gucs::inject_fault("handler_start");
             // The deadline covers what fires when the handler returns, too.
@@ -607,9 +750,18 @@ fn attempt(index: usize, command: &Claimed) -> Result<Option<JsonB>, Failure> {
                 return Ok(Err(decided_failure(kept)));
             }
             Ok(Ok(result))
-        },
-        |caught| classify(caught, deadline, shmem::cancel_requested(index, &run)),
-    );
+        };
+    let on_error = |caught| classify(caught, deadline, shmem::cancel_requested(index, &run));
+    let outcome = match group {
+        None => in_subtransaction(body, on_error),
+        Some(group) => {
+            let outcome = catching(body, on_error);
+            if !matches!(outcome, Ok(Ok(_))) {
+                group.end(false);
+            }
+            outcome
+        }
+    };
     CURRENT_COMMAND.with(|c| c.set(None));
     stop_deadline_timer();
     shmem::observe("handler_us", started.elapsed().as_micros() as u64);
@@ -617,7 +769,17 @@ fn attempt(index: usize, command: &Claimed) -> Result<Option<JsonB>, Failure> {
     // A cancel that comes late, after the handler, must not hit the cleanup.
     holding_off_cancels(isolation::after_attempt);
     ATTEMPT_IN_PROGRESS.with(|c| c.set(None));
-    outcome.and_then(|kept| kept)
+    match outcome {
+        Ok(Ok(result)) => Attempted::Succeeded(result),
+        Ok(Err(kept)) => {
+            note_handler_failed(command.handler);
+            Attempted::FailedKeepingWrites(kept)
+        }
+        Err(failure) => {
+            note_handler_failed(command.handler);
+            Attempted::Failed(failure)
+        }
+    }
 }
 
 /// A TimestampTz (µs since 2000-01-01) as ISO 8601 UTC text, as to_jsonb

@@ -113,6 +113,7 @@ pub const METRICS: &[&str] = &[
     "handler_us",
     "handed_back",
     "recovered",
+    "group_reruns",
 ];
 const METRIC_SLOTS: usize = 32;
 

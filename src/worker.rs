@@ -335,7 +335,7 @@ impl Worker {
     /// Run the commands of `window` in `chunk`, in the current transaction,
     /// until the chunk's limits; returns how many were entered.
     /// (The chunk window follows: see `next_window`.)
-    fn run_chunk(&self, chunk: &mut executor::Chunk, window: &[Claimed], entered: &Cell<Option<AttemptId>>, isolating: bool) -> (usize, bool) {
+    fn run_chunk<'a>(&self, chunk: &mut executor::Chunk<'a>, window: &'a [Claimed], entered: &Cell<Option<AttemptId>>, isolating: bool) -> (usize, bool) {
         let chunk_started = Instant::now();
         let mut ran = 0;
         for command in window {

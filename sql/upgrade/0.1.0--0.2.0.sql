@@ -90,3 +90,5 @@ ALTER TABLE flow._commands SET (autovacuum_vacuum_scale_factor = 0.02, autovacuu
 ALTER TABLE flow._attempts SET (autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_cost_delay = 0);
 -- Claims hold the commands of handlers known to be fast (see flow._claim).
 DROP FUNCTION flow._claim(text, integer, timestamptz, integer, interval, text[], integer);
+-- The handler context is built in flow._claim itself.
+DROP FUNCTION flow._context(flow._commands);
