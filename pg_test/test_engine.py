@@ -407,6 +407,35 @@ def test_held_attempts_that_share_a_subtransaction_commit_once_when_one_fails(ap
     assert app.one("SELECT value FROM flow.stats WHERE name = 'group_reruns'") > reruns
 
 
+def test_a_handler_sees_its_whole_context_leased_and_held(app):
+    """The context is built from the claim's fields (executor.rs,
+    HandlerContext): every field says what the tables say, for the first
+    (leased) attempts and the later (held) ones alike."""
+    app.all("""
+        CREATE FUNCTION app.echo_context(args jsonb, ctx flow.context) RETURNS jsonb LANGUAGE sql AS $$
+            SELECT to_jsonb(ctx) || jsonb_build_object('now', clock_timestamp()) $$;
+    """)
+    name = define(app, "app.echo_context", timeout="'1 hour'")
+    for round_ in range(4):
+        runs = [enqueue(app, name, '{"i": %d}' % i, key=f"'k{round_}-{i}'") for i in range(15)]
+        for i, run in enumerate(runs):
+            status, ctx, _ = app.await_run(run, "10s")
+            assert status == "succeeded"
+            row = app.one("SELECT jsonb_build_object('run_id', c.run_id, 'run_key', r.key, 'command_id', c.id,"
+                          " 'command_key', c.key, 'name', c.name, 'version', c.version, 'queue', c.queue,"
+                          " 'created_at', c.created_at, 'budget_started_at', x.budget_started_at)"
+                          " FROM flow.commands c JOIN flow.runs r ON r.id = c.run_id JOIN flow._commands x ON x.id = c.id"
+                          " WHERE c.run_id = %s", run)
+            assert {k: ctx[k] for k in row} == row
+            assert row["run_key"] == f"k{round_}-{i}"
+            assert (ctx["attempt"], ctx["inputs"], ctx["missing"], ctx["wait_timed_out"]) == (1, [], [], False)
+            started = app.one("SELECT started_at FROM flow.attempts WHERE run_id = %s", run)
+            assert app.one("SELECT %s::timestamptz = %s", ctx["attempt_started_at"], started)
+            assert app.one("SELECT %s::timestamptz <= %s::timestamptz", ctx["attempt_started_at"], ctx["now"])
+            assert app.one("SELECT %s::timestamptz - %s::timestamptz = interval '1 hour'",
+                           ctx["deadline"], ctx["attempt_started_at"])
+
+
 def test_cancel_a_pending_run(app):
     name = define(app, "app.hello")
     run = enqueue(app, name, start_after="'1 hour'")

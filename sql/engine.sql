@@ -792,18 +792,20 @@ BEGIN
            CASE WHEN h.takes_context OR names IS NOT NULL THEN ROW(
                (h.cmd).run_id, (SELECT r.key FROM flow._runs r WHERE r.id = (h.cmd).run_id), (h.cmd).id,
                (h.cmd).key, (h.cmd).name, (h.cmd).version, (h.cmd).queue, h.attempt, h.attempt_deadline,
-               coalesce((SELECT jsonb_agg(jsonb_build_object('name', w.name, 'key', w.key,
-                                 'payload', e.payload, 'position', e.position) ORDER BY w.name, w.key)
-                         FROM flow._waits w JOIN flow._events e ON e.position = w.event_position
-                         WHERE w.command_id = (h.cmd).id), '[]'::jsonb),
-               h.wait_timed_out,
-               coalesce((SELECT jsonb_agg(jsonb_build_object('name', w.name, 'key', w.key) ORDER BY w.name, w.key)
-                         FROM flow._waits w WHERE w.command_id = (h.cmd).id AND w.event_position IS NULL),
-                        '[]'::jsonb),
+               coalesce(waits.inputs, '[]'), h.wait_timed_out, coalesce(waits.missing, '[]'),
                (h.cmd).created_at, h.budget_start, h.started)::flow.context
            END,
            h.attempt_timeout, h.hard_deadline, h.claim_order, h.args_type
-    FROM handed h;
+    FROM handed h LEFT JOIN LATERAL (
+        -- the command's waits, met and not: by its own entries of _waits_pkey
+        -- (a filter on event_position alone would walk every open wait)
+        SELECT jsonb_agg(jsonb_build_object('name', w.name, 'key', w.key, 'payload', e.payload,
+                                            'position', e.position) ORDER BY w.name, w.key)
+                   FILTER (WHERE w.event_position IS NOT NULL) AS inputs,
+               jsonb_agg(jsonb_build_object('name', w.name, 'key', w.key) ORDER BY w.name, w.key)
+                   FILTER (WHERE w.event_position IS NULL) AS missing
+        FROM flow._waits w LEFT JOIN flow._events e ON e.position = w.event_position
+        WHERE w.command_id = (h.cmd).id AND (h.takes_context OR names IS NOT NULL)) waits ON true;
 END $$;
 
 -- Milliseconds until the next command becomes due (NULL: none scheduled), so

@@ -33,14 +33,34 @@ pub struct Claimed {
     pub timeout_us: Option<i64>,
     pub handler: pg_sys::Oid,
     pub owner: pg_sys::Oid,
-    pub args: JsonB,
+    /// The args as jsonb's text: handed to the handler as they came, never
+    /// taken apart here.
+    pub args: String,
     /// Only for handlers that take a `flow.context`.
-    pub context: Option<JsonB>,
+    pub context: Option<HandlerContext>,
     /// The definition's args_type, if any: the args must still fit it.
     pub args_type: Option<pg_sys::Oid>,
     /// Held, not leased (see flow._claim): the number of the attempt it makes,
     /// counted when it is settled in the claim's own transaction.
     pub held_attempt: Option<i32>,
+}
+
+/// The `flow.context` of a claimed command, but for what the handler's start
+/// decides (its deadline and start time): the handler gets it built from
+/// these as SQL parameters (see handler_call_sql), not through JSON.
+pub struct HandlerContext {
+    run_key: Option<String>,
+    command_key: String,
+    name: String,
+    version: i32,
+    queue: String,
+    attempt: i32,
+    /// jsonb's text, as the claim wrote it
+    inputs: String,
+    wait_timed_out: bool,
+    missing: String,
+    created_at: Option<TimestampWithTimeZone>,
+    budget_started_at: Option<TimestampWithTimeZone>,
 }
 
 /// What a settlement names: the command, and its lease or held attempt.
@@ -106,7 +126,8 @@ thread_local! {
     /// The first invalid decision (a bad spawn or emit) of this attempt: it
     /// fails the command even if the handler caught the error (as the reference).
     static INVALID_DECISION: RefCell<Option<Decision>> = const { RefCell::new(None) };
-    static HANDLER_PLANS: RefCell<HashMap<(u32, u32), OwnedPreparedStatement>> = RefCell::new(HashMap::new());
+    /// Per (handler, owner): the kept plan of its call, and whether it takes a context.
+    static HANDLER_PLANS: RefCell<HashMap<(u32, u32), (OwnedPreparedStatement, bool)>> = RefCell::new(HashMap::new());
     static ENGINE_PLANS: RefCell<HashMap<&'static str, OwnedPreparedStatement>> = RefCell::new(HashMap::new());
     /// Handlers whose last attempt in this worker took under FAST_HANDLER:
     /// their commands are held, not leased (see flow._claim).
@@ -284,7 +305,7 @@ fn holding_off_cancels<R>(f: impl FnOnce() -> R) -> R {
 
 const UUID: PgOid = PgOid::BuiltIn(PgBuiltInOids::UUIDOID);
 const TEXT: PgOid = PgOid::BuiltIn(PgBuiltInOids::TEXTOID);
-const JSONB: PgOid = PgOid::BuiltIn(PgBuiltInOids::JSONBOID);
+const BOOL: PgOid = PgOid::BuiltIn(PgBuiltInOids::BOOLOID);
 const INT8: PgOid = PgOid::BuiltIn(PgBuiltInOids::INT8OID);
 const INT4: PgOid = PgOid::BuiltIn(PgBuiltInOids::INT4OID);
 const TIMESTAMPTZ: PgOid = PgOid::BuiltIn(PgBuiltInOids::TIMESTAMPTZOID);
@@ -311,8 +332,11 @@ pub fn claim(
         "SELECT command_id, run_id, lease_token,
                 (extract(epoch FROM hard_deadline) * 1000000)::bigint - 946684800000000,
                 (extract(epoch FROM attempt_timeout) * 1000000)::bigint,
-                handler, handler_owner, args, pg_catalog.to_jsonb(context), args_type::oid,
-                CASE WHEN lease_expires_at IS NULL THEN attempt END
+                handler, handler_owner, args::text, (context).run_key, args_type::oid,
+                CASE WHEN lease_expires_at IS NULL THEN attempt END,
+                (context).command_id IS NOT NULL, (context).command_key, (context).name, (context).version,
+                (context).queue, (context).attempt, (context).inputs::text, (context).wait_timed_out,
+                (context).missing::text, (context).created_at, (context).budget_started_at
          FROM flow._claim($1, $2, $3, $4, NULL, NULL, $5, $6, $7)
          ORDER BY claim_order",
         &[TEXT, INT4, TIMESTAMPTZ, INT4, INT4, OID_ARRAY, UUID_ARRAY],
@@ -334,8 +358,20 @@ pub fn claim(
                 timeout_us: row.get(5).ok().flatten(),
                 handler: row.get(6).ok().flatten().expect("handler"),
                 owner: row.get(7).ok().flatten().expect("handler_owner"),
-                args: row.get::<JsonB>(8).ok().flatten().expect("args"),
-                context: row.get::<JsonB>(9).ok().flatten(),
+                args: row.get::<String>(8).ok().flatten().expect("args"),
+                context: row.get::<bool>(12).ok().flatten().unwrap_or(false).then(|| HandlerContext {
+                    run_key: row.get(9).ok().flatten(),
+                    command_key: row.get(13).ok().flatten().expect("command_key"),
+                    name: row.get(14).ok().flatten().expect("name"),
+                    version: row.get(15).ok().flatten().expect("version"),
+                    queue: row.get(16).ok().flatten().expect("queue"),
+                    attempt: row.get(17).ok().flatten().expect("attempt"),
+                    inputs: row.get(18).ok().flatten().expect("inputs"),
+                    wait_timed_out: row.get(19).ok().flatten().expect("wait_timed_out"),
+                    missing: row.get(20).ok().flatten().expect("missing"),
+                    created_at: row.get(21).ok().flatten(),
+                    budget_started_at: row.get(22).ok().flatten(),
+                }),
                 args_type: row.get::<pg_sys::Oid>(10).ok().flatten(),
                 held_attempt: row.get::<i32>(11).ok().flatten(),
             })
@@ -442,8 +478,10 @@ impl<'a> Chunk<'a> {
         if let Some(attempt) = command.held_attempt {
             crate::attempt_record::write(command.command_id.as_bytes(), attempt);
         }
-        let started = crate::api::timestamp_from_pg(unsafe { pg_sys::GetCurrentTimestamp() });
-        let outcome = attempt(index, command, self.group.as_ref().filter(|_| grouped).map(|g| &g.subtransaction));
+        // when the attempt started: what its context and its attempt row say
+        let now = unsafe { pg_sys::GetCurrentTimestamp() };
+        let started = crate::api::timestamp_from_pg(now);
+        let outcome = attempt(index, command, self.group.as_ref().filter(|_| grouped).map(|g| &g.subtransaction), now);
         if let Attempted::Succeeded(result) = outcome {
             self.successes.push((command.command_id, command.lease_token, result, started, command.held_attempt));
             if let Some(group) = self.group.as_mut().filter(|_| grouped) {
@@ -656,8 +694,7 @@ enum Attempted {
 /// GROUP_SIZE). On success the subtransaction is kept (its writes commit
 /// with the chunk's settlement); on failure it is rolled back and the
 /// failure classified — a group's too, whatever the failure.
-fn attempt(index: usize, command: &Claimed, group: Option<&Subtransaction>) -> Attempted {
-    let now = unsafe { pg_sys::GetCurrentTimestamp() };
+fn attempt(index: usize, command: &Claimed, group: Option<&Subtransaction>, now: i64) -> Attempted {
     let deadline = command.deadline(now);
     let remaining_ms = deadline.map(|d| (d - now) / 1000);
     if let Some(ms) = remaining_ms.filter(|ms| *ms <= 0) {
@@ -675,9 +712,9 @@ fn attempt(index: usize, command: &Claimed, group: Option<&Subtransaction>) -> A
         let misfit = in_subtransaction(
             || {
                 Ok(engine_query(
-                    "SELECT flow._args_misfit_as($1, $2, $3)",
-                    &[oid, oid, JSONB],
-                    &[command.owner.into(), args_type.into(), JsonB(command.args.0.clone()).into()],
+                    "SELECT flow._args_misfit_as($1, $2, $3::pg_catalog.jsonb)",
+                    &[oid, oid, TEXT],
+                    &[command.owner.into(), args_type.into(), command.args.as_str().into()],
                     |t| t.first().get_one::<String>().ok().flatten(),
                 ))
             },
@@ -693,14 +730,8 @@ fn attempt(index: usize, command: &Claimed, group: Option<&Subtransaction>) -> A
 
     // The context tells the handler the deadline actually enforced and when
     // its attempt started (the claim computed them for a start at claim time).
-    let context = command.context.as_ref().map(|c| {
-        let mut c = c.0.clone();
-        if let Some(fields) = c.as_object_mut() {
-            fields.insert("attempt_started_at".into(), timestamp_json(now));
-            fields.insert("deadline".into(), deadline.map(timestamp_json).unwrap_or(serde_json::Value::Null));
-        }
-        JsonB(c)
-    });
+    let started_at = crate::api::timestamp_from_pg(now);
+    let deadline_at = deadline.and_then(crate::api::timestamp_from_pg);
     DECISION.with(|d| d.borrow_mut().take());
     KEPT_FAILURE.with(|d| d.borrow_mut().take());
     INVALID_DECISION.with(|d| d.borrow_mut().take());
@@ -712,7 +743,7 @@ fn attempt(index: usize, command: &Claimed, group: Option<&Subtransaction>) -> A
             gucs::inject_fault("handler_start");
             // The deadline covers what fires when the handler returns, too.
             let result = with_deadline(remaining_ms, || {
-                isolation::run_as_owner(command.owner, || call_handler(command, context.as_ref()))
+                isolation::run_as_owner(command.owner, || call_handler(command, deadline_at, started_at))
             });
             CURRENT_COMMAND.with(|c| c.set(None));
             gucs::inject_fault("handler_return");
@@ -780,31 +811,6 @@ fn attempt(index: usize, command: &Claimed, group: Option<&Subtransaction>) -> A
             Attempted::Failed(failure)
         }
     }
-}
-
-/// A TimestampTz (µs since 2000-01-01) as ISO 8601 UTC text, as to_jsonb
-/// writes timestamps (jsonb_populate_record reads it back).
-pub(crate) fn timestamp_json(ts: i64) -> serde_json::Value {
-    const UNIX_TO_PG_EPOCH_US: i64 = 946_684_800_000_000;
-    let unix_us = ts + UNIX_TO_PG_EPOCH_US;
-    let (secs, micros) = (unix_us.div_euclid(1_000_000), unix_us.rem_euclid(1_000_000));
-    let (days, day_secs) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
-    // days since 1970-01-01 to a civil date (Howard Hinnant's algorithm)
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    serde_json::Value::String(format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{micros:06}+00:00",
-        day_secs / 3600,
-        day_secs / 60 % 60,
-        day_secs % 60
-    ))
 }
 
 fn cancelled_failure() -> Failure {
@@ -879,35 +885,66 @@ fn stop_deadline_timer() {
 /// inlines SQL handlers, resolving names as the owner, and re-validates the
 /// plan when the function is replaced. The statement names everything with
 /// its schema, so nothing in it resolves through the owner's search_path.
-fn call_handler(command: &Claimed, context: Option<&JsonB>) -> Option<JsonB> {
+fn call_handler(command: &Claimed, deadline: Option<TimestampWithTimeZone>, started: Option<TimestampWithTimeZone>) -> Option<JsonB> {
     let key = (command.handler.to_u32(), command.owner.to_u32());
     let missing = HANDLER_PLANS.with(|p| !p.borrow().contains_key(&key));
     if missing {
-        let sql = handler_call_sql(command.handler);
+        let (sql, takes_context) = handler_call_sql(command.handler);
+        let types: &[PgOid] = if takes_context { &CONTEXT_CALL_TYPES } else { &[TEXT] };
         let plan = Spi::connect_mut(|client| {
-            client.prepare_mut(sql.as_str(), &[JSONB, JSONB]).unwrap_or_else(|e| error!("flow: {e}")).keep()
+            client.prepare_mut(sql.as_str(), types).unwrap_or_else(|e| error!("flow: {e}")).keep()
         });
-        HANDLER_PLANS.with(|p| p.borrow_mut().insert(key, plan));
+        HANDLER_PLANS.with(|p| p.borrow_mut().insert(key, (plan, takes_context)));
     }
     Spi::connect_mut(|client| {
         HANDLER_PLANS.with(|plans| {
             let plans = plans.borrow();
-            let args = [DatumWithOid::from(JsonB(command.args.0.clone())), DatumWithOid::from(context.map(|c| JsonB(c.0.clone())))];
+            let (plan, takes_context) = &plans[&key];
+            let args: Vec<DatumWithOid> = match (&command.context, takes_context) {
+                (_, false) => vec![command.args.as_str().into()],
+                (Some(c), true) => vec![
+                    command.args.as_str().into(),
+                    command.run_id.into(),
+                    c.run_key.as_deref().into(),
+                    command.command_id.into(),
+                    c.command_key.as_str().into(),
+                    c.name.as_str().into(),
+                    c.version.into(),
+                    c.queue.as_str().into(),
+                    c.attempt.into(),
+                    deadline.into(),
+                    c.inputs.as_str().into(),
+                    c.wait_timed_out.into(),
+                    c.missing.as_str().into(),
+                    c.created_at.into(),
+                    c.budget_started_at.into(),
+                    started.into(),
+                ],
+                (None, true) => error!("flow: handler {} takes a flow.context, and its definition says it does not", command.handler.to_u32()),
+            };
             // The plan was prepared mutating, so it runs read-write; pgrx's
             // `update` would also assign the handler's subtransaction a
             // transaction id, which costs every handler that writes nothing a
             // pg_subtrans entry and a slot of the 64-entry subxid cache.
             client
-                .select(&plans[&key], Some(1), &args)
+                .select(plan, Some(1), &args)
                 .and_then(|t| t.first().get_one::<JsonB>())
                 .unwrap_or_else(|e| error!("flow: {e}"))
         })
     })
 }
 
+/// The parameters of a call of a handler that takes a context: its args
+/// (jsonb's text), then the fields of flow.context in order.
+const CONTEXT_CALL_TYPES: [PgOid; 16] = [
+    TEXT, UUID, TEXT, UUID, TEXT, TEXT, INT4, TEXT, INT4, TIMESTAMPTZ, TEXT, BOOL, TEXT, TIMESTAMPTZ, TIMESTAMPTZ,
+    TIMESTAMPTZ,
+];
+
 /// `SELECT schema.fn($1 [, context])` for a handler, read from the catalog
-/// caches (no SQL, so nothing a handler left behind can change its meaning).
-fn handler_call_sql(handler: pg_sys::Oid) -> String {
+/// caches (no SQL, so nothing a handler left behind can change its meaning),
+/// and whether it takes a context.
+fn handler_call_sql(handler: pg_sys::Oid) -> (String, bool) {
     unsafe {
         let name = pg_sys::get_func_name(handler);
         if name.is_null() {
@@ -920,11 +957,17 @@ fn handler_call_sql(handler: pg_sys::Oid) -> String {
         let function = format!("{}.{}", quote(schema), quote(name));
         let returns_void = pg_sys::get_func_rettype(handler) == pg_sys::VOIDOID;
         let takes_context = pg_sys::get_func_nargs(handler) == 2;
-        format!(
-            "SELECT {}{function}($1{})",
+        let sql = format!(
+            "SELECT {}{function}($1::pg_catalog.jsonb{})",
             if returns_void { "NULL::pg_catalog.jsonb FROM " } else { "" },
-            if takes_context { ", pg_catalog.jsonb_populate_record(NULL::flow.context, $2)" } else { "" }
-        )
+            if takes_context {
+                ", ROW($2, $3, $4, $5, $6, $7, $8, $9, $10, $11::pg_catalog.jsonb, $12, $13::pg_catalog.jsonb, \
+                 $14, $15, $16)::flow.context"
+            } else {
+                ""
+            }
+        );
+        (sql, takes_context)
     }
 }
 

@@ -77,20 +77,6 @@ mod tests {
     }
 
     #[pg_test]
-    fn handler_context_timestamps_read_back_exactly() {
-        for ts in ["2026-12-02 16:15:17.123456+00", "2000-01-01 00:00:00+00", "1999-12-31 23:59:59.999999+00", "2400-02-29 12:00:00+00"] {
-            let micros = Spi::get_one::<i64>(&format!(
-                "SELECT ((extract(epoch FROM '{ts}'::timestamptz) - 946684800) * 1000000)::bigint"
-            ))
-            .unwrap()
-            .unwrap();
-            let text = crate::executor::timestamp_json(micros);
-            let same = Spi::get_one::<bool>(&format!("SELECT '{}'::timestamptz = '{ts}'::timestamptz", text.as_str().unwrap()));
-            assert_eq!(same, Ok(Some(true)), "{ts} came back as {text}");
-        }
-    }
-
-    #[pg_test]
     fn ids_are_time_ordered_v7() {
         let ordered = Spi::get_one::<bool>(
             "SELECT bool_and(a < b) FROM (SELECT flow._new_id() a, flow._new_id() b FROM generate_series(1, 100)) x",
