@@ -195,7 +195,7 @@ def enqueue_many_rate(pg, n):
 
 def claim_plan(pg):
     """The generic plan (as a worker caches it) of the claim's queue-head probe
-    (the statement of flow._claim in sql/engine.sql, as an in-database worker runs it)."""
+    (the statement of flow._claim in sql/claim.sql, as an in-database worker runs it)."""
     with pg.connect() as c:
         c.execute("SET plan_cache_mode = force_generic_plan")
         c.execute("""PREPARE heads(text[]) AS

@@ -1,6 +1,6 @@
 """Plans on the hot path stay index driven whatever the tables' sizes: workers
 that cached their plans while _commands was empty drain a large burst at full
-speed, without one sequential scan of _commands (sql/engine.sql, "Plans are
+speed, without one sequential scan of _commands (sql/common.sql, "Plans are
 pinned by construction")."""
 import time
 

@@ -38,9 +38,9 @@ SELECT DISTINCT ON (d.name) d.name, d.owner FROM flow._definitions d ORDER BY d.
 ALTER TABLE flow._definitions ADD CONSTRAINT _definitions_name_fkey
     FOREIGN KEY (name) REFERENCES flow._definition_names (name);
 SELECT pg_catalog.pg_extension_config_dump('flow._definition_names', '');
--- Event keys are locked by a C function now (sql/engine.sql had an SQL one).
+-- Event keys are locked by a C function now (0.1.0 had an SQL one).
 DROP FUNCTION flow._lock_event_key(text, text);
--- Events satisfy waits of their own run too (sql/engine.sql, _may_satisfy).
+-- Events satisfy waits of their own run too (sql/workflows.sql, _may_satisfy).
 DROP FUNCTION flow._may_satisfy(oid, uuid);
 -- Functions whose signature or result changed.
 DROP FUNCTION flow.fail(text);
@@ -101,7 +101,9 @@ DROP FUNCTION flow._context(flow._commands);
 -- requires:
 --   schema
 
--- flow's engine SQL: definitions, enqueue, claim, settle, recovery, cancel.
+-- flow's engine SQL, one file per service (sql/common.sql first, then
+-- definitions, enqueue, claim, settle, recover, retention, workflows,
+-- external; src/lib.rs loads them in that order). This one: what they share.
 --
 -- Internal functions (flow._*) take the acting role as `caller` and are only
 -- executable by the extension owner. Public functions are SECURITY DEFINER
@@ -118,8 +120,6 @@ DROP FUNCTION flow._context(flow._commands);
 -- off`: the cost penalty of a sequential scan that has no alternative (of
 -- the few rows of _queues) would otherwise pass jit_above_cost, and compiling
 -- takes 100+ ms per call.
-
--- ---------------------------------------------------------------- helpers
 
 CREATE OR REPLACE FUNCTION flow._require_name(what text, value text) RETURNS text
 LANGUAGE plpgsql IMMUTABLE SET search_path = pg_catalog, pg_temp AS $$
@@ -168,7 +168,11 @@ BEGIN
     END IF;
 END $$;
 
--- ---------------------------------------------------------------- definitions and queues
+-- src/lib.rs:26
+-- requires:
+--   common
+
+-- Definitions and queues: define, grants, queue settings and ownership.
 
 -- Durations flow keeps or adds to timestamps: positive (or zero where
 -- zero_ok) and at most 100 years, so no timestamp arithmetic in the claim,
@@ -551,7 +555,11 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
         OR EXISTS (SELECT 1 FROM flow._runs r WHERE r.owner = role AND r.status = 'running')   -- index _runs_owner_key_key
 $$;
 
--- ---------------------------------------------------------------- enqueue
+-- src/lib.rs:27
+-- requires:
+--   definitions
+
+-- Enqueue: starting runs (one, or many in one statement).
 
 -- Resolve a definition: newest version unless one is named.
 CREATE OR REPLACE FUNCTION flow._definition(name text, version integer) RETURNS flow._definitions
@@ -720,7 +728,11 @@ BEGIN
     RETURN ids;
 END $$;
 
--- ---------------------------------------------------------------- claim
+-- src/lib.rs:28
+-- requires:
+--   enqueue
+
+-- Claim: handing due commands to in-database and external workers (rules 1-3).
 
 -- Retry delay: exponential from `backoff`, jittered by ±25 %, kept within
 -- [backoff, backoff_max]. Computed in seconds so huge attempt numbers cannot
@@ -930,7 +942,12 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp SET enable_seqscan = o
                                WHERE r.queue = q.name AND r.status = 'running'))
 $$;
 
--- ---------------------------------------------------------------- settle
+-- src/lib.rs:29
+-- requires:
+--   claim
+
+-- Settle: concluding attempts, successes in batches and failures one by one,
+-- with the retry policy (rules 5-7).
 
 -- Cut a message to at most 1 KiB of UTF-8 without splitting a character.
 CREATE OR REPLACE FUNCTION flow._cut_message(message text) RETURNS text
@@ -1219,6 +1236,12 @@ BEGIN
     RETURN CASE WHEN stop IS NULL THEN 'retry' ELSE 'failed' END;
 END $$;
 
+-- src/lib.rs:30
+-- requires:
+--   settle
+
+-- Recover: concluding attempts whose owner is gone (rule 8).
+
 -- Conclude attempts whose owner is provably gone (rule 8): an in-database
 -- worker whose (pid, backend start) no longer exists, or an external lease
 -- past its expiry by the database clock. Returns how many were concluded.
@@ -1260,6 +1283,12 @@ BEGIN
     END LOOP;
     RETURN concluded;
 END $$;
+
+-- src/lib.rs:31
+-- requires:
+--   recover
+
+-- Retention: pruning finished runs and retiring old journal entries.
 
 -- Delete the runs that finished more than `older_than` ago among the next
 -- `max_runs` runs after `after` (in id order; NULL: from the oldest), with
@@ -1319,7 +1348,11 @@ BEGIN
     RETURN retired;
 END $$;
 
--- ---------------------------------------------------------------- run control, events, children
+-- src/lib.rs:32
+-- requires:
+--   retention
+
+-- Workflows: run control (cancel, await), events, waits, children and the run graph.
 
 CREATE OR REPLACE FUNCTION flow._cancel(caller oid, run_id uuid) RETURNS boolean
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
@@ -1566,7 +1599,86 @@ EXCEPTION WHEN SQLSTATE 'FL001' OR SQLSTATE 'FL002' OR SQLSTATE 'FL003' OR SQLST
     RAISE;
 END $$;
 
--- ---------------------------------------------------------------- external workers
+-- A run's commands, parent links, waits and events as Graphviz DOT or Mermaid.
+CREATE OR REPLACE FUNCTION flow._run_graph(caller oid, run_id uuid, format text) RETURNS text
+LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    r flow._runs;
+    dot boolean := lower(coalesce(format, 'dot')) = 'dot';
+    lines text[] := '{}';
+    item record;
+BEGIN
+    IF lower(coalesce(format, 'dot')) NOT IN ('dot', 'mermaid') THEN
+        RAISE EXCEPTION 'flow: run_graph format must be dot or mermaid, got %', format USING ERRCODE = 'FL003';
+    END IF;
+    SELECT * INTO r FROM flow._runs x WHERE x.id = run_id;
+    PERFORM flow._require_member(caller, r.owner, 'run', run_id);
+    -- commands
+    FOR item IN
+        SELECT 'c' || replace(c.id::text, '-', '') AS node, c.parent_id,
+               translate(format('%s: %s v%s\n%s%s', c.key, c.name, c.version, c.status,
+                   CASE WHEN c.attempts > 1 THEN format(' after %s attempts', c.attempts) ELSE '' END),
+                   '"[]{}<>|', '''()()()/') AS label,
+               CASE c.status WHEN 'succeeded' THEN 'palegreen' WHEN 'failed' THEN 'salmon'
+                             WHEN 'running' THEN 'lightblue' WHEN 'waiting' THEN 'khaki'
+                             WHEN 'cancelled' THEN 'lightgrey' ELSE 'white' END AS colour
+        FROM flow._commands c WHERE c.run_id = _run_graph.run_id ORDER BY c.created_at, c.id
+    LOOP
+        lines := lines || CASE WHEN dot
+            THEN format('  %s [label="%s", fillcolor=%s];', item.node, item.label, item.colour)
+            ELSE format('  %s["%s"]', item.node, replace(item.label, '\n', '<br/>')) END;
+        IF item.parent_id IS NOT NULL THEN
+            lines := lines || format(CASE WHEN dot THEN '  %s -> %s;' ELSE '  %s --> %s' END,
+                                     'c' || replace(item.parent_id::text, '-', ''), item.node);
+        END IF;
+    END LOOP;
+    -- events emitted by this run's commands or satisfying its waits, and open waits
+    FOR item IN
+        SELECT DISTINCT 'e' || e.position AS node, e.command_id,
+               translate(format('event %s/%s', e.name, e.key), '"[]{}<>|', '''()()()/') AS label
+        FROM flow._events e
+        WHERE e.run_id = _run_graph.run_id
+           OR e.position IN (SELECT w.event_position FROM flow._waits w JOIN flow._commands c ON c.id = w.command_id
+                             WHERE c.run_id = _run_graph.run_id)
+    LOOP
+        lines := lines || CASE WHEN dot THEN format('  %s [shape=ellipse, label="%s"];', item.node, item.label)
+                               ELSE format('  %s(["%s"])', item.node, item.label) END;
+        IF item.command_id IS NOT NULL AND EXISTS (SELECT 1 FROM flow._commands c WHERE c.id = item.command_id
+                                                   AND c.run_id = _run_graph.run_id) THEN
+            lines := lines || format(CASE WHEN dot THEN '  %s -> %s [label="emits"];' ELSE '  %s -- emits --> %s' END,
+                                     'c' || replace(item.command_id::text, '-', ''), item.node);
+        END IF;
+    END LOOP;
+    FOR item IN
+        SELECT w.event_position, 'c' || replace(w.command_id::text, '-', '') AS waiter,
+               'w' || md5(w.command_id::text || w.name || w.key) AS open_node,
+               translate(format('waiting for %s/%s', w.name, w.key), '"[]{}<>|', '''()()()/') AS label
+        FROM flow._waits w JOIN flow._commands c ON c.id = w.command_id
+        WHERE c.run_id = _run_graph.run_id ORDER BY w.name, w.key
+    LOOP
+        IF item.event_position IS NOT NULL THEN
+            lines := lines || format(CASE WHEN dot THEN '  %s -> %s [style=dashed, label="satisfies"];'
+                                          ELSE '  %s -. satisfies .-> %s' END, 'e' || item.event_position, item.waiter);
+        ELSE
+            lines := lines || CASE WHEN dot
+                THEN format('  %s [shape=ellipse, style=dashed, label="%s"];', item.open_node, item.label)
+                ELSE format('  %s(["%s"])', item.open_node, item.label) END;
+            lines := lines || format(CASE WHEN dot THEN '  %s -> %s [style=dashed];' ELSE '  %s -.-> %s' END,
+                                     item.open_node, item.waiter);
+        END IF;
+    END LOOP;
+    IF dot THEN
+        RETURN format(E'digraph "run %s" {\n  rankdir=LR;\n  label="run %s: %s";\n  node [shape=box, style="rounded,filled", fontname="Helvetica"];\n%s\n}\n',
+                      r.id, r.id, r.status, array_to_string(lines, E'\n'));
+    END IF;
+    RETURN format(E'flowchart LR\n%s\n', array_to_string(lines, E'\n'));
+END $$;
+
+-- src/lib.rs:33
+-- requires:
+--   workflows
+
+-- External workers: claims with leases, heartbeats and settlements from outside the server.
 
 -- The running command behind an external lease, locked, after checking the
 -- caller may resolve it. A wrong or stale token is FL013; a command already
@@ -1794,83 +1906,6 @@ BEGIN
         coalesce(message, 'failed by its external worker'), retry_after);
 END $$;
 
--- ---------------------------------------------------------------- run graph
-
--- A run's commands, parent links, waits and events as Graphviz DOT or Mermaid.
-CREATE OR REPLACE FUNCTION flow._run_graph(caller oid, run_id uuid, format text) RETURNS text
-LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
-DECLARE
-    r flow._runs;
-    dot boolean := lower(coalesce(format, 'dot')) = 'dot';
-    lines text[] := '{}';
-    item record;
-BEGIN
-    IF lower(coalesce(format, 'dot')) NOT IN ('dot', 'mermaid') THEN
-        RAISE EXCEPTION 'flow: run_graph format must be dot or mermaid, got %', format USING ERRCODE = 'FL003';
-    END IF;
-    SELECT * INTO r FROM flow._runs x WHERE x.id = run_id;
-    PERFORM flow._require_member(caller, r.owner, 'run', run_id);
-    -- commands
-    FOR item IN
-        SELECT 'c' || replace(c.id::text, '-', '') AS node, c.parent_id,
-               translate(format('%s: %s v%s\n%s%s', c.key, c.name, c.version, c.status,
-                   CASE WHEN c.attempts > 1 THEN format(' after %s attempts', c.attempts) ELSE '' END),
-                   '"[]{}<>|', '''()()()/') AS label,
-               CASE c.status WHEN 'succeeded' THEN 'palegreen' WHEN 'failed' THEN 'salmon'
-                             WHEN 'running' THEN 'lightblue' WHEN 'waiting' THEN 'khaki'
-                             WHEN 'cancelled' THEN 'lightgrey' ELSE 'white' END AS colour
-        FROM flow._commands c WHERE c.run_id = _run_graph.run_id ORDER BY c.created_at, c.id
-    LOOP
-        lines := lines || CASE WHEN dot
-            THEN format('  %s [label="%s", fillcolor=%s];', item.node, item.label, item.colour)
-            ELSE format('  %s["%s"]', item.node, replace(item.label, '\n', '<br/>')) END;
-        IF item.parent_id IS NOT NULL THEN
-            lines := lines || format(CASE WHEN dot THEN '  %s -> %s;' ELSE '  %s --> %s' END,
-                                     'c' || replace(item.parent_id::text, '-', ''), item.node);
-        END IF;
-    END LOOP;
-    -- events emitted by this run's commands or satisfying its waits, and open waits
-    FOR item IN
-        SELECT DISTINCT 'e' || e.position AS node, e.command_id,
-               translate(format('event %s/%s', e.name, e.key), '"[]{}<>|', '''()()()/') AS label
-        FROM flow._events e
-        WHERE e.run_id = _run_graph.run_id
-           OR e.position IN (SELECT w.event_position FROM flow._waits w JOIN flow._commands c ON c.id = w.command_id
-                             WHERE c.run_id = _run_graph.run_id)
-    LOOP
-        lines := lines || CASE WHEN dot THEN format('  %s [shape=ellipse, label="%s"];', item.node, item.label)
-                               ELSE format('  %s(["%s"])', item.node, item.label) END;
-        IF item.command_id IS NOT NULL AND EXISTS (SELECT 1 FROM flow._commands c WHERE c.id = item.command_id
-                                                   AND c.run_id = _run_graph.run_id) THEN
-            lines := lines || format(CASE WHEN dot THEN '  %s -> %s [label="emits"];' ELSE '  %s -- emits --> %s' END,
-                                     'c' || replace(item.command_id::text, '-', ''), item.node);
-        END IF;
-    END LOOP;
-    FOR item IN
-        SELECT w.event_position, 'c' || replace(w.command_id::text, '-', '') AS waiter,
-               'w' || md5(w.command_id::text || w.name || w.key) AS open_node,
-               translate(format('waiting for %s/%s', w.name, w.key), '"[]{}<>|', '''()()()/') AS label
-        FROM flow._waits w JOIN flow._commands c ON c.id = w.command_id
-        WHERE c.run_id = _run_graph.run_id ORDER BY w.name, w.key
-    LOOP
-        IF item.event_position IS NOT NULL THEN
-            lines := lines || format(CASE WHEN dot THEN '  %s -> %s [style=dashed, label="satisfies"];'
-                                          ELSE '  %s -. satisfies .-> %s' END, 'e' || item.event_position, item.waiter);
-        ELSE
-            lines := lines || CASE WHEN dot
-                THEN format('  %s [shape=ellipse, style=dashed, label="%s"];', item.open_node, item.label)
-                ELSE format('  %s(["%s"])', item.open_node, item.label) END;
-            lines := lines || format(CASE WHEN dot THEN '  %s -> %s [style=dashed];' ELSE '  %s -.-> %s' END,
-                                     item.open_node, item.waiter);
-        END IF;
-    END LOOP;
-    IF dot THEN
-        RETURN format(E'digraph "run %s" {\n  rankdir=LR;\n  label="run %s: %s";\n  node [shape=box, style="rounded,filled", fontname="Helvetica"];\n%s\n}\n',
-                      r.id, r.id, r.status, array_to_string(lines, E'\n'));
-    END IF;
-    RETURN format(E'flowchart LR\n%s\n', array_to_string(lines, E'\n'));
-END $$;
-
 -- src/isolation.rs:200
 -- flow::isolation::_args_misfit_as
 CREATE OR REPLACE FUNCTION "_args_misfit_as"(
@@ -2046,7 +2081,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', 'run_sql_wrapper';
 
--- src/lib.rs:26
+-- src/lib.rs:34
 -- finalize
 -- flow's public SQL surface (names and named parameters are the API, see
 -- DESIGN.md) and the views a person reads.

@@ -22,7 +22,15 @@ mod worker;
 ::pgrx::pg_module_magic!(name, version);
 
 extension_sql_file!("../sql/schema.sql", name = "schema", bootstrap);
-extension_sql_file!("../sql/engine.sql", name = "engine", requires = ["schema"]);
+extension_sql_file!("../sql/common.sql", name = "common", requires = ["schema"]);
+extension_sql_file!("../sql/definitions.sql", name = "definitions", requires = ["common"]);
+extension_sql_file!("../sql/enqueue.sql", name = "enqueue", requires = ["definitions"]);
+extension_sql_file!("../sql/claim.sql", name = "claim", requires = ["enqueue"]);
+extension_sql_file!("../sql/settle.sql", name = "settle", requires = ["claim"]);
+extension_sql_file!("../sql/recover.sql", name = "recover", requires = ["settle"]);
+extension_sql_file!("../sql/retention.sql", name = "retention", requires = ["recover"]);
+extension_sql_file!("../sql/workflows.sql", name = "workflows", requires = ["retention"]);
+extension_sql_file!("../sql/external.sql", name = "external", requires = ["workflows"]);
 extension_sql_file!("../sql/api.sql", name = "api", finalize);
 
 #[pg_guard]

@@ -34,9 +34,9 @@ SELECT DISTINCT ON (d.name) d.name, d.owner FROM flow._definitions d ORDER BY d.
 ALTER TABLE flow._definitions ADD CONSTRAINT _definitions_name_fkey
     FOREIGN KEY (name) REFERENCES flow._definition_names (name);
 SELECT pg_catalog.pg_extension_config_dump('flow._definition_names', '');
--- Event keys are locked by a C function now (sql/engine.sql had an SQL one).
+-- Event keys are locked by a C function now (0.1.0 had an SQL one).
 DROP FUNCTION flow._lock_event_key(text, text);
--- Events satisfy waits of their own run too (sql/engine.sql, _may_satisfy).
+-- Events satisfy waits of their own run too (sql/workflows.sql, _may_satisfy).
 DROP FUNCTION flow._may_satisfy(oid, uuid);
 -- Functions whose signature or result changed.
 DROP FUNCTION flow.fail(text);

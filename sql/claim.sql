@@ -1,0 +1,209 @@
+-- Claim: handing due commands to in-database and external workers (rules 1-3).
+
+-- Retry delay: exponential from `backoff`, jittered by ±25 %, kept within
+-- [backoff, backoff_max]. Computed in seconds so huge attempt numbers cannot
+-- overflow an interval.
+CREATE FUNCTION flow._backoff(backoff interval, backoff_max interval, attempt integer) RETURNS interval
+LANGUAGE sql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT make_interval(secs => greatest(extract(epoch FROM backoff),
+        least(extract(epoch FROM backoff_max),
+              extract(epoch FROM backoff) * power(2, least(greatest(attempt - 1, 0), 60))
+                  * (0.75 + random() * 0.5)))::double precision)
+$$;
+
+-- Claim up to max_count due commands (rule 3). A command is claimed in one
+-- of two ways:
+-- * leased: its row says `running`, with the attempt counted and the lease
+--   recorded, and the claim commits before any handler runs. External
+--   workers, commands of limited queues (their running count must be seen
+--   by every worker) and handlers not known to be fast are claimed so.
+-- * held (in-database workers only, for the handlers in `fast_handlers`, in
+--   queues without a limit): the row is only locked, and the worker runs
+--   and settles it in this same transaction, writing the command once. The
+--   attempt is counted at its settlement; what keeps rule 3 is the worker's
+--   record of the held attempt it is in, outside the transaction (see
+--   src/attempt_record.rs). A held command is returned with no lease
+--   (lease_expires_at NULL) and the number of the attempt it makes.
+-- `excluded`: commands other workers' records name, left alone until those
+-- records are concluded.
+-- In-database workers pass their pid and backend start (names NULL: commands
+-- with an SQL handler); external workers pass definition names and a lease.
+-- Fairness (rule 2): every unpaused queue with due work offers its head, in
+-- (next_run_at, id) order, up to its free concurrency; candidates are then
+-- interleaved round-robin across queues, starting at queue number `turn`.
+CREATE FUNCTION flow._claim(owner_name text, owner_pid integer, owner_started timestamptz,
+    max_count integer, lease interval, names text[], turn integer,
+    fast_handlers oid[] DEFAULT NULL, excluded uuid[] DEFAULT NULL)
+RETURNS SETOF flow.claimed_command
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+DECLARE
+    lanes text[];
+    limited text[];
+    locked text[];
+BEGIN
+    -- Which queues offer due work: each unpaused queue's head in the due index
+    -- (an ORDER BY ... LIMIT 1 probe of _commands_due per queue: an index
+    -- probe whatever the table's size or statistics, never a scan of the
+    -- pending commands; see pg_test/test_scale.py).
+    -- An external claim only takes part in the limited queues of the
+    -- definitions it names.
+    SELECT array_agg(q.name) FILTER (WHERE q.concurrency IS NULL),
+           array_agg(q.name) FILTER (WHERE q.concurrency IS NOT NULL
+                                     AND (names IS NULL OR EXISTS (SELECT 1 FROM flow._definitions d
+                                                                   WHERE d.queue = q.name AND d.name = ANY (names))))
+    INTO lanes, limited
+    FROM flow._queues q CROSS JOIN LATERAL (
+        SELECT c.next_run_at FROM flow._commands c                  -- index _commands_due
+        WHERE c.queue = q.name AND c.external = (names IS NOT NULL) AND c.status IN ('pending', 'waiting')
+        ORDER BY c.next_run_at LIMIT 1) h
+    WHERE NOT q.paused AND h.next_run_at <= now();
+    -- Limited queues are locked before their running commands are counted
+    -- (by the next statement, with a fresh snapshot), so the counts are exact
+    -- across all workers. A queue locked elsewhere (another worker claiming
+    -- from it, or a flow.set_queue in an open transaction) is skipped this
+    -- turn, never waited for: one open transaction can hold up one queue,
+    -- not the engine.
+    IF limited IS NOT NULL THEN
+        SELECT array_agg(l.name) INTO locked FROM (
+            SELECT q.name FROM flow._queues q WHERE q.name = ANY (limited)
+            ORDER BY q.name FOR NO KEY UPDATE SKIP LOCKED) l;
+        lanes := coalesce(lanes, '{}') || locked;
+    END IF;
+    IF coalesce(cardinality(lanes), 0) = 0 THEN
+        RETURN;
+    END IF;
+
+    RETURN QUERY
+    WITH lane AS (
+        SELECT q.name,
+               (row_number() OVER (ORDER BY q.name) - 1)::integer AS ord,
+               q.concurrency IS NULL AS unlimited,
+               CASE WHEN q.concurrency IS NULL THEN max_count
+                    ELSE greatest(0, q.concurrency - (
+                        SELECT count(*) FROM flow._commands r       -- index _commands_running
+                        WHERE r.queue = q.name AND r.status = 'running'))::integer
+               END AS room
+        FROM flow._queues q WHERE q.name = ANY (lanes)
+    ), candidate AS (
+        SELECT h.id, h.budget_start, l.ord, coalesce(l.unlimited AND h.handler = ANY (fast_handlers), false) AS held,
+               h.cmd, h.handler, h.owner, h.takes_context, h.timeout, h.max_elapsed, h.args_type,
+               row_number() OVER (PARTITION BY l.ord ORDER BY h.next_run_at, h.id) AS rank
+        FROM lane l CROSS JOIN LATERAL (
+            -- max_elapsed counts from when a command first became due: a wait
+            -- that timed out started its budget when `within` passed
+            SELECT c.id, c.next_run_at, c AS cmd, d.handler::oid AS handler, d.owner::oid AS owner, d.takes_context,
+                   d.timeout, d.max_elapsed, d.args_type,
+                   CASE WHEN c.status = 'waiting' AND c.attempts = 0 THEN c.next_run_at
+                        ELSE c.budget_started_at END AS budget_start
+            FROM flow._commands c                                   -- index _commands_due
+            JOIN flow._definitions d ON d.name = c.name AND d.version = c.version
+            WHERE c.queue = l.name AND c.external = (names IS NOT NULL)
+              AND c.status IN ('pending', 'waiting') AND c.next_run_at <= now()
+              AND (names IS NULL OR d.name = ANY (names))
+              AND (excluded IS NULL OR c.id <> ALL (excluded))
+            ORDER BY c.next_run_at, c.id
+            LIMIT least(l.room, max_count)
+            FOR UPDATE OF c SKIP LOCKED
+        ) h
+        WHERE l.room > 0
+    ), picked AS (
+        -- the interleaving is kept: workers run a batch in claim_order
+        SELECT p.id, p.budget_start, p.held, p.cmd, p.handler, p.owner, p.takes_context, p.timeout, p.max_elapsed,
+               p.args_type,
+               row_number() OVER (ORDER BY p.rank,
+                                  ((p.ord - turn) % cardinality(lanes) + cardinality(lanes)) % cardinality(lanes))::integer
+                   AS claim_order
+        FROM candidate p
+        ORDER BY p.rank, ((p.ord - turn) % cardinality(lanes) + cardinality(lanes)) % cardinality(lanes)
+        LIMIT max_count
+    ), claimed AS (
+        UPDATE flow._commands c SET
+            status = 'running',
+            attempts = c.attempts + 1,
+            attempt_started_at = now(),
+            lease_token = gen_random_uuid(),
+            lease_owner = owner_name,
+            lease_pid = owner_pid,
+            lease_backend_start = owner_started,
+            budget_started_at = p.budget_start,
+            attempt_deadline = least(now() + d.timeout, p.budget_start + d.max_elapsed, c.deadline),
+            lease_expires_at = CASE WHEN owner_pid IS NULL THEN now() + lease
+                                    ELSE coalesce(least(now() + d.timeout, p.budget_start + d.max_elapsed,
+                                                        c.deadline), 'infinity') END,
+            lease_interval = CASE WHEN owner_pid IS NULL THEN lease END,
+            wait_timed_out = c.wait_timed_out OR c.status = 'waiting'
+        FROM picked p, flow._definitions d
+        WHERE c.id = p.id AND NOT p.held AND d.name = c.name AND d.version = c.version
+        RETURNING c AS cmd, d.handler::oid AS handler_oid, d.owner::oid AS handler_owner, d.takes_context,
+                  d.timeout AS attempt_timeout, least(p.budget_start + d.max_elapsed, c.deadline) AS hard_deadline,
+                  p.claim_order, d.args_type
+    ), held AS (
+        -- locked by `candidate` (the row as it was locked), with their runs
+        -- (a run locked elsewhere, by a cancel or another chunk, leaves its
+        -- command for a later claim)
+        SELECT p.cmd, p.handler AS handler_oid, p.owner AS handler_owner, p.takes_context,
+               p.timeout AS attempt_timeout, least(p.budget_start + p.max_elapsed, (p.cmd).deadline) AS hard_deadline,
+               p.claim_order, p.args_type, p.budget_start,
+               least(now() + p.timeout, p.budget_start + p.max_elapsed, (p.cmd).deadline) AS attempt_deadline
+        FROM picked p
+        WHERE p.held
+          AND EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = (p.cmd).run_id FOR UPDATE SKIP LOCKED)
+    ), handed AS (
+        -- the attempt as a leased claim wrote it, or as the held attempt's
+        -- settlement will write it
+        SELECT k.cmd, (k.cmd).attempts AS attempt, (k.cmd).lease_token, (k.cmd).lease_expires_at,
+               (k.cmd).attempt_deadline, (k.cmd).budget_started_at AS budget_start,
+               (k.cmd).attempt_started_at AS started, (k.cmd).wait_timed_out,
+               k.handler_oid, k.handler_owner, k.takes_context, k.attempt_timeout, k.hard_deadline, k.claim_order,
+               k.args_type
+        FROM claimed k
+        UNION ALL
+        SELECT k.cmd, (k.cmd).attempts + 1, gen_random_uuid(), NULL, k.attempt_deadline, k.budget_start,
+               now(), (k.cmd).wait_timed_out OR (k.cmd).status = 'waiting',
+               k.handler_oid, k.handler_owner, k.takes_context, k.attempt_timeout, k.hard_deadline, k.claim_order,
+               k.args_type
+        FROM held k
+    )
+    SELECT (h.cmd).id, (h.cmd).run_id, (h.cmd).name, (h.cmd).version, (h.cmd).queue, (h.cmd).args,
+           h.attempt, h.lease_token, h.lease_expires_at, h.attempt_deadline,
+           h.handler_oid, h.handler_owner,
+           -- the context a handler or external worker sees: only for handlers
+           -- that take it, and external workers (built here, in one
+           -- expression: a function per command would cost several times more)
+           CASE WHEN h.takes_context OR names IS NOT NULL THEN ROW(
+               (h.cmd).run_id, (SELECT r.key FROM flow._runs r WHERE r.id = (h.cmd).run_id), (h.cmd).id,
+               (h.cmd).key, (h.cmd).name, (h.cmd).version, (h.cmd).queue, h.attempt, h.attempt_deadline,
+               coalesce(waits.inputs, '[]'), h.wait_timed_out, coalesce(waits.missing, '[]'),
+               (h.cmd).created_at, h.budget_start, h.started)::flow.context
+           END,
+           h.attempt_timeout, h.hard_deadline, h.claim_order, h.args_type
+    FROM handed h LEFT JOIN LATERAL (
+        -- the command's waits, met and not: by its own entries of _waits_pkey
+        -- (a filter on event_position alone would walk every open wait)
+        SELECT jsonb_agg(jsonb_build_object('name', w.name, 'key', w.key, 'payload', e.payload,
+                                            'position', e.position) ORDER BY w.name, w.key)
+                   FILTER (WHERE w.event_position IS NOT NULL) AS inputs,
+               jsonb_agg(jsonb_build_object('name', w.name, 'key', w.key) ORDER BY w.name, w.key)
+                   FILTER (WHERE w.event_position IS NULL) AS missing
+        FROM flow._waits w LEFT JOIN flow._events e ON e.position = w.event_position
+        WHERE w.command_id = (h.cmd).id AND (h.takes_context OR names IS NOT NULL)) waits ON true;
+END $$;
+
+-- Milliseconds until the next command becomes due (NULL: none scheduled), so
+-- an idle worker sleeps exactly that long (rule 1). Queues that are paused or
+-- full are left out: what frees them (flow.set_queue, a settlement) wakes the
+-- workers. So "due now" means a claim may take it: it came due after the
+-- worker's last claim.
+CREATE FUNCTION flow._next_due_ms() RETURNS bigint
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+    SELECT (extract(epoch FROM min(h.next_run_at) - clock_timestamp()) * 1000)::bigint
+    FROM flow._queues q CROSS JOIN LATERAL (
+        SELECT c.next_run_at FROM flow._commands c                  -- index _commands_due
+        WHERE c.queue = q.name AND NOT c.external AND c.status IN ('pending', 'waiting')
+          AND c.next_run_at < 'infinity'
+        ORDER BY c.next_run_at LIMIT 1) h
+    WHERE NOT q.paused
+      AND (q.concurrency IS NULL
+           OR q.concurrency > (SELECT count(*) FROM flow._commands r      -- index _commands_running
+                               WHERE r.queue = q.name AND r.status = 'running'))
+$$;

@@ -1,0 +1,66 @@
+-- flow's engine SQL, one file per service (sql/common.sql first, then
+-- definitions, enqueue, claim, settle, recover, retention, workflows,
+-- external; src/lib.rs loads them in that order). This one: what they share.
+--
+-- Internal functions (flow._*) take the acting role as `caller` and are only
+-- executable by the extension owner. Public functions are SECURITY DEFINER
+-- with a pinned search_path; they learn who called them through a one-shot
+-- ticket made by flow._ticket() in the caller's security context (see
+-- src/api.rs): inside a SECURITY DEFINER function current_user is the owner,
+-- so this is the one way to know the real caller.
+--
+-- Plans are pinned by construction: a worker keeps its plans for its
+-- lifetime, often from when _commands was empty, so the functions of the
+-- claim, settle and recovery paths run with `enable_seqscan = off` and query
+-- by index (queue heads by ORDER BY ... LIMIT 1 probes). They stay index
+-- driven from 0 to 10M rows (pg_test/test_scale.py checks it). And `jit =
+-- off`: the cost penalty of a sequential scan that has no alternative (of
+-- the few rows of _queues) would otherwise pass jit_above_cost, and compiling
+-- takes 100+ ms per call.
+
+CREATE FUNCTION flow._require_name(what text, value text) RETURNS text
+LANGUAGE plpgsql IMMUTABLE SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF value IS NULL OR btrim(value) = '' THEN
+        RAISE EXCEPTION 'flow: % must not be NULL or empty', what USING ERRCODE = 'FL002';
+    END IF;
+    RETURN flow._require_short(what, value);
+END $$;
+
+-- Names and keys are indexed: at most 1 KiB of UTF-8 each (two fit in one index entry).
+CREATE FUNCTION flow._require_short(what text, value text) RETURNS text
+LANGUAGE plpgsql IMMUTABLE SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF octet_length(value) > 1024 THEN
+        RAISE EXCEPTION 'flow: % is % bytes, over 1024', what, octet_length(value) USING ERRCODE = 'FL002';
+    END IF;
+    RETURN value;
+END $$;
+
+-- args and payloads: a JSON object within flow.max_result_bytes.
+CREATE FUNCTION flow._require_payload(what text, value jsonb, must_be_object boolean DEFAULT true)
+RETURNS jsonb
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    size integer;
+BEGIN
+    IF value IS NULL OR (must_be_object AND jsonb_typeof(value) <> 'object') THEN
+        RAISE EXCEPTION 'flow: % must be a JSON object, got %', what, coalesce(jsonb_typeof(value), 'NULL')
+            USING ERRCODE = 'FL003';
+    END IF;
+    size := octet_length(value::text);
+    IF size > flow._max_payload_bytes() THEN
+        RAISE EXCEPTION 'flow: % is % bytes, over flow.max_result_bytes (% bytes)',
+            what, size, flow._max_payload_bytes() USING ERRCODE = 'FL004';
+    END IF;
+    RETURN value;
+END $$;
+
+CREATE FUNCTION flow._require_member(caller oid, owner oid, what text, id uuid) RETURNS void
+LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    -- Another role's run is reported exactly like a missing one: no existence leak.
+    IF owner IS NULL OR NOT pg_has_role(caller, owner, 'MEMBER') THEN
+        RAISE EXCEPTION 'flow: no % with id %', what, id USING ERRCODE = 'FL014';
+    END IF;
+END $$;

@@ -1,0 +1,227 @@
+-- External workers: claims with leases, heartbeats and settlements from outside the server.
+
+-- The running command behind an external lease, locked, after checking the
+-- caller may resolve it. A wrong or stale token is FL013; a command already
+-- settled under this very token is FL017 (double completion).
+CREATE FUNCTION flow._leased(caller oid, command_id uuid, lease_token uuid) RETURNS flow._commands
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+DECLARE
+    c flow._commands;
+    owner_ oid;
+BEGIN
+    IF command_id IS NULL OR lease_token IS NULL THEN
+        RAISE EXCEPTION 'flow: command_id and lease_token must not be NULL' USING ERRCODE = 'FL002';
+    END IF;
+    -- Ownership first, without a lock: another role's command is reported
+    -- missing at once, never after waiting for its run's lock.
+    SELECT d.owner INTO owner_ FROM flow._commands x
+    JOIN flow._definitions d ON d.name = x.name AND d.version = x.version WHERE x.id = command_id;
+    IF NOT FOUND OR NOT pg_has_role(caller, owner_, 'MEMBER') THEN
+        RAISE EXCEPTION 'flow: no command with id %', command_id USING ERRCODE = 'FL014';
+    END IF;
+    PERFORM flow._lock_runs_of(ARRAY[command_id]);
+    SELECT x.* INTO c FROM flow._commands x WHERE x.id = command_id FOR UPDATE;
+    IF c.status = 'running' AND c.lease_token = _leased.lease_token AND c.lease_pid IS NULL THEN
+        IF c.lease_expires_at < now() THEN
+            RAISE EXCEPTION 'flow: the lease on command % expired at %', command_id, c.lease_expires_at
+                USING ERRCODE = 'FL013';
+        END IF;
+        RETURN c;
+    END IF;
+    IF EXISTS (SELECT 1 FROM flow._attempts a WHERE a.command_id = _leased.command_id
+               AND a.lease_token = _leased.lease_token AND a.outcome = 'succeeded') THEN
+        RAISE EXCEPTION 'flow: command % was already completed under this lease', command_id
+            USING ERRCODE = 'FL017';
+    END IF;
+    RAISE EXCEPTION 'flow: lease token % does not hold command % (it is %)', lease_token, command_id, c.status
+        USING ERRCODE = 'FL013', HINT = 'The lease expired or was never yours; claim the command again.';
+END $$;
+
+-- What became of an external attempt (the reference's ResolveCommandAttempt),
+-- for a worker that lost the reply to a claim, heartbeat or settlement:
+-- 'held' (the lease is yours, until lease_expires_at), 'expired' (its lease ran
+-- out and nobody concluded it yet: settle it now or lose it), or 'concluded'
+-- with the attempt's outcome ('succeeded', 'lease_lost', 'cancelled', ...).
+CREATE FUNCTION flow._resolve(caller oid, command_id uuid, lease_token uuid)
+RETURNS TABLE (state text, outcome text, lease_expires_at timestamptz)
+LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    c flow._commands;
+    owner_ oid;
+    concluded text;
+BEGIN
+    SELECT * INTO c FROM flow._commands x WHERE x.id = command_id;
+    SELECT d.owner INTO owner_ FROM flow._definitions d WHERE d.name = c.name AND d.version = c.version;
+    IF NOT FOUND OR NOT pg_has_role(caller, owner_, 'MEMBER') THEN
+        RAISE EXCEPTION 'flow: no command with id %', command_id USING ERRCODE = 'FL014';
+    END IF;
+    IF c.status = 'running' AND c.lease_token = _resolve.lease_token AND c.lease_pid IS NULL THEN
+        RETURN QUERY SELECT CASE WHEN c.lease_expires_at >= now() THEN 'held' ELSE 'expired' END, NULL::text,
+                            c.lease_expires_at;
+        RETURN;
+    END IF;
+    SELECT a.outcome INTO concluded FROM flow._attempts a
+    WHERE a.command_id = _resolve.command_id AND a.lease_token = _resolve.lease_token;
+    IF FOUND THEN
+        RETURN QUERY SELECT 'concluded', concluded, NULL::timestamptz;
+        RETURN;
+    END IF;
+    RAISE EXCEPTION 'flow: lease token % never held command %', lease_token, command_id USING ERRCODE = 'FL013';
+END $$;
+
+CREATE FUNCTION flow._claim_external(caller oid, names text[], worker text, max_count integer, lease interval)
+RETURNS SETOF flow.claimed_command
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+DECLARE
+    wanted text;
+    expired record;
+BEGIN
+    PERFORM flow._require_name('worker', worker);
+    IF names IS NULL OR cardinality(names) = 0 THEN
+        RAISE EXCEPTION 'flow: names must list at least one definition' USING ERRCODE = 'FL002';
+    END IF;
+    IF max_count IS NULL OR max_count < 1 OR max_count > 10000 THEN
+        RAISE EXCEPTION 'flow: max must be between 1 and 10000, got %', max_count USING ERRCODE = 'FL015';
+    END IF;
+    IF lease IS NULL THEN
+        RAISE EXCEPTION 'flow: lease must be positive, got NULL' USING ERRCODE = 'FL005';
+    END IF;
+    PERFORM flow._require_span('lease', lease);
+    FOREACH wanted IN ARRAY names LOOP
+        IF NOT EXISTS (SELECT 1 FROM flow._definitions d WHERE d.name = wanted AND d.handler IS NULL) THEN
+            RAISE EXCEPTION 'flow: no external definition named %', wanted USING ERRCODE = 'FL001';
+        END IF;
+        IF EXISTS (SELECT 1 FROM flow._definitions d WHERE d.name = wanted AND d.handler IS NULL
+                   AND NOT pg_has_role(caller, d.owner, 'MEMBER')) THEN
+            RAISE EXCEPTION 'flow: no external definition named %', wanted USING ERRCODE = 'FL001';
+        END IF;
+    END LOOP;
+    -- Expired external leases of these definitions are concluded first, so a
+    -- server without in-database workers still retries them.
+    FOR expired IN
+        SELECT c.id, c.lease_token FROM flow._commands c                -- index _commands_running
+        WHERE c.status = 'running' AND c.lease_pid IS NULL AND c.lease_expires_at < now() AND c.name = ANY (names)
+    LOOP
+        CONTINUE WHEN NOT flow._try_lock_run_of(expired.id);
+        PERFORM flow._settle_failure(expired.id, expired.lease_token, 'lease_lost', 'lease_lost',
+                                     'the lease expired before the command was settled');
+    END LOOP;
+    RETURN QUERY SELECT * FROM flow._claim(worker, NULL, NULL, max_count, lease, names,
+                                           (random() * 1000)::integer);
+END $$;
+
+CREATE FUNCTION flow._heartbeat(caller oid, command_id uuid, lease_token uuid, extend interval)
+RETURNS TABLE (lease_expires_at timestamptz, cancelled boolean)
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    c flow._commands;
+BEGIN
+    PERFORM flow._require_span('extend', extend);
+    -- A run cancelled (or failed) under a live lease: tell the worker to stop.
+    IF EXISTS (SELECT 1 FROM flow._attempts a JOIN flow._commands x ON x.id = a.command_id
+               WHERE a.command_id = _heartbeat.command_id AND a.lease_token = _heartbeat.lease_token
+                 AND a.outcome = 'cancelled' AND pg_has_role(caller, (SELECT r.owner FROM flow._runs r
+                                                                      WHERE r.id = x.run_id), 'MEMBER')) THEN
+        RETURN QUERY SELECT NULL::timestamptz, true;
+        RETURN;
+    END IF;
+    c := flow._leased(caller, command_id, lease_token);
+    UPDATE flow._commands x SET lease_expires_at = now() + coalesce(extend, x.lease_interval)
+    WHERE x.id = c.id
+    RETURNING x.lease_expires_at INTO c.lease_expires_at;
+    RETURN QUERY SELECT c.lease_expires_at, false;
+END $$;
+
+-- Settle an external success with its events and children, all in the caller's transaction.
+CREATE FUNCTION flow._complete(caller oid, command_id uuid, lease_token uuid, result jsonb, events jsonb,
+    children jsonb)
+RETURNS text
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    c flow._commands := flow._leased(caller, command_id, lease_token);
+    item jsonb;
+BEGIN
+    IF result IS NOT NULL THEN
+        PERFORM flow._require_payload('result', result, false);
+    END IF;
+    IF events IS NOT NULL AND jsonb_typeof(events) <> 'array' OR children IS NOT NULL AND jsonb_typeof(children) <> 'array' THEN
+        RAISE EXCEPTION 'flow: events and children must be JSON arrays' USING ERRCODE = 'FL003';
+    END IF;
+    FOR item IN SELECT * FROM jsonb_array_elements(coalesce(events, '[]')) LOOP
+        PERFORM flow._emit(caller, c.id, item->>'name', item->>'key', coalesce(item->'payload', '{}'));
+    END LOOP;
+    FOR item IN SELECT * FROM jsonb_array_elements(coalesce(children, '[]')) LOOP
+        PERFORM flow._spawn(caller, c.id, item->>'name', coalesce(item->'args', '{}'), item->>'key',
+            (item->>'start_after')::interval,
+            (SELECT coalesce(array_agg(ROW(w->>'name', w->>'key')::flow.wait_spec), '{}')
+             FROM jsonb_array_elements(coalesce(item->'waits', '[]')) w),
+            (item->>'within')::interval, (item->>'version')::integer, item->>'queue');
+    END LOOP;
+    -- _leased holds the run's lock, as _settle_batch requires.
+    PERFORM flow._settle_batch(ARRAY[c.id], ARRAY[c.lease_token], ARRAY[result]);
+    RETURN 'succeeded';
+END $$;
+
+-- Settle many external successes in one call (results only: no events or
+-- children). Returns each command's outcome: 'succeeded', or 'lease_lost'
+-- when its token no longer holds it (nothing changed for that command), or
+-- 'already_completed' for a second completion under the same token.
+CREATE FUNCTION flow._complete_many(caller oid, command_ids uuid[], lease_tokens uuid[], results jsonb[])
+RETURNS TABLE (command_id uuid, status text)
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+DECLARE
+    bad record;
+BEGIN
+    IF command_ids IS NULL OR lease_tokens IS NULL
+       OR cardinality(command_ids) <> cardinality(lease_tokens)
+       OR (results IS NOT NULL AND cardinality(results) <> cardinality(command_ids)) THEN
+        RAISE EXCEPTION 'flow: command_ids, lease_tokens and results must be arrays of the same length'
+            USING ERRCODE = 'FL003';
+    END IF;
+    SELECT t.i, t.result INTO bad FROM unnest(results) WITH ORDINALITY AS t(result, i)
+    WHERE octet_length(t.result::text) > flow._max_payload_bytes() LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION 'flow: results[%] is over flow.max_result_bytes', bad.i USING ERRCODE = 'FL004';
+    END IF;
+    SELECT t.id INTO bad FROM unnest(command_ids) AS t(id)
+    LEFT JOIN flow._commands c ON c.id = t.id
+    LEFT JOIN flow._definitions d ON d.name = c.name AND d.version = c.version
+    WHERE d.owner IS NULL OR NOT pg_has_role(caller, d.owner, 'MEMBER') LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION 'flow: no command with id %', bad.id USING ERRCODE = 'FL014';
+    END IF;
+    PERFORM flow._lock_runs_of(command_ids);
+    RETURN QUERY
+    WITH item AS (
+        SELECT t.id, t.token, t.result,
+               (c.status = 'running' AND c.lease_token = t.token AND c.lease_pid IS NULL
+                AND c.lease_expires_at >= now()) AS held
+        FROM unnest(command_ids, lease_tokens, coalesce(results, array_fill(NULL::jsonb,
+                    ARRAY[cardinality(command_ids)]))) AS t(id, token, result)
+        JOIN flow._commands c ON c.id = t.id
+    ), settled AS (
+        SELECT flow._settle_batch(array_agg(i.id), array_agg(i.token), array_agg(i.result)) AS n
+        FROM item i WHERE i.held
+    )
+    SELECT i.id,
+           CASE WHEN i.held THEN 'succeeded'
+                WHEN EXISTS (SELECT 1 FROM flow._attempts a WHERE a.command_id = i.id AND a.lease_token = i.token
+                             AND a.outcome = 'succeeded') THEN 'already_completed'
+                ELSE 'lease_lost' END
+    FROM item i, settled;
+END $$;
+
+CREATE FUNCTION flow._fail_external(caller oid, command_id uuid, lease_token uuid, message text,
+    retry_after interval, permanent boolean, code text)
+RETURNS text
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    c flow._commands;
+BEGIN
+    PERFORM flow._require_span('retry_after', retry_after);
+    c := flow._leased(caller, command_id, lease_token);
+    RETURN flow._settle_failure(c.id, c.lease_token,
+        CASE WHEN permanent THEN 'permanent' WHEN retry_after IS NOT NULL THEN 'retry_after' ELSE 'retryable' END,
+        coalesce(code, CASE WHEN permanent THEN 'permanent' ELSE 'worker_error' END),
+        coalesce(message, 'failed by its external worker'), retry_after);
+END $$;

@@ -1,0 +1,59 @@
+-- Retention: pruning finished runs and retiring old journal entries.
+
+-- Delete the runs that finished more than `older_than` ago among the next
+-- `max_runs` runs after `after` (in id order; NULL: from the oldest), with
+-- their commands, attempts and waits. Returns how many were deleted and the
+-- last run looked at (NULL: none left before the cut, start again from the
+-- oldest next time). Run ids are UUIDv7, so "created before the cut" is a
+-- range of the primary key: no index on finished_at is needed (one would
+-- make every run's final update non-HOT), and the moving window never walks
+-- the same unfinished runs twice in a round, however large a backlog is.
+CREATE FUNCTION flow._prune(older_than interval, max_runs integer, after uuid,
+    OUT pruned integer, OUT last uuid)
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+DECLARE
+    cut timestamptz := now() - older_than;
+    hex text := lpad(to_hex((extract(epoch FROM cut) * 1000)::bigint), 12, '0');
+    bound uuid := (substr(hex, 1, 8) || '-' || substr(hex, 9, 4) || '-7000-8000-000000000000')::uuid;
+    window_ids uuid[];
+BEGIN
+    SELECT array_agg(x.id ORDER BY x.id) INTO window_ids FROM (
+        SELECT r.id FROM flow._runs r
+        WHERE r.id > coalesce(after, '00000000-0000-0000-0000-000000000000') AND r.id < bound
+        ORDER BY r.id LIMIT max_runs) x;
+    last := window_ids[cardinality(window_ids)];
+    WITH gone AS (
+        DELETE FROM flow._runs r
+        WHERE r.id = ANY (window_ids) AND r.status <> 'running' AND r.finished_at < cut
+        RETURNING r.id
+    ), commands AS (
+        DELETE FROM flow._commands c USING gone WHERE c.run_id = gone.id      -- index _commands_run_id_key_key
+        RETURNING c.id
+    ), attempts AS (
+        DELETE FROM flow._attempts a USING commands WHERE a.command_id = commands.id
+    ), waits AS (
+        DELETE FROM flow._waits w USING commands WHERE w.command_id = commands.id
+    )
+    SELECT count(*) INTO pruned FROM gone;
+END $$;
+
+-- Retire up to max_events journal entries emitted more than `older_than` ago
+-- that no wait refers to. Open waits are satisfied when an event is emitted,
+-- so only waits spawned later could still read an old entry: that is what
+-- flow.event_retention bounds. (index _events_name_key is not needed: the
+-- scan is by position, which grows with emitted_at.)
+CREATE FUNCTION flow._retire_events(older_than interval, max_events integer) RETURNS integer
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+DECLARE
+    retired integer;
+BEGIN
+    PERFORM set_config('flow_internal.retiring_events', 'on', true);
+    DELETE FROM flow._events e
+    WHERE e.position IN (SELECT x.position FROM flow._events x
+                         WHERE x.emitted_at < now() - older_than
+                           AND NOT EXISTS (SELECT 1 FROM flow._waits w WHERE w.event_position = x.position)
+                         ORDER BY x.position LIMIT max_events);
+    GET DIAGNOSTICS retired = ROW_COUNT;
+    PERFORM set_config('flow_internal.retiring_events', 'off', true);
+    RETURN retired;
+END $$;

@@ -1,0 +1,289 @@
+-- Settle: concluding attempts, successes in batches and failures one by one,
+-- with the retry policy (rules 5-7).
+
+-- Cut a message to at most 1 KiB of UTF-8 without splitting a character.
+CREATE FUNCTION flow._cut_message(message text) RETURNS text
+LANGUAGE plpgsql IMMUTABLE SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    cut text := left(message, 1024);
+BEGIN
+    WHILE octet_length(cut) > 1024 LOOP
+        cut := left(cut, length(cut) - greatest(1, (octet_length(cut) - 1024) / 4));
+    END LOOP;
+    RETURN cut;
+END $$;
+
+-- Lock the runs of these commands, in id order (so two lockers never
+-- deadlock). Every settlement of a run takes this lock first, so exactly one
+-- of them sees the run's last command finish (rule 7).
+-- (plpgsql, not sql: its plan is cached per session; an sql function called
+-- from plpgsql is planned again on every call, ~70 µs.)
+CREATE FUNCTION flow._lock_runs_of(command_ids uuid[]) RETURNS void
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+BEGIN
+    PERFORM 1 FROM flow._runs r
+    WHERE r.id IN (SELECT c.run_id FROM flow._commands c WHERE c.id = ANY (command_ids))
+    ORDER BY r.id FOR UPDATE;
+END $$;
+
+-- Lock the run of a command unless another transaction holds it (then
+-- false): for work that can wait for a later round, such as concluding an
+-- attempt whose owner is gone.
+CREATE FUNCTION flow._try_lock_run_of(command_id uuid) RETURNS boolean
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+BEGIN
+    PERFORM 1 FROM flow._runs r
+    WHERE r.id = (SELECT c.run_id FROM flow._commands c WHERE c.id = _try_lock_run_of.command_id)
+    FOR UPDATE SKIP LOCKED;
+    RETURN FOUND;
+END $$;
+
+-- Close every unfinished command of a run (cancel or run failure). A running
+-- one gets an attempt row; its worker's later settlement finds no lease.
+CREATE FUNCTION flow._close_open_commands(run_id uuid, reason text) RETURNS void
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+DECLARE
+    interrupted integer;
+BEGIN
+    INSERT INTO flow._attempts (command_id, attempt, lease_token, owner, started_at, finished_at,
+        outcome, error_code, error_message)
+    SELECT c.id, c.attempts, c.lease_token, c.lease_owner, c.attempt_started_at, clock_timestamp(), 'cancelled',
+           reason, 'the run ended while this attempt ran'
+    FROM flow._commands c WHERE c.run_id = _close_open_commands.run_id AND c.status = 'running';
+    GET DIAGNOSTICS interrupted = ROW_COUNT;
+    PERFORM flow._observe('attempts_cancelled', interrupted);
+    UPDATE flow._commands c SET status = 'cancelled', stop_reason = reason, finished_at = clock_timestamp(),
+        lease_token = NULL, lease_owner = NULL, lease_pid = NULL, lease_backend_start = NULL,
+        lease_expires_at = NULL, lease_interval = NULL, attempt_started_at = NULL, attempt_deadline = NULL
+    WHERE c.run_id = _close_open_commands.run_id AND c.finished_at IS NULL;
+END $$;
+
+-- In-database workers execute claimed commands in chunks, one transaction
+-- each: _begin_batch locks the chunk's runs (in id order: two chunks never
+-- deadlock, and cancel / run failure / external settlements of those runs
+-- wait for the chunk's commit) and returns the commands whose lease is still
+-- held, each with whether its run's lock was had (those whose run was
+-- cancelled or failed since the claim are not returned). A run locked
+-- elsewhere (a cancel, an external client idle in its transaction) is
+-- skipped, never waited for: its commands are handed back (_release).
+CREATE FUNCTION flow._begin_batch(command_ids uuid[], lease_tokens uuid[])
+RETURNS TABLE (command_id uuid, run_locked boolean)
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+DECLARE
+    locked uuid[];
+BEGIN
+    SELECT array_agg(r.id) INTO locked FROM (
+        SELECT x.id FROM flow._runs x
+        WHERE x.id IN (SELECT c.run_id FROM flow._commands c WHERE c.id = ANY (command_ids))
+        ORDER BY x.id FOR UPDATE SKIP LOCKED) r;
+    RETURN QUERY
+        SELECT c.id, c.run_id = ANY (coalesce(locked, '{}'))
+        FROM flow._commands c JOIN unnest(command_ids, lease_tokens) AS t(id, token) ON c.id = t.id
+        WHERE c.status = 'running' AND c.lease_token = t.token;
+END $$;
+
+-- Hand claimed commands back to their queue, giving back the attempt the
+-- claim counted: nothing of their attempt was kept (their chunk failed
+-- outside their handlers, a cancel stopped them, or their run was locked
+-- elsewhere). Takes no run lock and skips a command row locked elsewhere;
+-- returns those still held, so the worker tries again later.
+CREATE FUNCTION flow._release(command_ids uuid[], lease_tokens uuid[]) RETURNS SETOF uuid
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+DECLARE
+    released uuid[];
+BEGIN
+    WITH mine AS (
+        SELECT c.id FROM flow._commands c JOIN unnest(command_ids, lease_tokens) AS t(id, token) ON c.id = t.id
+        WHERE c.status = 'running' AND c.lease_token = t.token
+        FOR UPDATE OF c SKIP LOCKED
+    ), done AS (
+        UPDATE flow._commands c SET status = 'pending', attempts = c.attempts - 1,
+            lease_token = NULL, lease_owner = NULL, lease_pid = NULL, lease_backend_start = NULL,
+            lease_expires_at = NULL, lease_interval = NULL, attempt_started_at = NULL, attempt_deadline = NULL
+        FROM mine WHERE c.id = mine.id
+        RETURNING c.id
+    )
+    SELECT coalesce(array_agg(done.id), '{}') INTO released FROM done;
+    PERFORM flow._observe('handed_back', cardinality(released));
+    PERFORM flow._wake();
+    RETURN QUERY
+        SELECT c.id FROM flow._commands c JOIN unnest(command_ids, lease_tokens) AS t(id, token) ON c.id = t.id
+        WHERE c.status = 'running' AND c.lease_token = t.token AND c.id <> ALL (released);
+END $$;
+
+-- Settle successful attempts in three set-based statements: a worker chunk's,
+-- or one external completion. The caller holds their runs' locks
+-- (_lock_runs_of). Returns how many settled.
+-- handler_started: when each handler started (in-database workers; NULL:
+-- the attempt started at its claim), so an attempt's duration is its own.
+-- held_attempts: for commands an in-database worker holds (see _claim), the
+-- number of the attempt it made (NULL for leased ones), and owner_name the
+-- worker: the claim's writes are made here, with the settlement's.
+CREATE FUNCTION flow._settle_batch(command_ids uuid[], lease_tokens uuid[], results jsonb[],
+    handler_started timestamptz[] DEFAULT NULL, held_attempts integer[] DEFAULT NULL, owner_name text DEFAULT NULL)
+RETURNS integer
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+DECLARE
+    leased integer;
+    held integer;
+    leased_runs uuid[];
+    held_runs uuid[];
+    alone_runs uuid[];
+    alone_results jsonb[];
+    finished integer;
+    more integer;
+BEGIN
+    -- Leased: the lease token must still be the command's.
+    WITH old AS (
+        SELECT x.id, x.attempts, coalesce(t.started, x.attempt_started_at) AS attempt_started_at, x.lease_owner,
+               t.token, t.result
+        FROM flow._commands x
+        JOIN unnest(command_ids, lease_tokens, results, handler_started, held_attempts)
+             AS t(id, token, result, started, held) ON x.id = t.id
+        WHERE t.held IS NULL AND x.status = 'running' AND x.lease_token = t.token
+    ), done AS (
+        UPDATE flow._commands c SET status = 'succeeded', result = old.result, finished_at = clock_timestamp(),
+            lease_token = NULL, lease_owner = NULL, lease_pid = NULL, lease_backend_start = NULL,
+            lease_expires_at = NULL, lease_interval = NULL, attempt_started_at = NULL, attempt_deadline = NULL
+        FROM old WHERE c.id = old.id
+        RETURNING old.*, c.run_id
+    ), attempt AS (
+        INSERT INTO flow._attempts (command_id, attempt, lease_token, owner, started_at, finished_at, outcome)
+        SELECT done.id, done.attempts, done.token, done.lease_owner, done.attempt_started_at, clock_timestamp(),
+               'succeeded'
+        FROM done
+    )
+    SELECT count(*), array_agg(done.run_id) INTO leased, leased_runs FROM done;
+    -- Held (locked by this transaction's claim): the command must not have
+    -- moved on (a cancel in the handler's own transaction); the writes the
+    -- claim of a leased attempt makes are made here.
+    WITH done AS (
+        UPDATE flow._commands c SET status = 'succeeded', result = t.result, finished_at = clock_timestamp(),
+            attempts = t.held,
+            budget_started_at = CASE WHEN c.status = 'waiting' AND c.attempts = 0 THEN c.next_run_at
+                                     ELSE c.budget_started_at END,
+            wait_timed_out = c.wait_timed_out OR c.status = 'waiting'
+        FROM unnest(command_ids, lease_tokens, results, handler_started, held_attempts)
+             AS t(id, token, result, started, held)
+        WHERE c.id = t.id AND t.held IS NOT NULL AND c.status IN ('pending', 'waiting') AND c.attempts = t.held - 1
+        RETURNING c.id, t.held, t.token, t.started, c.run_id, c.result,
+                  -- a root without children: the run's only command (spawned ones descend from it)
+                  c.parent_id IS NULL AND NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = c.id) AS alone
+    ), attempt AS (
+        INSERT INTO flow._attempts (command_id, attempt, lease_token, owner, started_at, finished_at, outcome)
+        SELECT done.id, done.held, done.token, owner_name, done.started, clock_timestamp(), 'succeeded'
+        FROM done
+    )
+    SELECT count(*), array_agg(done.run_id) FILTER (WHERE NOT done.alone),
+           array_agg(done.run_id) FILTER (WHERE done.alone), array_agg(done.result) FILTER (WHERE done.alone)
+    INTO held, held_runs, alone_runs, alone_results FROM done;
+    -- The runs whose last command this was: a run of one command at once,
+    -- others once none of their commands is unfinished.
+    UPDATE flow._runs r SET status = 'succeeded', finished_at = clock_timestamp(), result = t.result
+    FROM unnest(alone_runs, alone_results) AS t(id, result)
+    WHERE r.id = t.id AND r.status = 'running';
+    GET DIAGNOSTICS finished = ROW_COUNT;
+    UPDATE flow._runs r SET status = 'succeeded', finished_at = clock_timestamp(),
+        result = (SELECT c.result FROM flow._commands c WHERE c.run_id = r.id AND c.parent_id IS NULL)
+    WHERE r.id = ANY (coalesce(leased_runs, '{}') || coalesce(held_runs, '{}')) AND r.status = 'running'
+      AND NOT EXISTS (SELECT 1 FROM flow._commands c WHERE c.run_id = r.id AND c.finished_at IS NULL);
+    GET DIAGNOSTICS more = ROW_COUNT;
+    finished := finished + more;
+    PERFORM flow._observe('attempts_succeeded', leased + held), flow._observe('runs_succeeded', finished);
+    -- a limited queue may have room now (otherwise nobody is waiting for this)
+    IF EXISTS (SELECT 1 FROM flow._queues q WHERE q.concurrency IS NOT NULL) THEN
+        PERFORM flow._wake();
+    END IF;
+    RETURN leased + held;
+END $$;
+
+-- Settle a failed attempt and apply the retry policy (rules 5-6). outcome is
+-- the class: permanent, retry_after, timeout, interrupted, lease_lost, crash,
+-- retryable. Returns 'retry', 'failed', or 'expired' (lease not held: no change).
+-- held_attempt: the command is not leased but held (see _claim), or was held
+-- by a worker that stopped in its attempt (src/attempt_record.rs): the
+-- attempt with this number is counted here, by `owner_name`, unless the
+-- command has moved on since.
+CREATE FUNCTION flow._settle_failure(command_id uuid, lease_token uuid, outcome text, code text,
+    message text, retry_delay interval DEFAULT NULL, handler_started timestamptz DEFAULT NULL,
+    held_attempt integer DEFAULT NULL, owner_name text DEFAULT NULL)
+RETURNS text
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+DECLARE
+    c flow._commands;
+    d flow._definitions;
+    next_at timestamptz;
+    stop text;
+    cut text := flow._cut_message(coalesce(message, code));
+BEGIN
+    PERFORM flow._lock_runs_of(ARRAY[command_id]);
+    IF held_attempt IS NULL THEN
+        SELECT * INTO c FROM flow._commands x
+        WHERE x.id = _settle_failure.command_id AND x.status = 'running' AND x.lease_token = _settle_failure.lease_token
+        FOR UPDATE;
+    ELSE
+        SELECT * INTO c FROM flow._commands x
+        WHERE x.id = _settle_failure.command_id AND x.status IN ('pending', 'waiting')
+          AND x.attempts = held_attempt - 1
+        FOR UPDATE;
+        IF NOT FOUND THEN
+            RETURN 'expired';
+        END IF;
+        -- what the claim of a leased attempt would have written
+        IF c.status = 'waiting' AND c.attempts = 0 THEN
+            c.budget_started_at := c.next_run_at;
+        END IF;
+        c.wait_timed_out := c.wait_timed_out OR c.status = 'waiting';
+        c.attempts := held_attempt;
+        c.lease_token := _settle_failure.lease_token;
+        c.lease_owner := owner_name;
+        c.attempt_started_at := coalesce(handler_started, clock_timestamp());
+    END IF;
+    IF NOT FOUND THEN
+        RETURN 'expired';
+    END IF;
+    SELECT * INTO d FROM flow._definitions x WHERE x.name = c.name AND x.version = c.version;
+
+    IF outcome = 'permanent' THEN
+        stop := 'permanent';
+    ELSIF c.attempts >= d.max_attempts THEN
+        stop := 'attempt_limit';
+    ELSE
+        next_at := clock_timestamp() + CASE WHEN outcome = 'retry_after' AND retry_delay > interval '0' THEN retry_delay
+                                ELSE flow._backoff(d.backoff, d.backoff_max, c.attempts) END;
+        IF d.max_elapsed IS NOT NULL AND next_at > c.budget_started_at + d.max_elapsed THEN
+            stop := 'elapsed_limit';
+        ELSIF c.deadline IS NOT NULL AND next_at >= c.deadline THEN
+            stop := 'deadline_before_next_attempt';
+        END IF;
+    END IF;
+
+    INSERT INTO flow._attempts (command_id, attempt, lease_token, owner, started_at, finished_at,
+        outcome, error_code, error_message)
+    VALUES (c.id, c.attempts, c.lease_token, c.lease_owner, coalesce(handler_started, c.attempt_started_at),
+            clock_timestamp(), outcome, code, cut);
+    PERFORM flow._observe('attempts_' || outcome, 1), flow._observe('stops_' || stop, 1);
+    UPDATE flow._commands x SET
+        status = CASE WHEN stop IS NULL THEN 'pending' ELSE 'failed' END::flow.command_status,
+        attempts = c.attempts, budget_started_at = c.budget_started_at, wait_timed_out = c.wait_timed_out,
+        next_run_at = coalesce(next_at, x.next_run_at),
+        finished_at = CASE WHEN stop IS NULL THEN NULL ELSE clock_timestamp() END,
+        stop_reason = stop, last_error_code = code, last_error_message = cut,
+        lease_token = NULL, lease_owner = NULL, lease_pid = NULL, lease_backend_start = NULL,
+        lease_expires_at = NULL, lease_interval = NULL, attempt_started_at = NULL, attempt_deadline = NULL
+    WHERE x.id = c.id;
+
+    IF stop IS NOT NULL THEN
+        -- A terminal failure fails the run and cancels its other commands (rule 7).
+        UPDATE flow._runs r SET status = 'failed', finished_at = clock_timestamp(),
+            error = jsonb_build_object('command_id', c.id, 'command_key', c.key, 'name', c.name,
+                                       'code', code, 'message', cut, 'stop_reason', stop)
+        WHERE r.id = c.run_id AND r.status = 'running';
+        IF FOUND THEN
+            PERFORM flow._observe('runs_failed', 1);
+        END IF;
+        PERFORM flow._close_open_commands(c.run_id, 'run_failed');
+    END IF;
+    PERFORM flow._wake();
+    RETURN CASE WHEN stop IS NULL THEN 'retry' ELSE 'failed' END;
+END $$;

@@ -1,0 +1,321 @@
+-- Workflows: run control (cancel, await), events, waits, children and the run graph.
+
+CREATE FUNCTION flow._cancel(caller oid, run_id uuid) RETURNS boolean
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    r flow._runs;
+BEGIN
+    SELECT * INTO r FROM flow._runs x WHERE x.id = run_id;
+    PERFORM flow._require_member(caller, r.owner, 'run', run_id);
+    -- A worker chunk running this run's commands holds its lock: interrupt
+    -- the handler so the lock comes free and nothing is settled as success
+    -- (the worker hands the command back, whatever attempt it was on).
+    PERFORM flow._interrupt_run(run_id);
+    BEGIN
+        PERFORM set_config('lock_timeout', '3s', true);
+        SELECT * INTO r FROM flow._runs x WHERE x.id = run_id FOR UPDATE;
+    EXCEPTION WHEN lock_not_available THEN
+        -- A handler of the run ignored the cancel: stop its worker (recovery
+        -- concludes that attempt), then wait for whoever else holds the run.
+        PERFORM flow._stop_workers_of(run_id);
+        SELECT * INTO r FROM flow._runs x WHERE x.id = run_id FOR UPDATE;
+    END;
+    PERFORM set_config('lock_timeout', '0', true);
+    IF r.status <> 'running' THEN
+        RETURN false;
+    END IF;
+    UPDATE flow._runs x SET status = 'cancelled', finished_at = now() WHERE x.id = run_id;
+    PERFORM flow._close_open_commands(run_id, 'cancelled');
+    PERFORM flow._observe('runs_cancelled', 1);
+    PERFORM flow._wake();   -- a limited queue may have room now
+    RETURN true;
+END $$;
+
+-- Block until the run is terminal or the timeout passes (then status is
+-- 'running'). Polls with a growing pause (1 ms → 50 ms); each poll is a new
+-- snapshot, so call it outside a REPEATABLE READ transaction.
+CREATE FUNCTION flow._await(caller oid, run_id uuid, timeout interval) RETURNS flow.run_outcome
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    r flow._runs;
+    give_up timestamptz;
+    pause double precision := 0.001;
+BEGIN
+    PERFORM flow._require_span('await timeout', timeout, zero_ok => true);
+    give_up := clock_timestamp() + coalesce(timeout, interval '0');
+    LOOP
+        SELECT * INTO r FROM flow._runs x WHERE x.id = run_id;
+        PERFORM flow._require_member(caller, r.owner, 'run', run_id);
+        EXIT WHEN r.status <> 'running' OR clock_timestamp() >= give_up;
+        PERFORM pg_sleep(least(pause, extract(epoch FROM give_up - clock_timestamp())));
+        pause := least(pause * 2, 0.05);
+    END LOOP;
+    RETURN ROW(r.status, r.result, r.error)::flow.run_outcome;
+END $$;
+
+-- An emit and the creation of a wait on the same (name, key) serialize on
+-- flow._lock_event_key (src/isolation.rs: a lock tag of flow's own), so a
+-- wait created while the event is being emitted is never missed by both
+-- sides. The lock is per owner of the waiting runs (the "domain"), and an
+-- emitter locks only the domains its event may satisfy (flow._may_satisfy):
+-- a transaction left open after an emit holds up waits on that key in its
+-- own role's runs, never in another role's. Emits share their locks, so they
+-- never wait for each other. A superuser's event may satisfy every role's
+-- waits: it takes the key's lock for all domains, which every wait creation
+-- takes in a mode that does not conflict with other wait creations.
+CREATE FUNCTION flow._lock_event_emit(name text, key text, emitter oid, emitter_run uuid) RETURNS void
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    domain oid;
+BEGIN
+    IF (SELECT a.rolsuper FROM pg_roles a WHERE a.oid = emitter) THEN
+        PERFORM flow._lock_event_key(name, key, 0, 'share');
+        RETURN;
+    END IF;
+    -- the owners whose waits _may_satisfy lets this event satisfy
+    FOR domain IN
+        SELECT a.oid FROM pg_roles a WHERE pg_has_role(emitter, a.oid, 'MEMBER')
+        UNION
+        SELECT r.owner::oid FROM flow._runs r WHERE r.id = emitter_run
+        ORDER BY 1
+    LOOP
+        PERFORM flow._lock_event_key(name, key, domain, 'share');
+    END LOOP;
+END $$;
+
+-- Before a wait on (name, key) is created in a run of run_owner (see above).
+CREATE FUNCTION flow._lock_event_waits(name text, key text, run_owner oid) RETURNS void
+LANGUAGE sql SET search_path = pg_catalog, pg_temp AS $$
+    SELECT flow._lock_event_key(name, key, 0, 'row exclusive'),
+           flow._lock_event_key(name, key, run_owner, 'exclusive')
+$$;
+
+-- Mark the open waits of one command satisfied by the newest journal entries
+-- and make it due when none is left open.
+CREATE FUNCTION flow._promote_if_satisfied(command_id uuid) RETURNS void
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+BEGIN
+    -- Lock first, check in the next statement: its fresh snapshot sees every
+    -- wait satisfied by emitters that committed while we waited for the lock.
+    -- (A single UPDATE would re-check its NOT EXISTS with the old snapshot, and
+    -- two concurrent emitters could each leave the command waiting forever.)
+    PERFORM 1 FROM flow._commands c WHERE c.id = command_id AND c.status = 'waiting' FOR UPDATE;
+    IF FOUND THEN
+        UPDATE flow._commands c SET status = 'pending', next_run_at = greatest(c.not_before, now()),
+            -- max_elapsed counts from when it first became due, not from its spawn
+            budget_started_at = CASE WHEN c.attempts = 0 THEN greatest(c.not_before, now())
+                                     ELSE c.budget_started_at END
+        WHERE c.id = command_id AND c.status = 'waiting'
+          AND NOT EXISTS (SELECT 1 FROM flow._waits w WHERE w.command_id = c.id AND w.event_position IS NULL);
+    END IF;
+END $$;
+
+-- Whose events may satisfy a command's waits: those emitted inside its own
+-- run (by any of its handlers or external workers), and those its run's owner
+-- (or a member of it; a superuser) emitted. Another role can neither feed
+-- inputs into a workflow it does not own, nor read its own events back
+-- through one it spawned a definition of.
+CREATE FUNCTION flow._may_satisfy(emitter_role oid, emitter_run uuid, command_id uuid) RETURNS boolean
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT EXISTS (
+        SELECT 1 FROM flow._commands c
+        JOIN flow._runs r ON r.id = c.run_id
+        WHERE c.id = command_id
+          AND (c.run_id = emitter_run OR pg_has_role(emitter_role, r.owner, 'MEMBER')))
+$$;
+
+-- emitter: the command whose handler (or external worker) emits, NULL from outside.
+CREATE FUNCTION flow._emit(caller oid, emitter uuid, name text, key text, payload jsonb) RETURNS bigint
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    pos bigint;
+    waiting uuid;
+    emitter_run uuid := (SELECT c.run_id FROM flow._commands c WHERE c.id = emitter);
+BEGIN
+    PERFORM flow._require_name('event name', name);
+    IF key IS NULL THEN
+        RAISE EXCEPTION 'flow: event key must not be NULL' USING ERRCODE = 'FL002';
+    END IF;
+    PERFORM flow._require_short('event key', key);
+    PERFORM flow._require_payload('event payload', payload, false);
+    PERFORM flow._lock_event_emit(name, key, caller, emitter_run);
+    -- Inside a handler the event rides in the handler's transaction: it is
+    -- journaled only if the attempt settles successfully.
+    INSERT INTO flow._events (id, name, key, payload, owner, run_id, command_id)
+    VALUES (flow._new_id(), name, key, payload, caller, emitter_run, emitter)
+    RETURNING position INTO pos;
+    PERFORM flow._observe('events', 1);
+    FOR waiting IN
+        UPDATE flow._waits w SET event_position = pos, satisfied_at = now()
+        WHERE w.name = _emit.name AND w.key = _emit.key AND w.event_position IS NULL   -- index _waits_open
+          AND flow._may_satisfy(caller, emitter_run, w.command_id)
+        RETURNING w.command_id
+    LOOP
+        PERFORM flow._promote_if_satisfied(waiting);
+    END LOOP;
+    PERFORM flow._wake();
+    RETURN pos;
+EXCEPTION WHEN SQLSTATE 'FL002' OR SQLSTATE 'FL003' OR SQLSTATE 'FL004' THEN
+    -- inside a handler an invalid emit is an invalid decision (see _spawn)
+    IF emitter IS NOT NULL THEN
+        PERFORM flow._decide('invalid_decision', 'invalid_decision', SQLERRM, NULL);
+    END IF;
+    RAISE;
+END $$;
+
+-- parent_id: the command whose handler (or external worker) spawns; NULL is an error.
+CREATE FUNCTION flow._spawn(caller oid, parent_id uuid, name text, args jsonb, key text, start_after interval,
+    waits flow.wait_spec[], within interval, version integer, queue text)
+RETURNS uuid
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    parent flow._commands;
+    d flow._definitions;
+    due timestamptz;
+    lane text;
+    spec flow.wait_spec;
+    declared jsonb;
+    child uuid := flow._new_id();
+    existing flow._commands;
+    journaled bigint;
+BEGIN
+    SELECT * INTO parent FROM flow._commands c WHERE c.id = _spawn.parent_id AND c.finished_at IS NULL;  -- leased (running) or held by this worker
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'flow: spawn is only possible inside a running handler' USING ERRCODE = 'FL012',
+            HINT = 'Use flow.enqueue to start a new run.';
+    END IF;
+    waits := coalesce(waits, '{}');
+    due := flow._first_due(start_after, NULL);
+    d := flow._definition(name, version);
+    PERFORM flow._require_use(caller, d);
+    lane := CASE WHEN queue IS NULL THEN d.queue ELSE flow._use_queue(caller, queue) END;
+    PERFORM flow._require_name('key', key);
+    PERFORM flow._require_payload('args', args);
+    PERFORM flow._require_args_fit(d, args);
+    PERFORM flow._require_span('within', within);
+    FOREACH spec IN ARRAY coalesce(waits, '{}') LOOP
+        PERFORM flow._require_name('wait name', spec.name);
+        IF spec.key IS NULL THEN
+            RAISE EXCEPTION 'flow: wait key must not be NULL' USING ERRCODE = 'FL002';
+        END IF;
+        PERFORM flow._require_short('wait key', spec.key);
+    END LOOP;
+    declared := jsonb_build_object('name', d.name, 'version', d.version, 'args', args, 'queue', lane,
+        'start_after', start_after, 'within', within,
+        'waits', (SELECT coalesce(jsonb_agg(DISTINCT jsonb_build_object('name', w.name, 'key', w.key)), '[]')
+                  FROM unnest(waits) w));
+    INSERT INTO flow._commands (id, run_id, parent_id, key, name, version, queue, args, declaration, status,
+        next_run_at, not_before, budget_started_at, deadline, external)
+    VALUES (child, parent.run_id, parent.id, key, d.name, d.version, lane, args, declared,
+        CASE WHEN cardinality(waits) > 0 THEN 'waiting' ELSE 'pending' END::flow.command_status,
+        -- a wait ends at `within`, and at the run's deadline at the latest
+        CASE WHEN cardinality(waits) = 0 THEN due
+             ELSE least(CASE WHEN within IS NULL THEN 'infinity' ELSE greatest(now() + within, due) END,
+                        coalesce(parent.deadline, 'infinity')) END,
+        due, due, parent.deadline, d.handler IS NULL)
+    ON CONFLICT ON CONSTRAINT _commands_run_id_key_key DO NOTHING;
+    IF NOT FOUND THEN
+        -- Keys are unique within a run: the same declaration again is a no-op
+        -- (a retried attempt re-spawns safely), another one is an invalid decision.
+        SELECT * INTO existing FROM flow._commands c WHERE c.run_id = parent.run_id AND c.key = _spawn.key;
+        IF existing.declaration IS DISTINCT FROM declared THEN
+            RAISE EXCEPTION 'flow: child key % was already spawned with another declaration', key
+                USING ERRCODE = 'FL016';
+        END IF;
+        RETURN existing.id;
+    END IF;
+
+    FOR spec IN SELECT DISTINCT w.name, w.key FROM unnest(waits) w ORDER BY 1, 2 LOOP
+        PERFORM flow._lock_event_waits(spec.name, spec.key, (SELECT r.owner::oid FROM flow._runs r WHERE r.id = parent.run_id));
+        -- An event emitted before the wait existed satisfies it from the journal.
+        SELECT max(e.position) INTO journaled FROM flow._events e      -- index _events_name_key
+        WHERE e.name = spec.name AND e.key = spec.key AND flow._may_satisfy(e.owner, e.run_id, child);
+        INSERT INTO flow._waits (command_id, name, key, event_position, satisfied_at)
+        VALUES (child, spec.name, spec.key, journaled, CASE WHEN journaled IS NOT NULL THEN now() END);
+    END LOOP;
+    PERFORM flow._promote_if_satisfied(child);
+    PERFORM flow._wake();
+    RETURN child;
+EXCEPTION WHEN SQLSTATE 'FL001' OR SQLSTATE 'FL002' OR SQLSTATE 'FL003' OR SQLSTATE 'FL004'
+              OR SQLSTATE 'FL005' OR SQLSTATE 'FL006' OR SQLSTATE 'FL011' OR SQLSTATE 'FL016'
+              OR SQLSTATE 'FL018' OR SQLSTATE 'FL019' THEN
+    -- An invalid spawn is the handler's decision: it fails the command even
+    -- if the handler catches the error (the first one counts, as the reference).
+    PERFORM flow._decide('invalid_decision', 'invalid_decision', SQLERRM, NULL);
+    RAISE;
+END $$;
+
+-- A run's commands, parent links, waits and events as Graphviz DOT or Mermaid.
+CREATE FUNCTION flow._run_graph(caller oid, run_id uuid, format text) RETURNS text
+LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    r flow._runs;
+    dot boolean := lower(coalesce(format, 'dot')) = 'dot';
+    lines text[] := '{}';
+    item record;
+BEGIN
+    IF lower(coalesce(format, 'dot')) NOT IN ('dot', 'mermaid') THEN
+        RAISE EXCEPTION 'flow: run_graph format must be dot or mermaid, got %', format USING ERRCODE = 'FL003';
+    END IF;
+    SELECT * INTO r FROM flow._runs x WHERE x.id = run_id;
+    PERFORM flow._require_member(caller, r.owner, 'run', run_id);
+    -- commands
+    FOR item IN
+        SELECT 'c' || replace(c.id::text, '-', '') AS node, c.parent_id,
+               translate(format('%s: %s v%s\n%s%s', c.key, c.name, c.version, c.status,
+                   CASE WHEN c.attempts > 1 THEN format(' after %s attempts', c.attempts) ELSE '' END),
+                   '"[]{}<>|', '''()()()/') AS label,
+               CASE c.status WHEN 'succeeded' THEN 'palegreen' WHEN 'failed' THEN 'salmon'
+                             WHEN 'running' THEN 'lightblue' WHEN 'waiting' THEN 'khaki'
+                             WHEN 'cancelled' THEN 'lightgrey' ELSE 'white' END AS colour
+        FROM flow._commands c WHERE c.run_id = _run_graph.run_id ORDER BY c.created_at, c.id
+    LOOP
+        lines := lines || CASE WHEN dot
+            THEN format('  %s [label="%s", fillcolor=%s];', item.node, item.label, item.colour)
+            ELSE format('  %s["%s"]', item.node, replace(item.label, '\n', '<br/>')) END;
+        IF item.parent_id IS NOT NULL THEN
+            lines := lines || format(CASE WHEN dot THEN '  %s -> %s;' ELSE '  %s --> %s' END,
+                                     'c' || replace(item.parent_id::text, '-', ''), item.node);
+        END IF;
+    END LOOP;
+    -- events emitted by this run's commands or satisfying its waits, and open waits
+    FOR item IN
+        SELECT DISTINCT 'e' || e.position AS node, e.command_id,
+               translate(format('event %s/%s', e.name, e.key), '"[]{}<>|', '''()()()/') AS label
+        FROM flow._events e
+        WHERE e.run_id = _run_graph.run_id
+           OR e.position IN (SELECT w.event_position FROM flow._waits w JOIN flow._commands c ON c.id = w.command_id
+                             WHERE c.run_id = _run_graph.run_id)
+    LOOP
+        lines := lines || CASE WHEN dot THEN format('  %s [shape=ellipse, label="%s"];', item.node, item.label)
+                               ELSE format('  %s(["%s"])', item.node, item.label) END;
+        IF item.command_id IS NOT NULL AND EXISTS (SELECT 1 FROM flow._commands c WHERE c.id = item.command_id
+                                                   AND c.run_id = _run_graph.run_id) THEN
+            lines := lines || format(CASE WHEN dot THEN '  %s -> %s [label="emits"];' ELSE '  %s -- emits --> %s' END,
+                                     'c' || replace(item.command_id::text, '-', ''), item.node);
+        END IF;
+    END LOOP;
+    FOR item IN
+        SELECT w.event_position, 'c' || replace(w.command_id::text, '-', '') AS waiter,
+               'w' || md5(w.command_id::text || w.name || w.key) AS open_node,
+               translate(format('waiting for %s/%s', w.name, w.key), '"[]{}<>|', '''()()()/') AS label
+        FROM flow._waits w JOIN flow._commands c ON c.id = w.command_id
+        WHERE c.run_id = _run_graph.run_id ORDER BY w.name, w.key
+    LOOP
+        IF item.event_position IS NOT NULL THEN
+            lines := lines || format(CASE WHEN dot THEN '  %s -> %s [style=dashed, label="satisfies"];'
+                                          ELSE '  %s -. satisfies .-> %s' END, 'e' || item.event_position, item.waiter);
+        ELSE
+            lines := lines || CASE WHEN dot
+                THEN format('  %s [shape=ellipse, style=dashed, label="%s"];', item.open_node, item.label)
+                ELSE format('  %s(["%s"])', item.open_node, item.label) END;
+            lines := lines || format(CASE WHEN dot THEN '  %s -> %s [style=dashed];' ELSE '  %s -.-> %s' END,
+                                     item.open_node, item.waiter);
+        END IF;
+    END LOOP;
+    IF dot THEN
+        RETURN format(E'digraph "run %s" {\n  rankdir=LR;\n  label="run %s: %s";\n  node [shape=box, style="rounded,filled", fontname="Helvetica"];\n%s\n}\n',
+                      r.id, r.id, r.status, array_to_string(lines, E'\n'));
+    END IF;
+    RETURN format(E'flowchart LR\n%s\n', array_to_string(lines, E'\n'));
+END $$;
