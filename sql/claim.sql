@@ -35,7 +35,8 @@ CREATE FUNCTION flow._claim(owner_name text, owner_pid integer, owner_started ti
     max_count integer, lease interval, names text[], turn integer,
     fast_handlers oid[] DEFAULT NULL, excluded uuid[] DEFAULT NULL)
 RETURNS SETOF flow.claimed_command
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off
+    SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     lanes text[];
     limited text[];
