@@ -25,10 +25,14 @@ const RECOVERY_INTERVAL: Duration = Duration::from_secs(1);
 const CLAIM_TARGET: Duration = Duration::from_millis(100);
 
 /// How often worker 0 deletes runs past `flow.retention` and journal entries
-/// past `flow.event_retention`, and how many at most per pass (each a short
-/// transaction, so pruning never holds up the queue).
-const PRUNE_INTERVAL: Duration = Duration::from_secs(10);
+/// past `flow.event_retention` when it last found nothing more to delete, how
+/// many at most per transaction (each short, so pruning never holds up the
+/// queue), and how long one pass may go on while more is due: between two
+/// batches of its own, worker 0 deletes about as many runs as the engine
+/// finishes at its peak, so retention keeps pace under load.
+const PRUNE_INTERVAL: Duration = Duration::from_secs(1);
 const PRUNE_BATCH: i32 = 1000;
+const PRUNE_BUDGET: Duration = Duration::from_millis(25);
 
 /// A chunk of claimed commands commits once this much time has been spent on
 /// it (its handlers' results become visible together at commit).
@@ -467,8 +471,31 @@ impl Worker {
         if self.index != 0 || self.last_prune.is_some_and(|at| at.elapsed() < PRUNE_INTERVAL) {
             return false;
         }
+        let started = Instant::now();
+        let (mut runs, mut events) = (0, 0);
+        let more = loop {
+            let (more, r, e) = self.prune_once();
+            (runs, events) = (runs + r, events + e);
+            if !more || started.elapsed() >= PRUNE_BUDGET {
+                break more;
+            }
+        };
+        if runs > 0 {
+            let seconds = gucs::retention().map_or(0, |r| r.as_secs());
+            executor::log(&format!("flow: deleted {runs} runs finished more than {seconds} s ago"));
+        }
+        if events > 0 {
+            let seconds = gucs::event_retention().map_or(0, |r| r.as_secs());
+            executor::log(&format!("flow: deleted {events} events emitted more than {seconds} s ago"));
+        }
+        more
+    }
+
+    /// One batch of each kind of deletion; returns whether more is due, and
+    /// how many runs and events it deleted.
+    fn prune_once(&mut self) -> (bool, i32, i32) {
         self.last_prune = Some(Instant::now());
-        let mut more = false;
+        let (mut more, mut runs, mut events) = (false, 0, 0);
         if let Some(retention) = gucs::retention() {
             // A window of runs at a time, moving on from the last one looked at.
             let seconds = retention.as_secs() as f64;
@@ -480,9 +507,7 @@ impl Worker {
                 )
             });
             if let Some(Ok((pruned, last))) = window {
-                if let Some(n) = pruned.filter(|n| *n > 0) {
-                    executor::log(&format!("flow: deleted {n} runs finished more than {seconds} s ago"));
-                }
+                runs = pruned.unwrap_or(0);
                 self.prune_after = last;
                 more |= last.is_some();
             }
@@ -496,9 +521,7 @@ impl Worker {
                 )
             });
             if let Some(Ok(Some(n))) = retired {
-                if n > 0 {
-                    executor::log(&format!("flow: deleted {n} events emitted more than {seconds} s ago"));
-                }
+                events = n;
                 more |= n == PRUNE_BATCH;
             }
         }
@@ -506,7 +529,7 @@ impl Worker {
             // More may be waiting: come back on the next turn, not in PRUNE_INTERVAL.
             self.last_prune = None;
         }
-        more
+        (more, runs, events)
     }
 
     fn failed_turn(&mut self) -> Duration {
