@@ -82,8 +82,9 @@ LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     INSERT INTO flow._commands (id, run_id, key, name, version, queue, args, declaration, status,
         next_run_at, not_before, budget_started_at, deadline, external)
-    SELECT flow._new_id(), t.run_id, 'root', d.name, d.version, lane, t.args,
-        jsonb_build_object('name', d.name, 'version', d.version, 'args', t.args, 'queue', lane),
+    -- (a root is never spawned again, so it has no declaration to match:
+    -- its args are not stored twice)
+    SELECT flow._new_id(), t.run_id, 'root', d.name, d.version, lane, t.args, '{}',
         'pending', due, due, due, ends, d.handler IS NULL
     FROM unnest(run_ids, args) AS t(run_id, args);
     PERFORM flow._wake();

@@ -155,7 +155,7 @@ CREATE TABLE flow._commands (
     version           integer NOT NULL,
     queue             text NOT NULL,
     args              jsonb NOT NULL,
-    declaration       jsonb NOT NULL,     -- what a re-spawn of the same key must match
+    declaration       jsonb NOT NULL,     -- what a re-spawn of the same key must match ('{}' for roots)
     status            flow.command_status NOT NULL,
     next_run_at       timestamptz NOT NULL,  -- pending: due time; waiting: end of `within`
     not_before        timestamptz NOT NULL,  -- start_after, kept while waiting
