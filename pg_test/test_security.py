@@ -874,3 +874,52 @@ def test_an_args_type_check_runs_as_the_definitions_owner(pg):
     run = pg.one(f"SELECT flow.enqueue('{name}', '{{\"sql\": \"SELECT 1\"}}')", user="mallory")
     assert pg.await_run(run, user="mallory")[0] == "succeeded"
     assert is_superuser(pg, "mallory") is False
+
+
+def test_a_failing_handler_never_makes_another_roles_handler_run_again(pg):
+    """Held attempts share a subtransaction only with the same role's
+    (executor.rs, Group): when one of mallory's fails, the group rolled back
+    and run again holds her own handlers, never alice's, whose handler may
+    have effects outside the database that a second run would repeat."""
+    pg.all("""
+        CREATE SEQUENCE app.alice_calls;
+        ALTER SEQUENCE app.alice_calls OWNER TO alice;
+        CREATE FUNCTION app.alice_counted(args jsonb) RETURNS jsonb LANGUAGE sql
+            AS $$ SELECT jsonb_build_object('call', nextval('app.alice_calls')) $$;
+        ALTER FUNCTION app.alice_counted(jsonb) OWNER TO alice;
+        CREATE FUNCTION app.mallory_flaky(args jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
+        BEGIN
+            IF (args->>'fail')::boolean THEN RAISE EXCEPTION 'mallory fails on purpose'; END IF;
+            RETURN '{}';
+        END $$;
+        ALTER FUNCTION app.mallory_flaky(jsonb) OWNER TO mallory;
+    """)
+    counted, flaky, shared = unique("counted"), unique("flaky"), unique("shared")
+    # one queue both may use, so their commands are claimed together
+    pg.one("SELECT flow.set_queue(%s, paused => false)", shared)
+    pg.one("SELECT flow.grant_queue(%s, 'alice')", shared)
+    pg.one("SELECT flow.grant_queue(%s, 'mallory')", shared)
+    pg.one(f"SELECT flow.define('{counted}', 'app.alice_counted'::regproc, queue => '{shared}')", user="alice")
+    pg.one(f"SELECT flow.define('{flaky}', 'app.mallory_flaky'::regproc, max_attempts => 1, queue => '{shared}')",
+           user="mallory")
+    # both run fast: from then on their commands are held
+    for _ in range(3):
+        for run in pg.one(f"SELECT flow.enqueue_many('{counted}', array_fill('{{}}'::jsonb, array[10]))",
+                          user="alice"):
+            assert pg.await_run(run, user="alice")[0] == "succeeded"
+        for run in pg.one(f"SELECT flow.enqueue_many('{flaky}', array_fill('{{}}'::jsonb, array[10]))",
+                          user="mallory"):
+            assert pg.await_run(run, user="mallory")[0] == "succeeded"
+    pg.one("SELECT flow.set_queue(%s, paused => true)", shared)
+    try:
+        runs = []
+        for i in range(200):
+            runs.append((pg.one(f"SELECT flow.enqueue('{counted}')", user="alice"), "alice"))
+            fail = "true" if i % 20 == 3 else "false"
+            runs.append((pg.one(f"SELECT flow.enqueue('{flaky}', '{{\"fail\": {fail}}}')", user="mallory"), "mallory"))
+    finally:
+        pg.one("SELECT flow.set_queue(%s, paused => false)", shared)
+    for run, user in runs:
+        assert pg.await_run(run, user=user)[0] in ("succeeded", "failed")
+    # alice's handler ran once for each of her 230 commands: none ran again
+    assert pg.one("SELECT last_value FROM app.alice_calls") == 230

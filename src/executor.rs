@@ -137,7 +137,7 @@ thread_local! {
     static FAILING_HANDLERS: RefCell<HashMap<u32, u32>> = RefCell::new(HashMap::new());
 }
 
-/// Held attempts of handlers that have not failed lately share one
+/// Held attempts of one role's handlers that have not failed lately share one
 /// subtransaction, up to this many, instead of one each. A handler that
 /// writes takes a subtransaction id, and a transaction with more than 64 of
 /// them overflows every snapshot in the server (see subxid_cache_nearly_full):
@@ -404,6 +404,10 @@ pub struct Chunk<'a> {
 
 /// Held attempts sharing a subtransaction (see GROUP_SIZE).
 struct Group<'a> {
+    /// Whose handlers they all are: a role's failure can only make its own
+    /// handlers run again, never another role's (whose handler could have
+    /// effects outside the database, such as a call to another service).
+    owner: pg_sys::Oid,
     members: Vec<&'a Claimed>,
     /// How many successes the chunk had when the group began: those after
     /// are its members'.
@@ -469,11 +473,16 @@ impl<'a> Chunk<'a> {
             return;
         }
         let grouped = may_group && command.held_attempt.is_some() && groupable(command.handler);
-        if !grouped || self.group.as_ref().is_some_and(|g| g.members.len() >= GROUP_SIZE) {
+        if !grouped || self.group.as_ref().is_some_and(|g| g.members.len() >= GROUP_SIZE || g.owner != command.owner) {
             self.close_group();
         }
         if grouped && self.group.is_none() {
-            self.group = Some(Group { members: Vec::new(), successes_before: self.successes.len(), subtransaction: Subtransaction::begin() });
+            self.group = Some(Group {
+                owner: command.owner,
+                members: Vec::new(),
+                successes_before: self.successes.len(),
+                subtransaction: Subtransaction::begin(),
+            });
         }
         if let Some(attempt) = command.held_attempt {
             crate::attempt_record::write(command.command_id.as_bytes(), attempt);
