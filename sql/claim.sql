@@ -90,12 +90,9 @@ BEGIN
                h.cmd, h.handler, h.owner, h.takes_context, h.timeout, h.max_elapsed, h.args_type,
                row_number() OVER (PARTITION BY l.ord ORDER BY h.next_run_at, h.id) AS rank
         FROM lane l CROSS JOIN LATERAL (
-            -- max_elapsed counts from when a command first became due: a wait
-            -- that timed out started its budget when `within` passed
             SELECT c.id, c.next_run_at, c AS cmd, d.handler::oid AS handler, d.owner::oid AS owner, d.takes_context,
                    d.timeout, d.max_elapsed, d.args_type,
-                   CASE WHEN c.status = 'waiting' AND c.attempts = 0 THEN c.next_run_at
-                        ELSE c.budget_started_at END AS budget_start
+                   flow._budget_start(c.status, c.attempts, c.next_run_at, c.budget_started_at) AS budget_start
             FROM flow._commands c                                   -- index _commands_due
             JOIN flow._definitions d ON d.name = c.name AND d.version = c.version
             WHERE c.queue = l.name AND c.external = (names IS NOT NULL)
@@ -132,7 +129,7 @@ BEGIN
                                     ELSE coalesce(least(now() + d.timeout, p.budget_start + d.max_elapsed,
                                                         c.deadline), 'infinity') END,
             lease_interval = CASE WHEN owner_pid IS NULL THEN lease END,
-            wait_timed_out = c.wait_timed_out OR c.status = 'waiting'
+            wait_timed_out = flow._wait_timed_out(c.status, c.wait_timed_out)
         FROM picked p, flow._definitions d
         WHERE c.id = p.id AND NOT p.held AND d.name = c.name AND d.version = c.version
         RETURNING c AS cmd, d.handler::oid AS handler_oid, d.owner::oid AS handler_owner, d.takes_context,
@@ -160,7 +157,7 @@ BEGIN
         FROM claimed k
         UNION ALL
         SELECT k.cmd, (k.cmd).attempts + 1, gen_random_uuid(), NULL, k.attempt_deadline, k.budget_start,
-               now(), (k.cmd).wait_timed_out OR (k.cmd).status = 'waiting',
+               now(), flow._wait_timed_out((k.cmd).status, (k.cmd).wait_timed_out),
                k.handler_oid, k.handler_owner, k.takes_context, k.attempt_timeout, k.hard_deadline, k.claim_order,
                k.args_type
         FROM held k

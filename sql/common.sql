@@ -64,3 +64,20 @@ BEGIN
         RAISE EXCEPTION 'flow: no % with id %', what, id USING ERRCODE = 'FL014';
     END IF;
 END $$;
+
+-- What every claim of a command records when it comes from `waiting` (its
+-- waits timed out: `within` passed): max_elapsed counts from when a command
+-- first became due, so the budget of its first attempt starts then, and its
+-- handler is told the wait timed out. (LANGUAGE sql with no SET clause, so
+-- the planner inlines them into the statements of the claim and settlement
+-- paths; those pin search_path, and only the extension owner may call these.)
+CREATE FUNCTION flow._budget_start(status flow.command_status, attempts integer, next_run_at timestamptz,
+    budget_started_at timestamptz) RETURNS timestamptz
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT CASE WHEN status = 'waiting' AND attempts = 0 THEN next_run_at ELSE budget_started_at END
+$$;
+
+CREATE FUNCTION flow._wait_timed_out(status flow.command_status, wait_timed_out boolean) RETURNS boolean
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT wait_timed_out OR status = 'waiting'
+$$;

@@ -168,6 +168,23 @@ BEGIN
     END IF;
 END $$;
 
+-- What every claim of a command records when it comes from `waiting` (its
+-- waits timed out: `within` passed): max_elapsed counts from when a command
+-- first became due, so the budget of its first attempt starts then, and its
+-- handler is told the wait timed out. (LANGUAGE sql with no SET clause, so
+-- the planner inlines them into the statements of the claim and settlement
+-- paths; those pin search_path, and only the extension owner may call these.)
+CREATE OR REPLACE FUNCTION flow._budget_start(status flow.command_status, attempts integer, next_run_at timestamptz,
+    budget_started_at timestamptz) RETURNS timestamptz
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT CASE WHEN status = 'waiting' AND attempts = 0 THEN next_run_at ELSE budget_started_at END
+$$;
+
+CREATE OR REPLACE FUNCTION flow._wait_timed_out(status flow.command_status, wait_timed_out boolean) RETURNS boolean
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT wait_timed_out OR status = 'waiting'
+$$;
+
 -- src/lib.rs:26
 -- requires:
 --   common
@@ -825,12 +842,9 @@ BEGIN
                h.cmd, h.handler, h.owner, h.takes_context, h.timeout, h.max_elapsed, h.args_type,
                row_number() OVER (PARTITION BY l.ord ORDER BY h.next_run_at, h.id) AS rank
         FROM lane l CROSS JOIN LATERAL (
-            -- max_elapsed counts from when a command first became due: a wait
-            -- that timed out started its budget when `within` passed
             SELECT c.id, c.next_run_at, c AS cmd, d.handler::oid AS handler, d.owner::oid AS owner, d.takes_context,
                    d.timeout, d.max_elapsed, d.args_type,
-                   CASE WHEN c.status = 'waiting' AND c.attempts = 0 THEN c.next_run_at
-                        ELSE c.budget_started_at END AS budget_start
+                   flow._budget_start(c.status, c.attempts, c.next_run_at, c.budget_started_at) AS budget_start
             FROM flow._commands c                                   -- index _commands_due
             JOIN flow._definitions d ON d.name = c.name AND d.version = c.version
             WHERE c.queue = l.name AND c.external = (names IS NOT NULL)
@@ -867,7 +881,7 @@ BEGIN
                                     ELSE coalesce(least(now() + d.timeout, p.budget_start + d.max_elapsed,
                                                         c.deadline), 'infinity') END,
             lease_interval = CASE WHEN owner_pid IS NULL THEN lease END,
-            wait_timed_out = c.wait_timed_out OR c.status = 'waiting'
+            wait_timed_out = flow._wait_timed_out(c.status, c.wait_timed_out)
         FROM picked p, flow._definitions d
         WHERE c.id = p.id AND NOT p.held AND d.name = c.name AND d.version = c.version
         RETURNING c AS cmd, d.handler::oid AS handler_oid, d.owner::oid AS handler_owner, d.takes_context,
@@ -895,7 +909,7 @@ BEGIN
         FROM claimed k
         UNION ALL
         SELECT k.cmd, (k.cmd).attempts + 1, gen_random_uuid(), NULL, k.attempt_deadline, k.budget_start,
-               now(), (k.cmd).wait_timed_out OR (k.cmd).status = 'waiting',
+               now(), flow._wait_timed_out((k.cmd).status, (k.cmd).wait_timed_out),
                k.handler_oid, k.handler_owner, k.takes_context, k.attempt_timeout, k.hard_deadline, k.claim_order,
                k.args_type
         FROM held k
@@ -1110,9 +1124,8 @@ BEGIN
     WITH done AS (
         UPDATE flow._commands c SET status = 'succeeded', result = t.result, finished_at = clock_timestamp(),
             attempts = t.held,
-            budget_started_at = CASE WHEN c.status = 'waiting' AND c.attempts = 0 THEN c.next_run_at
-                                     ELSE c.budget_started_at END,
-            wait_timed_out = c.wait_timed_out OR c.status = 'waiting'
+            budget_started_at = flow._budget_start(c.status, c.attempts, c.next_run_at, c.budget_started_at),
+            wait_timed_out = flow._wait_timed_out(c.status, c.wait_timed_out)
         FROM unnest(command_ids, lease_tokens, results, handler_started, held_attempts)
              AS t(id, token, result, started, held)
         WHERE c.id = t.id AND t.held IS NOT NULL AND c.status IN ('pending', 'waiting') AND c.attempts = t.held - 1
@@ -1180,10 +1193,8 @@ BEGIN
             RETURN 'expired';
         END IF;
         -- what the claim of a leased attempt would have written
-        IF c.status = 'waiting' AND c.attempts = 0 THEN
-            c.budget_started_at := c.next_run_at;
-        END IF;
-        c.wait_timed_out := c.wait_timed_out OR c.status = 'waiting';
+        c.budget_started_at := flow._budget_start(c.status, c.attempts, c.next_run_at, c.budget_started_at);
+        c.wait_timed_out := flow._wait_timed_out(c.status, c.wait_timed_out);
         c.attempts := held_attempt;
         c.lease_token := _settle_failure.lease_token;
         c.lease_owner := owner_name;

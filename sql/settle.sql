@@ -160,9 +160,8 @@ BEGIN
     WITH done AS (
         UPDATE flow._commands c SET status = 'succeeded', result = t.result, finished_at = clock_timestamp(),
             attempts = t.held,
-            budget_started_at = CASE WHEN c.status = 'waiting' AND c.attempts = 0 THEN c.next_run_at
-                                     ELSE c.budget_started_at END,
-            wait_timed_out = c.wait_timed_out OR c.status = 'waiting'
+            budget_started_at = flow._budget_start(c.status, c.attempts, c.next_run_at, c.budget_started_at),
+            wait_timed_out = flow._wait_timed_out(c.status, c.wait_timed_out)
         FROM unnest(command_ids, lease_tokens, results, handler_started, held_attempts)
              AS t(id, token, result, started, held)
         WHERE c.id = t.id AND t.held IS NOT NULL AND c.status IN ('pending', 'waiting') AND c.attempts = t.held - 1
@@ -230,10 +229,8 @@ BEGIN
             RETURN 'expired';
         END IF;
         -- what the claim of a leased attempt would have written
-        IF c.status = 'waiting' AND c.attempts = 0 THEN
-            c.budget_started_at := c.next_run_at;
-        END IF;
-        c.wait_timed_out := c.wait_timed_out OR c.status = 'waiting';
+        c.budget_started_at := flow._budget_start(c.status, c.attempts, c.next_run_at, c.budget_started_at);
+        c.wait_timed_out := flow._wait_timed_out(c.status, c.wait_timed_out);
         c.attempts := held_attempt;
         c.lease_token := _settle_failure.lease_token;
         c.lease_owner := owner_name;
