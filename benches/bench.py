@@ -12,8 +12,9 @@ fsync and synchronous_commit on) and flow's defaults otherwise.
 Targets (each a ratio measured here, never an absolute time):
   drain       20,000 pre-enqueued no-op runs, flow.noop and a PL/pgSQL no-op,
               >= 3x graphile-worker's drain
-  writing     a handler that INSERTs one row, >= 2x graphile-worker's no-op drain;
-              subtransaction SLRU traffic and a concurrent reader's rate shown
+  writing     a handler that INSERTs one row, >= 2x graphile-worker's no-op drain
+              (drained alone, as graphile-worker's is); a second drain beside a
+              reader shows the reader's rate; subtransaction SLRU traffic shown
   enqueue     enqueue_many (chunks of 1,000) >= 2x graphile-worker's addJobs
   pickup      500 enqueues 10 ms apart into idle workers: p50 <= graphile's,
               p99 <= half of graphile's, p99.9 <= 10 ms
@@ -279,10 +280,13 @@ def main():
             add("graphile addJobs x1000 (jobs/s)", g["enqueue_rate"])
             add("flow drain flow.noop (jobs/s)", drain(pg, "rust_noop"))
             add("flow drain PL/pgSQL no-op (jobs/s)", drain(pg, "plpgsql_noop"))
+            # the ratio's drain runs alone, as graphile-worker's does; a second
+            # one runs beside a reader, whose throughput it must not take
             slru = subtrans_slru(pg)
+            add("flow drain writing handler (jobs/s)", drain(pg, "writing"))
             rate, read_during = drain_while(pg, "writing", N_DRAIN, reader(pg))
-            add("flow drain writing handler (jobs/s)", rate)
-            add("subtrans SLRU accesses during it", subtrans_slru(pg) - slru)
+            add("subtrans SLRU accesses during both", subtrans_slru(pg) - slru)
+            add("flow drain writing handler beside a reader (jobs/s)", rate)
             add("reader alone (queries/s)", reader_alone(pg))
             add("reader during the writing drain (queries/s)", read_during)
             add("flow enqueue_many x1000 (runs/s)", enqueue_many_rate(pg, N_DRAIN))
@@ -332,10 +336,11 @@ def main():
     print(f"\nplain-SQL floor of an in-database engine (../shared/peers/floor/indb.sql, batch 100, 2 sessions): "
           f"{m['plain-SQL floor, 2 sessions (jobs/s)']:,.0f} jobs/s; flow.noop drains at "
           f"{m['flow drain flow.noop (jobs/s)'] / m['plain-SQL floor, 2 sessions (jobs/s)']:.2f}x of it")
-    print(f"\nwriting drain of {N_DRAIN:,}: pg_subtrans SLRU accesses {m['subtrans SLRU accesses during it']:,.0f} "
-          "(each writing handler's subtransaction id takes one entry; an overflowed snapshot would add "
+    print(f"\ntwo writing drains of {N_DRAIN:,}: pg_subtrans SLRU accesses {m['subtrans SLRU accesses during both']:,.0f} "
+          "(each subtransaction id that writes takes one entry; an overflowed snapshot would add "
           "reads for every visibility check of every session); "
-          f"a reader ran {m['reader during the writing drain (queries/s)']:,.0f} queries/s during it, "
+          f"beside a reader the drain ran {m['flow drain writing handler beside a reader (jobs/s)']:,.0f} jobs/s "
+          f"and the reader {m['reader during the writing drain (queries/s)']:,.0f} queries/s, "
           f"{m['reader alone (queries/s)']:,.0f} alone")
     print("\nclaim, generic plan of the queue-head probe:\n  " + "\n  ".join(plan))
     print(f"\nchurn at {peak / 2:,.0f} runs/s for {churn_s} s, flow.retention = '{retention}' "
