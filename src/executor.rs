@@ -690,6 +690,32 @@ pub fn in_subtransaction<R, E>(
     outcome
 }
 
+/// Why an attempt fails before its handler starts, if it does: its deadline
+/// passed, or its args no longer fit the definition's args_type (retrying
+/// cannot fix them, as the reference's decode step; checked as the owner, in
+/// a subtransaction of its own, so whatever a domain's check does fails this
+/// command alone).
+fn refused_before_start(command: &Claimed, remaining_ms: Option<i64>) -> Option<Failure> {
+    if let Some(ms) = remaining_ms.filter(|ms| *ms <= 0) {
+        return Some(timeout_failure(ms));
+    }
+    let args_type = command.args_type?;
+    let oid = PgOid::BuiltIn(PgBuiltInOids::OIDOID);
+    let misfit = in_subtransaction(
+        || {
+            Ok(engine_query(
+                "SELECT flow._args_misfit_as($1, $2, $3::pg_catalog.jsonb)",
+                &[oid, oid, TEXT],
+                &[command.owner.into(), args_type.into(), command.args.as_str().into()],
+                |t| t.first().get_one::<String>().ok().flatten(),
+            ))
+        },
+        |caught| Some(caught_report(&caught).message().to_string()),
+    );
+    let message = misfit.unwrap_or_else(|e| e)?;
+    Some(Failure { class: "permanent", code: "argument_decode".into(), message, delay_us: None })
+}
+
 /// How an attempt ended.
 enum Attempted {
     Succeeded(Option<JsonB>),
@@ -706,35 +732,11 @@ enum Attempted {
 fn attempt(index: usize, command: &Claimed, group: Option<&Subtransaction>, now: i64) -> Attempted {
     let deadline = command.deadline(now);
     let remaining_ms = deadline.map(|d| (d - now) / 1000);
-    if let Some(ms) = remaining_ms.filter(|ms| *ms <= 0) {
+    if let Some(failure) = refused_before_start(command, remaining_ms) {
         if let Some(group) = group {
             group.end(false);
         }
-        return Attempted::Failed(timeout_failure(ms));
-    }
-    // Args that no longer fit the definition's args_type never reach the
-    // handler, and retrying cannot fix them (as the reference's decode step).
-    // (Checked as the owner, in a subtransaction of its own: whatever a
-    // domain's check does, it fails this command alone.)
-    if let Some(args_type) = command.args_type {
-        let oid = PgOid::BuiltIn(PgBuiltInOids::OIDOID);
-        let misfit = in_subtransaction(
-            || {
-                Ok(engine_query(
-                    "SELECT flow._args_misfit_as($1, $2, $3::pg_catalog.jsonb)",
-                    &[oid, oid, TEXT],
-                    &[command.owner.into(), args_type.into(), command.args.as_str().into()],
-                    |t| t.first().get_one::<String>().ok().flatten(),
-                ))
-            },
-            |caught| Some(caught_report(&caught).message().to_string()),
-        );
-        if let Some(message) = misfit.unwrap_or_else(|e| e) {
-            if let Some(group) = group {
-                group.end(false);
-            }
-            return Attempted::Failed(Failure { class: "permanent", code: "argument_decode".into(), message, delay_us: None });
-        }
+        return Attempted::Failed(failure);
     }
 
     // The context tells the handler the deadline actually enforced and when
@@ -748,49 +750,49 @@ fn attempt(index: usize, command: &Claimed, group: Option<&Subtransaction>, now:
     let started = std::time::Instant::now();
     ATTEMPT_IN_PROGRESS.with(|c| c.set(Some(*command.command_id.as_bytes())));
     let body = || {
-            CURRENT_COMMAND.with(|c| c.set(Some(*command.command_id.as_bytes())));
-            gucs::inject_fault("handler_start");
-            // The deadline covers what fires when the handler returns, too.
-            let result = with_deadline(remaining_ms, || {
-                isolation::run_as_owner(command.owner, || call_handler(command, deadline_at, started_at))
+        CURRENT_COMMAND.with(|c| c.set(Some(*command.command_id.as_bytes())));
+        gucs::inject_fault("handler_start");
+        // The deadline covers what fires when the handler returns, too.
+        let result = with_deadline(remaining_ms, || {
+            isolation::run_as_owner(command.owner, || call_handler(command, deadline_at, started_at))
+        });
+        CURRENT_COMMAND.with(|c| c.set(None));
+        gucs::inject_fault("handler_return");
+        // Test-only: die with the handler's writes done and nothing settled.
+        gucs::inject_fault("before_settle");
+        // What happened to the attempt beats what the handler returned: a
+        // handler that caught its own timeout or a cancel and returned
+        // normally is still timed out or cancelled, and one that caught an
+        // invalid spawn or emit still made an invalid decision.
+        // (PostgreSQL resets the timer's indicator when it raises the
+        // cancel, so the clock tells whether the deadline passed.)
+        if deadline.is_some_and(|d| unsafe { pg_sys::GetCurrentTimestamp() } >= d) {
+            return Err(timeout_failure(0));
+        }
+        if shmem::cancel_requested(index, &run) {
+            return Err(cancelled_failure());
+        }
+        if let Some(invalid) = INVALID_DECISION.with(|d| d.borrow_mut().take()) {
+            return Err(decided_failure(invalid));
+        }
+        let size = result.as_ref().map(|r| serde_json::to_string(&r.0).map(|s| s.len()).unwrap_or(usize::MAX));
+        if let Some(size) = size.filter(|s| *s > gucs::max_result_bytes() as usize) {
+            return Err(Failure {
+                class: "permanent",
+                code: "result_too_large".into(),
+                message: format!(
+                    "handler result is {size} bytes, over flow.max_result_bytes ({})",
+                    gucs::max_result_bytes()
+                ),
+                delay_us: None,
             });
-            CURRENT_COMMAND.with(|c| c.set(None));
-            gucs::inject_fault("handler_return");
-            // Test-only: die with the handler's writes done and nothing settled.
-            gucs::inject_fault("before_settle");
-            // What happened to the attempt beats what the handler returned: a
-            // handler that caught its own timeout or a cancel and returned
-            // normally is still timed out or cancelled, and one that caught an
-            // invalid spawn or emit still made an invalid decision.
-            // (PostgreSQL resets the timer's indicator when it raises the
-            // cancel, so the clock tells whether the deadline passed.)
-            if deadline.is_some_and(|d| unsafe { pg_sys::GetCurrentTimestamp() } >= d) {
-                return Err(timeout_failure(0));
-            }
-            if shmem::cancel_requested(index, &run) {
-                return Err(cancelled_failure());
-            }
-            if let Some(invalid) = INVALID_DECISION.with(|d| d.borrow_mut().take()) {
-                return Err(decided_failure(invalid));
-            }
-            let size = result.as_ref().map(|r| serde_json::to_string(&r.0).map(|s| s.len()).unwrap_or(usize::MAX));
-            if let Some(size) = size.filter(|s| *s > gucs::max_result_bytes() as usize) {
-                return Err(Failure {
-                    class: "permanent",
-                    code: "result_too_large".into(),
-                    message: format!(
-                        "handler result is {size} bytes, over flow.max_result_bytes ({})",
-                        gucs::max_result_bytes()
-                    ),
-                    delay_us: None,
-                });
-            }
-            // flow.fail(keep_writes => true): keep the subtransaction, fail the command.
-            if let Some(kept) = KEPT_FAILURE.with(|d| d.borrow_mut().take()) {
-                return Ok(Err(decided_failure(kept)));
-            }
-            Ok(Ok(result))
-        };
+        }
+        // flow.fail(keep_writes => true): keep the subtransaction, fail the command.
+        if let Some(kept) = KEPT_FAILURE.with(|d| d.borrow_mut().take()) {
+            return Ok(Err(decided_failure(kept)));
+        }
+        Ok(Ok(result))
+    };
     let on_error = |caught| classify(caught, deadline, shmem::cancel_requested(index, &run));
     let outcome = match group {
         None => in_subtransaction(body, on_error),
