@@ -148,9 +148,20 @@ def test_concurrent_cancels_each_end_their_run(pg):
 
 
 def test_a_handler_can_cancel_its_own_run(pg):
-    run = enqueue(pg, define(pg), '{"do": "cancel_self"}')
+    name = define(pg)
+    run = enqueue(pg, name, '{"do": "cancel_self"}')
     assert pg.await_run(run)[0] == "cancelled"
     assert root(pg, run)[:2] == ("cancelled", 1)
+    # once both workers have seen the handler finish fast its commands are
+    # held (nothing written before the attempt): the attempt that cancelled
+    # its run is counted all the same, from the worker's shared memory
+    for run in pg.one(f"SELECT flow.enqueue_many('{name}', array_fill('{{}}'::jsonb, array[40]))"):
+        assert pg.await_run(run)[0] == "succeeded"
+    for _ in range(4):
+        run = enqueue(pg, name, '{"do": "cancel_self"}')
+        assert pg.await_run(run)[0] == "cancelled"
+        assert root(pg, run)[:2] == ("cancelled", 1)
+        assert pg.all("SELECT attempt, outcome FROM flow.attempts WHERE run_id = %s", run) == [(1, "cancelled")]
 
 
 def test_cancel_wakes_the_workers(pg):

@@ -1002,24 +1002,39 @@ BEGIN
     RETURN FOUND;
 END $$;
 
--- Close every unfinished command of a run (cancel or run failure). A running
--- one gets an attempt row; its worker's later settlement finds no lease.
+-- Close every unfinished command of a run (cancel or run failure). An
+-- attempt in progress gets an attempt row and is counted, leased or held
+-- (a held one is known from its worker's shared memory, as the views know it:
+-- say, a handler that cancels its own run); its worker's later settlement
+-- finds no lease, or a command that moved on.
 CREATE OR REPLACE FUNCTION flow._close_open_commands(run_id uuid, reason text) RETURNS void
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
     interrupted integer;
 BEGIN
-    INSERT INTO flow._attempts (command_id, attempt, lease_token, owner, started_at, finished_at,
-        outcome, error_code, error_message)
-    SELECT c.id, c.attempts, c.lease_token, c.lease_owner, c.attempt_started_at, clock_timestamp(), 'cancelled',
-           reason, 'the run ended while this attempt ran'
-    FROM flow._commands c WHERE c.run_id = _close_open_commands.run_id AND c.status = 'running';
-    GET DIAGNOSTICS interrupted = ROW_COUNT;
+    WITH in_progress AS (
+        SELECT c.id, c.attempts AS attempt, c.lease_token, c.lease_owner AS owner, c.attempt_started_at AS started_at
+        FROM flow._commands c WHERE c.run_id = _close_open_commands.run_id AND c.status = 'running'
+        UNION ALL
+        SELECT h.command_id, h.attempt, gen_random_uuid(), h.owner, h.started_at
+        FROM flow._held_attempts h JOIN flow._commands c ON c.id = h.command_id
+        WHERE c.run_id = _close_open_commands.run_id
+    ), counted AS (
+        INSERT INTO flow._attempts (command_id, attempt, lease_token, owner, started_at, finished_at,
+            outcome, error_code, error_message)
+        SELECT i.id, i.attempt, i.lease_token, i.owner, i.started_at, clock_timestamp(), 'cancelled',
+               reason, 'the run ended while this attempt ran'
+        FROM in_progress i
+        RETURNING command_id, attempt
+    ), closed AS (
+        UPDATE flow._commands c SET status = 'cancelled', stop_reason = reason, finished_at = clock_timestamp(),
+            attempts = coalesce((SELECT k.attempt FROM counted k WHERE k.command_id = c.id), c.attempts),
+            lease_token = NULL, lease_owner = NULL, lease_pid = NULL, lease_backend_start = NULL,
+            lease_expires_at = NULL, lease_interval = NULL, attempt_started_at = NULL, attempt_deadline = NULL
+        WHERE c.run_id = _close_open_commands.run_id AND c.finished_at IS NULL
+    )
+    SELECT count(*) INTO interrupted FROM counted;
     PERFORM flow._observe('attempts_cancelled', interrupted);
-    UPDATE flow._commands c SET status = 'cancelled', stop_reason = reason, finished_at = clock_timestamp(),
-        lease_token = NULL, lease_owner = NULL, lease_pid = NULL, lease_backend_start = NULL,
-        lease_expires_at = NULL, lease_interval = NULL, attempt_started_at = NULL, attempt_deadline = NULL
-    WHERE c.run_id = _close_open_commands.run_id AND c.finished_at IS NULL;
 END $$;
 
 -- In-database workers execute claimed commands in chunks, one transaction
