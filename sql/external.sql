@@ -99,8 +99,9 @@ BEGIN
     -- Expired external leases of these definitions are concluded first, so a
     -- server without in-database workers still retries them.
     FOR expired IN
-        SELECT c.id, c.lease_token FROM flow._commands c                -- index _commands_running
-        WHERE c.status = 'running' AND c.lease_pid IS NULL AND c.lease_expires_at < now() AND c.name = ANY (names)
+        SELECT c.id, c.lease_token FROM flow._commands c                -- index _commands_running, per queue
+        WHERE c.status = 'running' AND c.queue = ANY (ARRAY(SELECT q.name FROM flow._queues q))
+          AND c.lease_expires_at < now() AND c.lease_pid IS NULL AND c.name = ANY (names)
     LOOP
         CONTINUE WHEN NOT flow._try_lock_run_of(expired.id);
         PERFORM flow._settle_failure(expired.id, expired.lease_token, 'lease_lost', 'lease_lost',

@@ -96,6 +96,10 @@ ALTER TABLE flow._attempts SET (autovacuum_vacuum_scale_factor = 0.02, autovacuu
 DROP FUNCTION flow._claim(text, integer, timestamptz, integer, interval, text[], integer);
 -- The handler context is built in flow._claim itself.
 DROP FUNCTION flow._context(flow._commands);
+-- Running commands are indexed by their lease's expiry too (external claims
+-- conclude the expired ones first).
+DROP INDEX flow._commands_running;
+CREATE INDEX _commands_running ON flow._commands (queue, lease_expires_at) WHERE status = 'running';
 
 -- src/lib.rs:25
 -- requires:
@@ -1109,6 +1113,8 @@ DECLARE
     held_runs uuid[];
     alone_runs uuid[];
     alone_results jsonb[];
+    held_alone_runs uuid[];
+    held_alone_results jsonb[];
     finished integer;
     more integer;
 BEGIN
@@ -1125,14 +1131,18 @@ BEGIN
             lease_token = NULL, lease_owner = NULL, lease_pid = NULL, lease_backend_start = NULL,
             lease_expires_at = NULL, lease_interval = NULL, attempt_started_at = NULL, attempt_deadline = NULL
         FROM old WHERE c.id = old.id
-        RETURNING old.*, c.run_id
+        RETURNING old.id, old.attempts, old.attempt_started_at, old.lease_owner, old.token, c.run_id, c.result,
+                  -- a root without children: the run's only command (spawned ones descend from it)
+                  c.parent_id IS NULL AND NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = c.id) AS alone
     ), attempt AS (
         INSERT INTO flow._attempts (command_id, attempt, lease_token, owner, started_at, finished_at, outcome)
         SELECT done.id, done.attempts, done.token, done.lease_owner, done.attempt_started_at, clock_timestamp(),
                'succeeded'
         FROM done
     )
-    SELECT count(*), array_agg(done.run_id) INTO leased, leased_runs FROM done;
+    SELECT count(*), array_agg(done.run_id) FILTER (WHERE NOT done.alone),
+           array_agg(done.run_id) FILTER (WHERE done.alone), array_agg(done.result) FILTER (WHERE done.alone)
+    INTO leased, leased_runs, alone_runs, alone_results FROM done;
     -- Held (locked by this transaction's claim): the command must not have
     -- moved on (a cancel in the handler's own transaction); the writes the
     -- claim of a leased attempt makes are made here.
@@ -1145,7 +1155,6 @@ BEGIN
              AS t(id, token, result, started, held)
         WHERE c.id = t.id AND t.held IS NOT NULL AND c.status IN ('pending', 'waiting') AND c.attempts = t.held - 1
         RETURNING c.id, t.held, t.token, t.started, c.run_id, c.result,
-                  -- a root without children: the run's only command (spawned ones descend from it)
                   c.parent_id IS NULL AND NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = c.id) AS alone
     ), attempt AS (
         INSERT INTO flow._attempts (command_id, attempt, lease_token, owner, started_at, finished_at, outcome)
@@ -1154,11 +1163,12 @@ BEGIN
     )
     SELECT count(*), array_agg(done.run_id) FILTER (WHERE NOT done.alone),
            array_agg(done.run_id) FILTER (WHERE done.alone), array_agg(done.result) FILTER (WHERE done.alone)
-    INTO held, held_runs, alone_runs, alone_results FROM done;
+    INTO held, held_runs, held_alone_runs, held_alone_results FROM done;
     -- The runs whose last command this was: a run of one command at once,
     -- others once none of their commands is unfinished.
     UPDATE flow._runs r SET status = 'succeeded', finished_at = clock_timestamp(), result = t.result
-    FROM unnest(alone_runs, alone_results) AS t(id, result)
+    FROM unnest(coalesce(alone_runs, '{}') || coalesce(held_alone_runs, '{}'),
+                coalesce(alone_results, '{}') || coalesce(held_alone_results, '{}')) AS t(id, result)
     WHERE r.id = t.id AND r.status = 'running';
     GET DIAGNOSTICS finished = ROW_COUNT;
     UPDATE flow._runs r SET status = 'succeeded', finished_at = clock_timestamp(),
@@ -1807,8 +1817,9 @@ BEGIN
     -- Expired external leases of these definitions are concluded first, so a
     -- server without in-database workers still retries them.
     FOR expired IN
-        SELECT c.id, c.lease_token FROM flow._commands c                -- index _commands_running
-        WHERE c.status = 'running' AND c.lease_pid IS NULL AND c.lease_expires_at < now() AND c.name = ANY (names)
+        SELECT c.id, c.lease_token FROM flow._commands c                -- index _commands_running, per queue
+        WHERE c.status = 'running' AND c.queue = ANY (ARRAY(SELECT q.name FROM flow._queues q))
+          AND c.lease_expires_at < now() AND c.lease_pid IS NULL AND c.name = ANY (names)
     LOOP
         CONTINUE WHEN NOT flow._try_lock_run_of(expired.id);
         PERFORM flow._settle_failure(expired.id, expired.lease_token, 'lease_lost', 'lease_lost',

@@ -196,7 +196,9 @@ CREATE TABLE flow._commands (
 CREATE INDEX _commands_due ON flow._commands (queue, external, next_run_at, id)
     WHERE status IN ('pending', 'waiting');
 -- Concurrency accounting and recovery of dead owners.
-CREATE INDEX _commands_running ON flow._commands (queue) WHERE status = 'running';
+-- (lease_expires_at: an external claim finds the expired leases it must
+-- conclude first without walking every running command)
+CREATE INDEX _commands_running ON flow._commands (queue, lease_expires_at) WHERE status = 'running';
 CREATE INDEX _commands_parent ON flow._commands (parent_id) WHERE parent_id IS NOT NULL;
 
 -- One row per finished attempt (the live one is on the command row).

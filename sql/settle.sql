@@ -145,6 +145,8 @@ DECLARE
     held_runs uuid[];
     alone_runs uuid[];
     alone_results jsonb[];
+    held_alone_runs uuid[];
+    held_alone_results jsonb[];
     finished integer;
     more integer;
 BEGIN
@@ -161,14 +163,18 @@ BEGIN
             lease_token = NULL, lease_owner = NULL, lease_pid = NULL, lease_backend_start = NULL,
             lease_expires_at = NULL, lease_interval = NULL, attempt_started_at = NULL, attempt_deadline = NULL
         FROM old WHERE c.id = old.id
-        RETURNING old.*, c.run_id
+        RETURNING old.id, old.attempts, old.attempt_started_at, old.lease_owner, old.token, c.run_id, c.result,
+                  -- a root without children: the run's only command (spawned ones descend from it)
+                  c.parent_id IS NULL AND NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = c.id) AS alone
     ), attempt AS (
         INSERT INTO flow._attempts (command_id, attempt, lease_token, owner, started_at, finished_at, outcome)
         SELECT done.id, done.attempts, done.token, done.lease_owner, done.attempt_started_at, clock_timestamp(),
                'succeeded'
         FROM done
     )
-    SELECT count(*), array_agg(done.run_id) INTO leased, leased_runs FROM done;
+    SELECT count(*), array_agg(done.run_id) FILTER (WHERE NOT done.alone),
+           array_agg(done.run_id) FILTER (WHERE done.alone), array_agg(done.result) FILTER (WHERE done.alone)
+    INTO leased, leased_runs, alone_runs, alone_results FROM done;
     -- Held (locked by this transaction's claim): the command must not have
     -- moved on (a cancel in the handler's own transaction); the writes the
     -- claim of a leased attempt makes are made here.
@@ -181,7 +187,6 @@ BEGIN
              AS t(id, token, result, started, held)
         WHERE c.id = t.id AND t.held IS NOT NULL AND c.status IN ('pending', 'waiting') AND c.attempts = t.held - 1
         RETURNING c.id, t.held, t.token, t.started, c.run_id, c.result,
-                  -- a root without children: the run's only command (spawned ones descend from it)
                   c.parent_id IS NULL AND NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = c.id) AS alone
     ), attempt AS (
         INSERT INTO flow._attempts (command_id, attempt, lease_token, owner, started_at, finished_at, outcome)
@@ -190,11 +195,12 @@ BEGIN
     )
     SELECT count(*), array_agg(done.run_id) FILTER (WHERE NOT done.alone),
            array_agg(done.run_id) FILTER (WHERE done.alone), array_agg(done.result) FILTER (WHERE done.alone)
-    INTO held, held_runs, alone_runs, alone_results FROM done;
+    INTO held, held_runs, held_alone_runs, held_alone_results FROM done;
     -- The runs whose last command this was: a run of one command at once,
     -- others once none of their commands is unfinished.
     UPDATE flow._runs r SET status = 'succeeded', finished_at = clock_timestamp(), result = t.result
-    FROM unnest(alone_runs, alone_results) AS t(id, result)
+    FROM unnest(coalesce(alone_runs, '{}') || coalesce(held_alone_runs, '{}'),
+                coalesce(alone_results, '{}') || coalesce(held_alone_results, '{}')) AS t(id, result)
     WHERE r.id = t.id AND r.status = 'running';
     GET DIAGNOSTICS finished = ROW_COUNT;
     UPDATE flow._runs r SET status = 'succeeded', finished_at = clock_timestamp(),

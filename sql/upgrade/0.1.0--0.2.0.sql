@@ -92,3 +92,7 @@ ALTER TABLE flow._attempts SET (autovacuum_vacuum_scale_factor = 0.02, autovacuu
 DROP FUNCTION flow._claim(text, integer, timestamptz, integer, interval, text[], integer);
 -- The handler context is built in flow._claim itself.
 DROP FUNCTION flow._context(flow._commands);
+-- Running commands are indexed by their lease's expiry too (external claims
+-- conclude the expired ones first).
+DROP INDEX flow._commands_running;
+CREATE INDEX _commands_running ON flow._commands (queue, lease_expires_at) WHERE status = 'running';
