@@ -199,13 +199,16 @@ def claim_plan(pg):
     (the statement of flow._claim in sql/claim.sql, as an in-database worker runs it)."""
     with pg.connect() as c:
         c.execute("SET plan_cache_mode = force_generic_plan")
-        c.execute("""PREPARE heads(text[]) AS
-            SELECT q.name FROM flow._queues q CROSS JOIN LATERAL (
+        c.execute("""PREPARE heads(text[], timestamptz[], uuid[]) AS
+            SELECT q.name FROM flow._queues q LEFT JOIN unnest($1, $2, $3) AS a(queue, at, id) ON a.queue = q.name
+            CROSS JOIN LATERAL (
                 SELECT c.next_run_at FROM flow._commands c
                 WHERE c.queue = q.name AND NOT c.external AND c.status IN ('pending', 'waiting')
+                  AND (c.next_run_at, c.id) > (coalesce(a.at, '-infinity'),
+                                               coalesce(a.id, '00000000-0000-0000-0000-000000000000'::uuid))
                 ORDER BY c.next_run_at LIMIT 1) h
-            WHERE NOT q.paused AND h.next_run_at <= now() AND q.name <> ALL ($1)""")
-        return [r[0] for r in c.execute("EXPLAIN EXECUTE heads('{}')").fetchall()]
+            WHERE NOT q.paused AND h.next_run_at <= now()""")
+        return [r[0] for r in c.execute("EXPLAIN EXECUTE heads('{}', '{}', '{}')").fetchall()]
 
 
 def churn(pg, seconds, rate, every, retention):

@@ -46,3 +46,29 @@ def test_plans_cached_on_an_empty_table_stay_index_driven_through_a_burst(pg):
     # a claim that scanned the table would take minutes for this burst (issue 9)
     assert elapsed < 60, f"{BURST} runs drained in {elapsed:.1f} s"
     assert pg.one("SELECT count(*) FROM flow.runs WHERE name = 'burst' AND status = 'succeeded'") == BURST
+
+
+def test_a_command_due_behind_where_claims_take_up_is_not_left_until_the_backlog_ends(pg):
+    """While a backlog drains, each claim takes up where the worker's last one
+    ended (flow._claim): a command that becomes due behind that point (here,
+    enqueued by a transaction that began before the backlog was enqueued, so
+    its due time is older) is still claimed within a fraction of a second,
+    not only when the backlog is gone."""
+    backlog = 120_000
+    pg.one("SELECT flow.define('backlog', 'flow.noop'::regproc, queue => 'backlog')")
+    pg.one("SELECT flow.set_queue('backlog', paused => true)")
+    with pg.connect() as late:
+        late.execute("BEGIN")
+        late.execute("SELECT now()")   # its enqueue will be due at this time
+        for _ in range(backlog // 1000):
+            pg.one("SELECT cardinality(flow.enqueue_many('backlog', array_fill('{}'::jsonb, array[1000])))")
+        pg.one("SELECT flow.set_queue('backlog', paused => false)")
+        time.sleep(0.5)
+        run = late.execute("SELECT flow.enqueue('backlog', '{\"late\": true}')").fetchone()[0]
+        late.execute("COMMIT")
+    pg.wait_for(f"SELECT count(*) = {backlog + 1} FROM flow.runs WHERE name = 'backlog' AND status = 'succeeded'",
+                timeout=180)
+    finished = pg.one("SELECT finished_at FROM flow.runs WHERE id = %s", run)
+    after = pg.one("SELECT count(*) FROM flow.runs WHERE name = 'backlog' AND finished_at > %s", finished)
+    # claimed within CURSOR_SPAN (250 ms) of its commit, early in a drain of several seconds
+    assert after > backlog // 4, f"only {after} of {backlog} backlog runs finished after the late one"

@@ -31,9 +31,20 @@ $$;
 -- Fairness (rule 2): every unpaused queue with due work offers its head, in
 -- (next_run_at, id) order, up to its free concurrency; candidates are then
 -- interleaved round-robin across queues, starting at queue number `turn`.
+-- A worker draining a backlog passes where its last claim ended in each
+-- queue (after_queues[i]: after (after_at[i], after_ids[i]) in due order):
+-- the claim starts there, not at the queue's head, so it does not walk again
+-- the index entries of the commands claimed and settled before it, which
+-- cannot be cleaned while any snapshot older than their settlement lives
+-- (a session's long transaction would make every claim walk the whole
+-- backlog drained since it began). The worker claims from the head again
+-- once a claim comes back short, and at least every few hundred
+-- milliseconds, for what became due behind the cursor (a command handed
+-- back, an enqueue that committed late).
 CREATE FUNCTION flow._claim(owner_name text, owner_pid integer, owner_started timestamptz,
     max_count integer, lease interval, names text[], turn integer,
-    fast_handlers oid[] DEFAULT NULL, excluded uuid[] DEFAULT NULL)
+    fast_handlers oid[] DEFAULT NULL, excluded uuid[] DEFAULT NULL,
+    after_queues text[] DEFAULT NULL, after_at timestamptz[] DEFAULT NULL, after_ids uuid[] DEFAULT NULL)
 RETURNS SETOF flow.claimed_command
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off
     SET plan_cache_mode = force_generic_plan AS $$
@@ -53,9 +64,11 @@ BEGIN
                                      AND (names IS NULL OR EXISTS (SELECT 1 FROM flow._definitions d
                                                                    WHERE d.queue = q.name AND d.name = ANY (names))))
     INTO lanes, limited
-    FROM flow._queues q CROSS JOIN LATERAL (
+    FROM flow._queues q LEFT JOIN unnest(after_queues, after_at, after_ids) AS a(queue, at, id) ON a.queue = q.name
+    CROSS JOIN LATERAL (
         SELECT c.next_run_at FROM flow._commands c                  -- index _commands_due
         WHERE c.queue = q.name AND c.external = (names IS NOT NULL) AND c.status IN ('pending', 'waiting')
+          AND (c.next_run_at, c.id) > (coalesce(a.at, '-infinity'), coalesce(a.id, '00000000-0000-0000-0000-000000000000'::uuid))
         ORDER BY c.next_run_at LIMIT 1) h
     WHERE NOT q.paused AND h.next_run_at <= now();
     -- Limited queues are locked before their running commands are counted
@@ -83,8 +96,10 @@ BEGIN
                     ELSE greatest(0, q.concurrency - (
                         SELECT count(*) FROM flow._commands r       -- index _commands_running
                         WHERE r.queue = q.name AND r.status = 'running'))::integer
-               END AS room
-        FROM flow._queues q WHERE q.name = ANY (lanes)
+               END AS room,
+               coalesce(a.at, '-infinity') AS after_at, coalesce(a.id, '00000000-0000-0000-0000-000000000000'::uuid) AS after_id
+        FROM flow._queues q LEFT JOIN unnest(after_queues, after_at, after_ids) AS a(queue, at, id) ON a.queue = q.name
+        WHERE q.name = ANY (lanes)
     ), candidate AS (
         SELECT h.id, h.budget_start, l.ord, coalesce(l.unlimited AND h.handler = ANY (fast_handlers), false) AS held,
                h.cmd, h.handler, h.owner, h.takes_context, h.timeout, h.max_elapsed, h.args_type,
@@ -97,6 +112,7 @@ BEGIN
             JOIN flow._definitions d ON d.name = c.name AND d.version = c.version
             WHERE c.queue = l.name AND c.external = (names IS NOT NULL)
               AND c.status IN ('pending', 'waiting') AND c.next_run_at <= now()
+              AND (c.next_run_at, c.id) > (l.after_at, l.after_id)
               AND (names IS NULL OR d.name = ANY (names))
               AND (excluded IS NULL OR c.id <> ALL (excluded))
             ORDER BY c.next_run_at, c.id
@@ -174,7 +190,7 @@ BEGIN
                coalesce(waits.inputs, '[]'), h.wait_timed_out, coalesce(waits.missing, '[]'),
                (h.cmd).created_at, h.budget_start, h.started)::flow.context
            END,
-           h.attempt_timeout, h.hard_deadline, h.claim_order, h.args_type
+           h.attempt_timeout, h.hard_deadline, h.claim_order, h.args_type, (h.cmd).next_run_at
     FROM handed h LEFT JOIN LATERAL (
         -- the command's waits, met and not: by its own entries of _waits_pkey
         -- (a filter on event_position alone would walk every open wait)

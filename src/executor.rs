@@ -314,6 +314,25 @@ const JSONB_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::JSONBARRAYOID);
 const TIMESTAMPTZ_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::TIMESTAMPTZARRAYOID);
 const INT4_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::INT4ARRAYOID);
 const OID_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::OIDARRAYOID);
+const TEXT_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::TEXTARRAYOID);
+
+/// Where a claim ended in each queue: the due time and id of the last command
+/// it took there, in the claim's (next_run_at, id) order. The next claim may
+/// start after it (see flow._claim).
+#[derive(Default)]
+pub struct ClaimCursor(Vec<(String, TimestampWithTimeZone, pgrx::Uuid)>);
+
+impl ClaimCursor {
+    fn advance(&mut self, queue: String, due_at: TimestampWithTimeZone, id: pgrx::Uuid) {
+        // uuids compare as their bytes, as PostgreSQL compares them
+        let key = |at: TimestampWithTimeZone, id: &pgrx::Uuid| (at.into_inner(), *id.as_bytes());
+        match self.0.iter_mut().find(|(q, _, _)| *q == queue) {
+            Some(last) if key(last.1, &last.2) >= key(due_at, &id) => {}
+            Some(last) => (last.1, last.2) = (due_at, id),
+            None => self.0.push((queue, due_at, id)),
+        }
+    }
+}
 
 /// Claim up to `max` due commands for this worker process (flow._claim), in
 /// claim order: leased ones, and held ones of the handlers known to be fast
@@ -325,7 +344,8 @@ pub fn claim(
     max: i32,
     turn: i32,
     excluded: Vec<pgrx::Uuid>,
-) -> Vec<Claimed> {
+    after: &ClaimCursor,
+) -> (Vec<Claimed>, ClaimCursor) {
     gucs::inject_fault("claim");
     let fast: Vec<pg_sys::Oid> = FAST_HANDLERS.with(|f| f.borrow().iter().map(|oid| pg_sys::Oid::from(*oid)).collect());
     engine_query(
@@ -336,10 +356,10 @@ pub fn claim(
                 CASE WHEN lease_expires_at IS NULL THEN attempt END,
                 (context).command_id IS NOT NULL, (context).command_key, (context).name, (context).version,
                 (context).queue, (context).attempt, (context).inputs::text, (context).wait_timed_out,
-                (context).missing::text, (context).created_at, (context).budget_started_at
-         FROM flow._claim($1, $2, $3, $4, NULL, NULL, $5, $6, $7)
+                (context).missing::text, (context).created_at, (context).budget_started_at, queue, due_at
+         FROM flow._claim($1, $2, $3, $4, NULL, NULL, $5, $6, $7, $8, $9, $10)
          ORDER BY claim_order",
-        &[TEXT, INT4, TIMESTAMPTZ, INT4, INT4, OID_ARRAY, UUID_ARRAY],
+        &[TEXT, INT4, TIMESTAMPTZ, INT4, INT4, OID_ARRAY, UUID_ARRAY, TEXT_ARRAY, TIMESTAMPTZ_ARRAY, UUID_ARRAY],
         &[
             owner.into(),
             unsafe { pg_sys::MyProcPid }.into(),
@@ -348,9 +368,19 @@ pub fn claim(
             turn.into(),
             fast.into(),
             excluded.into(),
+            after.0.iter().map(|(queue, _, _)| queue.clone()).collect::<Vec<_>>().into(),
+            after.0.iter().map(|(_, at, _)| *at).collect::<Vec<_>>().into(),
+            after.0.iter().map(|(_, _, id)| *id).collect::<Vec<_>>().into(),
         ],
         |rows| {
-            rows.map(|row| Claimed {
+            let mut cursor = ClaimCursor::default();
+            let claimed = rows.map(|row| {
+                cursor.advance(
+                    row.get(23).ok().flatten().expect("queue"),
+                    row.get(24).ok().flatten().expect("due_at"),
+                    row.get(1).ok().flatten().expect("command_id"),
+                );
+                Claimed {
                 command_id: row.get(1).ok().flatten().expect("command_id"),
                 run_id: row.get(2).ok().flatten().expect("run_id"),
                 lease_token: row.get(3).ok().flatten().expect("lease_token"),
@@ -374,8 +404,9 @@ pub fn claim(
                 }),
                 args_type: row.get::<pg_sys::Oid>(10).ok().flatten(),
                 held_attempt: row.get::<i32>(11).ok().flatten(),
-            })
-            .collect()
+            }})
+            .collect();
+            (claimed, cursor)
         },
     )
 }

@@ -8,12 +8,12 @@
 //! never kill the worker; a handler's own errors never leave its
 //! subtransaction (see executor.rs).
 
-use crate::executor::{self, AttemptId, Claimed};
+use crate::executor::{self, AttemptId, ClaimCursor, Claimed};
 use crate::{api, attempt_record, gucs, isolation, shmem};
 use pgrx::bgworkers::{BackgroundWorker, BackgroundWorkerBuilder, SignalWakeFlags};
 use pgrx::prelude::*;
 use pgrx::PgTryBuilder;
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::ffi::{c_int, CString};
 use std::time::{Duration, Instant};
 
@@ -53,6 +53,11 @@ const DUE_AGAIN_PAUSE: Duration = Duration::from_millis(10);
 
 /// The smallest chunk window (see Worker::chunk_window).
 const MIN_CHUNK_WINDOW: usize = 8;
+/// How long claims may take up where the last one ended (see flow._claim)
+/// before one starts from the queues' heads again: the longest a command that
+/// became due behind the cursor (handed back, or enqueued by a transaction
+/// that committed late) waits while a backlog drains.
+const CURSOR_SPAN: Duration = Duration::from_millis(250);
 
 unsafe extern "C-unwind" {
     /// PostgreSQL's SIGTERM handler for backends: a fast shutdown cancels a
@@ -148,6 +153,10 @@ struct Worker {
     prune_after: Option<pgrx::Uuid>,
     /// The last claim came back short of its size (see turn).
     took_all_due: Cell<bool>,
+    /// Where the last full claim ended in each queue, and since when claims
+    /// have taken up from a cursor (None: the next claim starts at the heads).
+    cursor: RefCell<ClaimCursor>,
+    cursor_since: Cell<Option<Instant>>,
     /// How many commands the next chunk locks runs for and may run (see run_batch).
     chunk_window: usize,
     /// Until when chunks hold one command each (see ISOLATION_PERIOD).
@@ -175,6 +184,8 @@ impl Worker {
             unreleased: Vec::new(),
             chunk_window: usize::MAX,
             took_all_due: Cell::new(false),
+            cursor: RefCell::new(ClaimCursor::default()),
+            cursor_since: Cell::new(None),
         }
     }
 
@@ -254,6 +265,7 @@ impl Worker {
         if due.is_empty() {
             return;
         }
+        self.forget_cursor();   // what goes back to its queue is behind it
         let (ids, tokens): (Vec<_>, Vec<_>) = due.iter().map(|(id, token, _)| (*id, *token)).unzip();
         let still_locked = transaction(|| executor::release(ids, tokens))
             .unwrap_or_else(|| due.iter().map(|(id, token, _)| (*id, *token)).collect());
@@ -316,6 +328,10 @@ impl Worker {
         shmem::set_worker_state(self.index, true, None, 0);
         match outcome {
             Ok((count, held, ran, cut, runs, leased)) => {
+                if ran < held {
+                    // the held commands not run stay due, behind the cursor
+                    self.forget_cursor();
+                }
                 if held > 0 {
                     // Those not run (the chunk was cut short) stay due, unchanged.
                     self.next_window(ran, cut);
@@ -325,8 +341,12 @@ impl Worker {
                 Some((count, leased))
             }
             // The claim itself failed (the extension is being changed, ...).
-            Err(_) if entered.get().is_none() => None,
+            Err(_) if entered.get().is_none() => {
+                self.forget_cursor();
+                None
+            }
             Err((message, sqlstate)) => {
+                self.forget_cursor();
                 // A held handler's chunk failed outside the handler. Everything
                 // the transaction did rolled back: the held commands and the
                 // leased claims alike are due again, uncharged.
@@ -377,6 +397,7 @@ impl Worker {
     /// a while. A one-command chunk that fails is the culprit: it alone is
     /// settled, with the real error, and retried by its policy.
     fn contain(&mut self, entered: Option<AttemptId>, message: &str, sqlstate: &str, batch: &[AttemptId]) {
+        self.forget_cursor();   // what goes back to its queue is behind it
         let culprit = if self.isolating() { entered } else { None };
         self.isolate_until = Some(Instant::now() + ISOLATION_PERIOD);
         let name = self.name.clone();
@@ -538,6 +559,12 @@ impl Worker {
         gucs::poll_interval()
     }
 
+    /// The next claim starts at the queues' heads.
+    fn forget_cursor(&self) {
+        *self.cursor.borrow_mut() = ClaimCursor::default();
+        self.cursor_since.set(None);
+    }
+
     fn claim(&self) -> Vec<Claimed> {
         let turn = self.turn.get().wrapping_add(1);
         self.turn.set(turn);
@@ -546,12 +573,21 @@ impl Worker {
         // reach are claimed again
         let size = self.claim_size().min(self.chunk_window.min(i32::MAX as usize) as i32).max(1);
         let excluded = attempt_record::held_elsewhere(self.index);
-        let claimed = executor::claim(&self.name, self.backend_start, size, turn, excluded);
-        if claimed.len() >= size as usize {
+        if self.cursor_since.get().is_some_and(|since| since.elapsed() >= CURSOR_SPAN) {
+            self.forget_cursor();
+        }
+        let (claimed, ended_at) = executor::claim(&self.name, self.backend_start, size, turn, excluded, &self.cursor.borrow());
+        let full = claimed.len() >= size as usize;
+        if full {
             // more may be due: bring in an idle worker
             shmem::wake_workers();
+            // and the next claim takes up from here, while a backlog drains
+            *self.cursor.borrow_mut() = ended_at;
+            self.cursor_since.set(Some(self.cursor_since.get().unwrap_or_else(Instant::now)));
+        } else {
+            self.forget_cursor();
         }
-        self.took_all_due.set(claimed.len() < size as usize);
+        self.took_all_due.set(!full);
         shmem::observe("claims", 1);
         shmem::observe("claims_empty", claimed.is_empty() as u64);
         shmem::observe("claimed", claimed.len() as u64);

@@ -96,3 +96,5 @@ DROP FUNCTION flow._context(flow._commands);
 -- conclude the expired ones first).
 DROP INDEX flow._commands_running;
 CREATE INDEX _commands_running ON flow._commands (queue, lease_expires_at) WHERE status = 'running';
+-- A claim tells where it ended in each queue, and takes up from there (see flow._claim).
+ALTER TYPE flow.claimed_command ADD ATTRIBUTE due_at timestamptz;
