@@ -515,10 +515,39 @@ def test_observability_views(app):
                              " AND query LIKE 'flow: running%' LIMIT 1")
     assert app.one("SELECT outcome FROM flow.attempts WHERE run_id = %s", run) == "running"
     app.await_run(run, "10s")
-    assert app.one("SELECT succeeded FROM flow.queues WHERE name = 'observed'") == 1
+    assert app.one("SELECT succeeded FROM flow.queue_history WHERE name = 'observed'") == 1
     stats = dict(app.all("SELECT name, value FROM flow.stats"))
     assert stats["claimed"] > 0 and stats["attempts_succeeded"] > 0 and stats["claims"] > 0
     assert app.one("SELECT sum(attempts) FROM flow.recent_attempts") > 0
+
+
+def test_queue_counts_show_what_is_live_and_the_history_apart(app):
+    """flow.queues counts a role's unfinished commands per queue (by the
+    claim's indexes: polling it costs the backlog, not the retained history);
+    flow.queue_history counts its finished ones. Both show only the caller's own."""
+    app.all("DO $$ BEGIN CREATE ROLE alice LOGIN; CREATE ROLE bob LOGIN;"
+            " EXCEPTION WHEN duplicate_object THEN NULL; END $$")
+    name = define(app, "app.hello", queue="'counted'")
+    app.one("SELECT flow.set_queue('counted', paused => true)")
+    app.one("SELECT flow.grant_queue('counted', 'bob')")
+    for _ in range(2):
+        enqueue(app, name)
+    later = enqueue(app, name, start_after="'1 hour'")
+    live = "SELECT pending, due, waiting, running FROM flow.queues WHERE name = 'counted'"
+    history = "SELECT succeeded, failed, cancelled FROM flow.queue_history WHERE name = 'counted'"
+    assert app.all(live) == [(3, 2, 0, 0)]
+    assert app.all(history) == [(0, 0, 0)]
+    # bob may use the queue but sees none of postgres' commands in it
+    assert app.all(live, user="bob") == [(0, 0, 0, 0)]
+    app.one("SELECT flow.set_queue('counted', paused => false)")
+    app.wait_for("SELECT succeeded = 2 FROM flow.queue_history WHERE name = 'counted'")
+    assert app.all(live) == [(1, 0, 0, 0)]
+    app.one("SELECT flow.cancel(%s)", later)
+    assert app.all(live) == [(0, 0, 0, 0)]
+    assert app.all(history) == [(2, 0, 1)]
+    assert app.all(history, user="bob") == [(0, 0, 0)]
+    assert app.one("SELECT count(*) FROM flow.queue_history WHERE name = 'counted'", user="alice") == 0
+
 
 
 def test_enabled_off_pauses_all_work(app):

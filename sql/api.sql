@@ -290,25 +290,51 @@ SELECT d.name, d.version, d.handler, d.handler IS NULL AS external, d.takes_cont
 FROM flow._definitions d JOIN flow._definition_names n ON n.name = d.name
 WHERE pg_has_role(current_user, d.owner, 'MEMBER');
 
--- The queues a role owns or may use, with the counts of its own commands
--- (other roles' work in a shared queue is theirs to see).
+-- The queues a role owns or may use, with what is live in them: counts of
+-- its own unfinished commands (other roles' work in a shared queue is theirs
+-- to see). Counted by the claim's own indexes (pending and waiting commands
+-- in _commands_due, running ones in _commands_running; a held attempt is
+-- running, from the workers' shared memory), so polling it costs the
+-- backlog, never the retained history: that is flow.queue_history.
 CREATE VIEW flow.queues WITH (security_barrier) AS
 SELECT q.name, q.owner, q.users, q.concurrency, q.paused,
-       count(c.id) FILTER (WHERE c.status = 'pending') AS pending,
-       count(c.id) FILTER (WHERE c.status = 'pending' AND c.next_run_at <= now()) AS due,
-       count(c.id) FILTER (WHERE c.status = 'waiting') AS waiting,
-       count(c.id) FILTER (WHERE c.status = 'running') AS running,
+       coalesce(u.pending, 0) AS pending, coalesce(u.due, 0) AS due, coalesce(u.waiting, 0) AS waiting,
+       coalesce(u.held, 0) + coalesce(k.running, 0) AS running
+FROM flow._queues q
+CROSS JOIN LATERAL (
+    SELECT count(*) FILTER (WHERE c.status = 'pending' AND h.command_id IS NULL) AS pending,
+           count(*) FILTER (WHERE c.status = 'pending' AND h.command_id IS NULL AND c.next_run_at <= now()) AS due,
+           count(*) FILTER (WHERE c.status = 'waiting' AND h.command_id IS NULL) AS waiting,
+           count(h.command_id) AS held
+    FROM flow._commands c                                           -- index _commands_due
+    LEFT JOIN flow._held_attempts h ON h.command_id = c.id
+    WHERE c.queue = q.name AND c.status IN ('pending', 'waiting')
+      -- the run's owner by its primary key, command by command (a join
+      -- could be planned as a scan of every retained run)
+      AND pg_has_role(current_user, (SELECT r.owner FROM flow._runs r WHERE r.id = c.run_id), 'MEMBER')) u
+CROSS JOIN LATERAL (
+    SELECT count(*) AS running
+    FROM flow._commands c                                           -- index _commands_running
+    WHERE c.queue = q.name AND c.status = 'running'
+      AND pg_has_role(current_user, (SELECT r.owner FROM flow._runs r WHERE r.id = c.run_id), 'MEMBER')) k
+WHERE coalesce(pg_has_role(current_user, q.owner, 'MEMBER'), false) OR flow._among(current_user::regrole, q.users);
+
+-- What the retained history holds per queue: counts of a role's own finished
+-- commands (until flow.retention prunes them). It reads every retained
+-- command of the queue: for reports, not for polling.
+CREATE VIEW flow.queue_history WITH (security_barrier) AS
+SELECT q.name,
        count(c.id) FILTER (WHERE c.status = 'succeeded') AS succeeded,
        count(c.id) FILTER (WHERE c.status = 'failed') AS failed,
-       count(c.id) FILTER (WHERE c.status = 'cancelled') AS cancelled
+       count(c.id) FILTER (WHERE c.status = 'cancelled') AS cancelled,
+       min(c.finished_at) AS since
 FROM flow._queues q
-LEFT JOIN (SELECT x.id, x.queue, x.next_run_at,
-                  CASE WHEN h.command_id IS NULL THEN x.status ELSE 'running' END AS status
+LEFT JOIN (SELECT x.id, x.queue, x.status, x.finished_at
            FROM flow._commands x JOIN flow._runs r ON r.id = x.run_id AND pg_has_role(current_user, r.owner, 'MEMBER')
-           LEFT JOIN flow._held_attempts h ON h.command_id = x.id) c
+           WHERE x.finished_at IS NOT NULL) c
        ON c.queue = q.name
 WHERE coalesce(pg_has_role(current_user, q.owner, 'MEMBER'), false) OR flow._among(current_user::regrole, q.users)
-GROUP BY q.name, q.owner, q.users, q.concurrency, q.paused;
+GROUP BY q.name;
 
 -- The journal, with the waits each event satisfied.
 CREATE VIEW flow.events WITH (security_barrier) AS
@@ -394,5 +420,5 @@ END $$;
 -- the roles that may schedule SQL of their own (pg_cron style).
 REVOKE ALL ON FUNCTION flow.run_sql(jsonb) FROM PUBLIC;
 REVOKE ALL ON ALL TABLES IN SCHEMA flow FROM PUBLIC;
-GRANT SELECT ON flow.runs, flow.commands, flow.attempts, flow.definitions, flow.queues, flow.events,
+GRANT SELECT ON flow.runs, flow.commands, flow.attempts, flow.definitions, flow.queues, flow.queue_history, flow.events,
     flow.waits, flow.workers, flow.stats, flow.prometheus, flow.recent_attempts TO PUBLIC;

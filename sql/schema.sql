@@ -249,6 +249,10 @@ CREATE INDEX _waits_open ON flow._waits (name, key) WHERE event_position IS NULL
 ALTER TABLE flow._runs SET (autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_cost_delay = 0);
 ALTER TABLE flow._commands SET (autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_cost_delay = 0);
 ALTER TABLE flow._attempts SET (autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_cost_delay = 0);
+-- A handful of rows, read by every view of queues: analyzed after any change,
+-- so the planner does not take it for hundreds of rows (and compile flow.queues
+-- with JIT).
+ALTER TABLE flow._queues SET (autovacuum_analyze_threshold = 0, autovacuum_analyze_scale_factor = 0);
 
 -- The journal is append-only, even for the extension owner's own code paths.
 -- (flow._retire_events alone may delete old entries no wait refers to, under
