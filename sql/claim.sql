@@ -46,7 +46,7 @@ CREATE FUNCTION flow._claim(owner_name text, owner_pid integer, owner_started ti
     fast_handlers oid[] DEFAULT NULL, excluded uuid[] DEFAULT NULL,
     after_queues text[] DEFAULT NULL, after_at timestamptz[] DEFAULT NULL, after_ids uuid[] DEFAULT NULL)
 RETURNS SETOF flow.claimed_command
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off
     SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     lanes text[];
@@ -209,7 +209,7 @@ END $$;
 -- workers. So "due now" means a claim may take it: it came due after the
 -- worker's last claim.
 CREATE FUNCTION flow._next_due_ms() RETURNS bigint
-LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
     SELECT (extract(epoch FROM min(h.next_run_at) - clock_timestamp()) * 1000)::bigint
     FROM flow._queues q CROSS JOIN LATERAL (
         SELECT c.next_run_at FROM flow._commands c                  -- index _commands_due

@@ -13,7 +13,10 @@
 -- lifetime, often from when _commands was empty, so the functions of the
 -- claim, settle and recovery paths run with `enable_seqscan = off` and query
 -- by index (queue heads by ORDER BY ... LIMIT 1 probes). They stay index
--- driven from 0 to 10M rows (pg_test/test_scale.py checks it). And `jit =
+-- driven from 0 to 10M rows (pg_test/test_scale.py checks it). Bitmap scans
+-- are off too: with statistics of a large backlog, the generic plan of a
+-- claim (its LIMIT a parameter) became a bitmap scan of every due command of
+-- the queue, sorted, to lock the first hundred, on every claim. And `jit =
 -- off`: the cost penalty of a sequential scan that has no alternative (of
 -- the few rows of _queues) would otherwise pass jit_above_cost, and compiling
 -- takes 100+ ms per call.

@@ -4,7 +4,7 @@
 -- caller may resolve it. A wrong or stale token is FL013; a command already
 -- settled under this very token is FL017 (double completion).
 CREATE FUNCTION flow._leased(caller oid, command_id uuid, lease_token uuid) RETURNS flow._commands
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
     c flow._commands;
     owner_ oid;
@@ -71,7 +71,7 @@ END $$;
 
 CREATE FUNCTION flow._claim_external(caller oid, names text[], worker text, max_count integer, lease interval)
 RETURNS SETOF flow.claimed_command
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
     wanted text;
     expired record;
@@ -169,7 +169,7 @@ END $$;
 -- 'already_completed' for a second completion under the same token.
 CREATE FUNCTION flow._complete_many(caller oid, command_ids uuid[], lease_tokens uuid[], results jsonb[])
 RETURNS TABLE (command_id uuid, status text)
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
     bad record;
 BEGIN

@@ -125,7 +125,10 @@ ALTER TABLE flow._queues SET (autovacuum_analyze_threshold = 0, autovacuum_analy
 -- lifetime, often from when _commands was empty, so the functions of the
 -- claim, settle and recovery paths run with `enable_seqscan = off` and query
 -- by index (queue heads by ORDER BY ... LIMIT 1 probes). They stay index
--- driven from 0 to 10M rows (pg_test/test_scale.py checks it). And `jit =
+-- driven from 0 to 10M rows (pg_test/test_scale.py checks it). Bitmap scans
+-- are off too: with statistics of a large backlog, the generic plan of a
+-- claim (its LIMIT a parameter) became a bitmap scan of every due command of
+-- the queue, sorted, to lock the first hundred, on every claim. And `jit =
 -- off`: the cost penalty of a sequential scan that has no alternative (of
 -- the few rows of _queues) would otherwise pass jit_above_cost, and compiling
 -- takes 100+ ms per call.
@@ -807,7 +810,7 @@ CREATE OR REPLACE FUNCTION flow._claim(owner_name text, owner_pid integer, owner
     fast_handlers oid[] DEFAULT NULL, excluded uuid[] DEFAULT NULL,
     after_queues text[] DEFAULT NULL, after_at timestamptz[] DEFAULT NULL, after_ids uuid[] DEFAULT NULL)
 RETURNS SETOF flow.claimed_command
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off
     SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     lanes text[];
@@ -970,7 +973,7 @@ END $$;
 -- workers. So "due now" means a claim may take it: it came due after the
 -- worker's last claim.
 CREATE OR REPLACE FUNCTION flow._next_due_ms() RETURNS bigint
-LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
     SELECT (extract(epoch FROM min(h.next_run_at) - clock_timestamp()) * 1000)::bigint
     FROM flow._queues q CROSS JOIN LATERAL (
         SELECT c.next_run_at FROM flow._commands c                  -- index _commands_due
@@ -1008,7 +1011,7 @@ END $$;
 -- (plpgsql, not sql: its plan is cached per session; an sql function called
 -- from plpgsql is planned again on every call, ~70 µs.)
 CREATE OR REPLACE FUNCTION flow._lock_runs_of(command_ids uuid[]) RETURNS void
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 BEGIN
     PERFORM 1 FROM flow._runs r
     WHERE r.id IN (SELECT c.run_id FROM flow._commands c WHERE c.id = ANY (command_ids))
@@ -1019,7 +1022,7 @@ END $$;
 -- false): for work that can wait for a later round, such as concluding an
 -- attempt whose owner is gone.
 CREATE OR REPLACE FUNCTION flow._try_lock_run_of(command_id uuid) RETURNS boolean
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 BEGIN
     PERFORM 1 FROM flow._runs r
     WHERE r.id = (SELECT c.run_id FROM flow._commands c WHERE c.id = _try_lock_run_of.command_id)
@@ -1033,7 +1036,7 @@ END $$;
 -- say, a handler that cancels its own run); its worker's later settlement
 -- finds no lease, or a command that moved on.
 CREATE OR REPLACE FUNCTION flow._close_open_commands(run_id uuid, reason text) RETURNS void
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
     interrupted integer;
 BEGIN
@@ -1072,7 +1075,7 @@ END $$;
 -- skipped, never waited for: its commands are handed back (_release).
 CREATE OR REPLACE FUNCTION flow._begin_batch(command_ids uuid[], lease_tokens uuid[])
 RETURNS TABLE (command_id uuid, run_locked boolean)
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
     locked uuid[];
 BEGIN
@@ -1092,7 +1095,7 @@ END $$;
 -- elsewhere). Takes no run lock and skips a command row locked elsewhere;
 -- returns those still held, so the worker tries again later.
 CREATE OR REPLACE FUNCTION flow._release(command_ids uuid[], lease_tokens uuid[]) RETURNS SETOF uuid
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
     released uuid[];
 BEGIN
@@ -1126,7 +1129,7 @@ END $$;
 CREATE OR REPLACE FUNCTION flow._settle_batch(command_ids uuid[], lease_tokens uuid[], results jsonb[],
     handler_started timestamptz[] DEFAULT NULL, held_attempts integer[] DEFAULT NULL, owner_name text DEFAULT NULL)
 RETURNS integer
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
     leased integer;
     held integer;
@@ -1217,7 +1220,7 @@ CREATE OR REPLACE FUNCTION flow._settle_failure(command_id uuid, lease_token uui
     message text, retry_delay interval DEFAULT NULL, handler_started timestamptz DEFAULT NULL,
     held_attempt integer DEFAULT NULL, owner_name text DEFAULT NULL)
 RETURNS text
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
     c flow._commands;
     d flow._definitions;
@@ -1308,7 +1311,7 @@ END $$;
 -- crash restart, has every command it held charged: the conservative side
 -- of rule 3.)
 CREATE OR REPLACE FUNCTION flow._recover() RETURNS integer
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
     lost record;
     concluded integer := 0;
@@ -1359,7 +1362,7 @@ END $$;
 -- the same unfinished runs twice in a round, however large a backlog is.
 CREATE OR REPLACE FUNCTION flow._prune(older_than interval, max_runs integer, after uuid,
     OUT pruned integer, OUT last uuid)
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
     cut timestamptz := now() - older_than;
     hex text := lpad(to_hex((extract(epoch FROM cut) * 1000)::bigint), 12, '0');
@@ -1392,7 +1395,7 @@ END $$;
 -- flow.event_retention bounds. (index _events_name_key is not needed: the
 -- scan is by position, which grows with emitted_at.)
 CREATE OR REPLACE FUNCTION flow._retire_events(older_than interval, max_events integer) RETURNS integer
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
     retired integer;
 BEGIN
@@ -1506,7 +1509,7 @@ $$;
 -- Mark the open waits of one command satisfied by the newest journal entries
 -- and make it due when none is left open.
 CREATE OR REPLACE FUNCTION flow._promote_if_satisfied(command_id uuid) RETURNS void
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 BEGIN
     -- Lock first, check in the next statement: its fresh snapshot sees every
     -- wait satisfied by emitters that committed while we waited for the lock.
@@ -1743,7 +1746,7 @@ END $$;
 -- caller may resolve it. A wrong or stale token is FL013; a command already
 -- settled under this very token is FL017 (double completion).
 CREATE OR REPLACE FUNCTION flow._leased(caller oid, command_id uuid, lease_token uuid) RETURNS flow._commands
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
     c flow._commands;
     owner_ oid;
@@ -1810,7 +1813,7 @@ END $$;
 
 CREATE OR REPLACE FUNCTION flow._claim_external(caller oid, names text[], worker text, max_count integer, lease interval)
 RETURNS SETOF flow.claimed_command
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
     wanted text;
     expired record;
@@ -1908,7 +1911,7 @@ END $$;
 -- 'already_completed' for a second completion under the same token.
 CREATE OR REPLACE FUNCTION flow._complete_many(caller oid, command_ids uuid[], lease_tokens uuid[], results jsonb[])
 RETURNS TABLE (command_id uuid, status text)
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
     bad record;
 BEGIN

@@ -19,7 +19,7 @@ END $$;
 -- (plpgsql, not sql: its plan is cached per session; an sql function called
 -- from plpgsql is planned again on every call, ~70 µs.)
 CREATE FUNCTION flow._lock_runs_of(command_ids uuid[]) RETURNS void
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 BEGIN
     PERFORM 1 FROM flow._runs r
     WHERE r.id IN (SELECT c.run_id FROM flow._commands c WHERE c.id = ANY (command_ids))
@@ -30,7 +30,7 @@ END $$;
 -- false): for work that can wait for a later round, such as concluding an
 -- attempt whose owner is gone.
 CREATE FUNCTION flow._try_lock_run_of(command_id uuid) RETURNS boolean
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 BEGIN
     PERFORM 1 FROM flow._runs r
     WHERE r.id = (SELECT c.run_id FROM flow._commands c WHERE c.id = _try_lock_run_of.command_id)
@@ -44,7 +44,7 @@ END $$;
 -- say, a handler that cancels its own run); its worker's later settlement
 -- finds no lease, or a command that moved on.
 CREATE FUNCTION flow._close_open_commands(run_id uuid, reason text) RETURNS void
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
     interrupted integer;
 BEGIN
@@ -83,7 +83,7 @@ END $$;
 -- skipped, never waited for: its commands are handed back (_release).
 CREATE FUNCTION flow._begin_batch(command_ids uuid[], lease_tokens uuid[])
 RETURNS TABLE (command_id uuid, run_locked boolean)
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
     locked uuid[];
 BEGIN
@@ -103,7 +103,7 @@ END $$;
 -- elsewhere). Takes no run lock and skips a command row locked elsewhere;
 -- returns those still held, so the worker tries again later.
 CREATE FUNCTION flow._release(command_ids uuid[], lease_tokens uuid[]) RETURNS SETOF uuid
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
     released uuid[];
 BEGIN
@@ -137,7 +137,7 @@ END $$;
 CREATE FUNCTION flow._settle_batch(command_ids uuid[], lease_tokens uuid[], results jsonb[],
     handler_started timestamptz[] DEFAULT NULL, held_attempts integer[] DEFAULT NULL, owner_name text DEFAULT NULL)
 RETURNS integer
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
     leased integer;
     held integer;
@@ -228,7 +228,7 @@ CREATE FUNCTION flow._settle_failure(command_id uuid, lease_token uuid, outcome 
     message text, retry_delay interval DEFAULT NULL, handler_started timestamptz DEFAULT NULL,
     held_attempt integer DEFAULT NULL, owner_name text DEFAULT NULL)
 RETURNS text
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
     c flow._commands;
     d flow._definitions;

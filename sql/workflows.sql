@@ -93,7 +93,7 @@ $$;
 -- Mark the open waits of one command satisfied by the newest journal entries
 -- and make it due when none is left open.
 CREATE FUNCTION flow._promote_if_satisfied(command_id uuid) RETURNS void
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 BEGIN
     -- Lock first, check in the next statement: its fresh snapshot sees every
     -- wait satisfied by emitters that committed while we waited for the lock.
