@@ -302,7 +302,14 @@ def main():
             add("flow pickup p99.9 (ms)", p999)
         print("-- once", flush=True)
         add("flow drain, 1,000 pending (jobs/s)", statistics.median(drain(pg, "rust_noop", 1000) for _ in range(3)))
+        # what shares the cores during the large drain (in full runs it has run at a fraction of
+        # the same drain run alone; the cause was not found): the busiest processes, 10 s in
+        busiest = threading.Timer(10, lambda: print("  busiest processes 10 s into that drain:\n    " + "\n    ".join(
+            subprocess.run("top -b -n1 -w 120 | sed -n 7,13p", shell=True, capture_output=True,
+                           text=True).stdout.splitlines()), flush=True))
+        busiest.start()
         add(f"flow drain, {scale_n:,} pending (jobs/s)", drain(pg, "rust_noop", scale_n))
+        busiest.cancel()
         add("flow drain, no snapshot held (jobs/s)", drain(pg, "rust_noop"))
         add("flow drain, a snapshot held (jobs/s)", drain_while(pg, "rust_noop", N_DRAIN, hold_snapshot(pg))[0])
         add("flow external, 4 clients (cmds/s)", external_clients(pg, 4, N_DRAIN))
