@@ -343,6 +343,8 @@ def main():
         ratio = value / against if against else float("nan")
         met = ratio >= target if sense == ">=" else ratio <= target
         print(f"| {what} | {value:,.1f} | {against:,.1f} | {ratio:.2f} | {sense} {target} | {'yes' if met else 'NO'} |")
+    print(f"\nscale against the 20,000-pending drains (the 1,000-pending one is mostly a drain's start): "
+          f"{m[f'flow drain, {scale_n:,} pending (jobs/s)'] / m['flow drain flow.noop (jobs/s)']:.2f}x")
     print(f"\nplain-SQL floor of an in-database engine (../shared/peers/floor/indb.sql, batch 100, 2 sessions): "
           f"{m['plain-SQL floor, 2 sessions (jobs/s)']:,.0f} jobs/s; flow.noop drains at "
           f"{m['flow drain flow.noop (jobs/s)'] / m['plain-SQL floor, 2 sessions (jobs/s)']:.2f}x of it")
