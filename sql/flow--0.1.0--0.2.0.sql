@@ -1131,82 +1131,71 @@ CREATE OR REPLACE FUNCTION flow._settle_batch(command_ids uuid[], lease_tokens u
 RETURNS integer
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
-    leased integer;
-    held integer;
-    leased_runs uuid[];
-    held_runs uuid[];
+    settled integer;
+    other_runs uuid[];
     alone_runs uuid[];
     alone_results jsonb[];
-    held_alone_runs uuid[];
-    held_alone_results jsonb[];
     finished integer;
     more integer;
 BEGIN
-    -- Leased: the lease token must still be the command's.
-    WITH old AS (
+    WITH item AS (
+        SELECT * FROM unnest(command_ids, lease_tokens, results, handler_started, held_attempts)
+                      AS t(id, token, result, started, held)
+    ), old AS (
         SELECT x.id, x.attempts, coalesce(t.started, x.attempt_started_at) AS attempt_started_at, x.lease_owner,
                t.token, t.result
-        FROM flow._commands x
-        JOIN unnest(command_ids, lease_tokens, results, handler_started, held_attempts)
-             AS t(id, token, result, started, held) ON x.id = t.id
+        FROM flow._commands x JOIN item t ON x.id = t.id
         WHERE t.held IS NULL AND x.status = 'running' AND x.lease_token = t.token
-    ), done AS (
+    ), leased_done AS (
+        -- leased: the lease token must still be the command's
         UPDATE flow._commands c SET status = 'succeeded', result = old.result, finished_at = clock_timestamp(),
             lease_token = NULL, lease_owner = NULL, lease_pid = NULL, lease_backend_start = NULL,
             lease_expires_at = NULL, lease_interval = NULL, attempt_started_at = NULL, attempt_deadline = NULL
         FROM old WHERE c.id = old.id
-        RETURNING old.id, old.attempts, old.attempt_started_at, old.lease_owner, old.token, c.run_id, c.result,
-                  -- a root without children: the run's only command (spawned ones descend from it)
-                  c.parent_id IS NULL AND NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = c.id) AS alone
-    ), attempt AS (
-        INSERT INTO flow._attempts (command_id, attempt, lease_token, owner, started_at, finished_at, outcome)
-        SELECT done.id, done.attempts, done.token, done.lease_owner, done.attempt_started_at, clock_timestamp(),
-               'succeeded'
-        FROM done
-    )
-    SELECT count(*), array_agg(done.run_id) FILTER (WHERE NOT done.alone),
-           array_agg(done.run_id) FILTER (WHERE done.alone), array_agg(done.result) FILTER (WHERE done.alone)
-    INTO leased, leased_runs, alone_runs, alone_results FROM done;
-    -- Held (locked by this transaction's claim): the command must not have
-    -- moved on (a cancel in the handler's own transaction); the writes the
-    -- claim of a leased attempt makes are made here.
-    WITH done AS (
+        RETURNING c.id, old.attempts AS attempt, old.token, old.lease_owner AS owner, old.attempt_started_at AS started,
+                  c.run_id, c.result, c.parent_id
+    ), held_done AS (
+        -- held (locked by this transaction's claim): the command must not have
+        -- moved on (a cancel in the handler's own transaction); the writes the
+        -- claim of a leased attempt makes are made here
         UPDATE flow._commands c SET status = 'succeeded', result = t.result, finished_at = clock_timestamp(),
             attempts = t.held,
             budget_started_at = flow._budget_start(c.status, c.attempts, c.next_run_at, c.budget_started_at),
             wait_timed_out = flow._wait_timed_out(c.status, c.wait_timed_out)
-        FROM unnest(command_ids, lease_tokens, results, handler_started, held_attempts)
-             AS t(id, token, result, started, held)
+        FROM item t
         WHERE c.id = t.id AND t.held IS NOT NULL AND c.status IN ('pending', 'waiting') AND c.attempts = t.held - 1
-        RETURNING c.id, t.held, t.token, t.started, c.run_id, c.result,
-                  c.parent_id IS NULL AND NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = c.id) AS alone
+        RETURNING c.id, t.held, t.token, owner_name, t.started, c.run_id, c.result, c.parent_id
+    ), done AS (
+        SELECT d.*,
+               -- a root without children: the run's only command (spawned ones descend from it)
+               d.parent_id IS NULL AND NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = d.id) AS alone
+        FROM (SELECT * FROM leased_done UNION ALL SELECT * FROM held_done) d
     ), attempt AS (
         INSERT INTO flow._attempts (command_id, attempt, lease_token, owner, started_at, finished_at, outcome)
-        SELECT done.id, done.held, done.token, owner_name, done.started, clock_timestamp(), 'succeeded'
+        SELECT done.id, done.attempt, done.token, done.owner, done.started, clock_timestamp(), 'succeeded'
         FROM done
     )
     SELECT count(*), array_agg(done.run_id) FILTER (WHERE NOT done.alone),
            array_agg(done.run_id) FILTER (WHERE done.alone), array_agg(done.result) FILTER (WHERE done.alone)
-    INTO held, held_runs, held_alone_runs, held_alone_results FROM done;
+    INTO settled, other_runs, alone_runs, alone_results FROM done;
     -- The runs whose last command this was: a run of one command at once,
     -- others once none of their commands is unfinished.
     UPDATE flow._runs r SET status = 'succeeded', finished_at = clock_timestamp(), result = t.result
-    FROM unnest(coalesce(alone_runs, '{}') || coalesce(held_alone_runs, '{}'),
-                coalesce(alone_results, '{}') || coalesce(held_alone_results, '{}')) AS t(id, result)
+    FROM unnest(alone_runs, alone_results) AS t(id, result)
     WHERE r.id = t.id AND r.status = 'running';
     GET DIAGNOSTICS finished = ROW_COUNT;
     UPDATE flow._runs r SET status = 'succeeded', finished_at = clock_timestamp(),
         result = (SELECT c.result FROM flow._commands c WHERE c.run_id = r.id AND c.parent_id IS NULL)
-    WHERE r.id = ANY (coalesce(leased_runs, '{}') || coalesce(held_runs, '{}')) AND r.status = 'running'
+    WHERE r.id = ANY (other_runs) AND r.status = 'running'
       AND NOT EXISTS (SELECT 1 FROM flow._commands c WHERE c.run_id = r.id AND c.finished_at IS NULL);
     GET DIAGNOSTICS more = ROW_COUNT;
     finished := finished + more;
-    PERFORM flow._observe('attempts_succeeded', leased + held), flow._observe('runs_succeeded', finished);
+    PERFORM flow._observe('attempts_succeeded', settled), flow._observe('runs_succeeded', finished);
     -- a limited queue may have room now (otherwise nobody is waiting for this)
     IF EXISTS (SELECT 1 FROM flow._queues q WHERE q.concurrency IS NOT NULL) THEN
         PERFORM flow._wake();
     END IF;
-    RETURN leased + held;
+    RETURN settled;
 END $$;
 
 -- Settle a failed attempt and apply the retry policy (rules 5-6). outcome is

@@ -332,6 +332,17 @@ impl ClaimCursor {
             None => self.0.push((queue, due_at, id)),
         }
     }
+
+    /// As flow._claim takes it: queues, due times and ids, one array each.
+    fn columns(&self) -> (Vec<String>, Vec<TimestampWithTimeZone>, Vec<pgrx::Uuid>) {
+        let mut columns = (Vec::new(), Vec::new(), Vec::new());
+        for (queue, at, id) in &self.0 {
+            columns.0.push(queue.clone());
+            columns.1.push(*at);
+            columns.2.push(*id);
+        }
+        columns
+    }
 }
 
 /// Claim up to `max` due commands for this worker process (flow._claim), in
@@ -344,9 +355,10 @@ pub fn claim(
     max: i32,
     turn: i32,
     excluded: Vec<pgrx::Uuid>,
-    after: &ClaimCursor,
+    after: Option<&ClaimCursor>,
 ) -> (Vec<Claimed>, ClaimCursor) {
     gucs::inject_fault("claim");
+    let (after_queues, after_at, after_ids) = after.map(ClaimCursor::columns).unwrap_or_default();
     let fast: Vec<pg_sys::Oid> = FAST_HANDLERS.with(|f| f.borrow().iter().map(|oid| pg_sys::Oid::from(*oid)).collect());
     engine_query(
         "SELECT command_id, run_id, lease_token,
@@ -368,43 +380,45 @@ pub fn claim(
             turn.into(),
             fast.into(),
             excluded.into(),
-            after.0.iter().map(|(queue, _, _)| queue.clone()).collect::<Vec<_>>().into(),
-            after.0.iter().map(|(_, at, _)| *at).collect::<Vec<_>>().into(),
-            after.0.iter().map(|(_, _, id)| *id).collect::<Vec<_>>().into(),
+            after_queues.into(),
+            after_at.into(),
+            after_ids.into(),
         ],
         |rows| {
             let mut cursor = ClaimCursor::default();
             let claimed = rows.map(|row| {
+                let command_id = row.get(1).ok().flatten().expect("command_id");
                 cursor.advance(
                     row.get(23).ok().flatten().expect("queue"),
                     row.get(24).ok().flatten().expect("due_at"),
-                    row.get(1).ok().flatten().expect("command_id"),
+                    command_id,
                 );
                 Claimed {
-                command_id: row.get(1).ok().flatten().expect("command_id"),
-                run_id: row.get(2).ok().flatten().expect("run_id"),
-                lease_token: row.get(3).ok().flatten().expect("lease_token"),
-                hard_deadline: row.get(4).ok().flatten(),
-                timeout_us: row.get(5).ok().flatten(),
-                handler: row.get(6).ok().flatten().expect("handler"),
-                owner: row.get(7).ok().flatten().expect("handler_owner"),
-                args: row.get::<String>(8).ok().flatten().expect("args"),
-                context: row.get::<bool>(12).ok().flatten().unwrap_or(false).then(|| HandlerContext {
-                    run_key: row.get(9).ok().flatten(),
-                    command_key: row.get(13).ok().flatten().expect("command_key"),
-                    name: row.get(14).ok().flatten().expect("name"),
-                    version: row.get(15).ok().flatten().expect("version"),
-                    queue: row.get(16).ok().flatten().expect("queue"),
-                    attempt: row.get(17).ok().flatten().expect("attempt"),
-                    inputs: row.get(18).ok().flatten().expect("inputs"),
-                    wait_timed_out: row.get(19).ok().flatten().expect("wait_timed_out"),
-                    missing: row.get(20).ok().flatten().expect("missing"),
-                    created_at: row.get(21).ok().flatten(),
-                    budget_started_at: row.get(22).ok().flatten(),
-                }),
-                args_type: row.get::<pg_sys::Oid>(10).ok().flatten(),
-                held_attempt: row.get::<i32>(11).ok().flatten(),
-            }})
+                    command_id,
+                    run_id: row.get(2).ok().flatten().expect("run_id"),
+                    lease_token: row.get(3).ok().flatten().expect("lease_token"),
+                    hard_deadline: row.get(4).ok().flatten(),
+                    timeout_us: row.get(5).ok().flatten(),
+                    handler: row.get(6).ok().flatten().expect("handler"),
+                    owner: row.get(7).ok().flatten().expect("handler_owner"),
+                    args: row.get::<String>(8).ok().flatten().expect("args"),
+                    context: row.get::<bool>(12).ok().flatten().unwrap_or(false).then(|| HandlerContext {
+                        run_key: row.get(9).ok().flatten(),
+                        command_key: row.get(13).ok().flatten().expect("command_key"),
+                        name: row.get(14).ok().flatten().expect("name"),
+                        version: row.get(15).ok().flatten().expect("version"),
+                        queue: row.get(16).ok().flatten().expect("queue"),
+                        attempt: row.get(17).ok().flatten().expect("attempt"),
+                        inputs: row.get(18).ok().flatten().expect("inputs"),
+                        wait_timed_out: row.get(19).ok().flatten().expect("wait_timed_out"),
+                        missing: row.get(20).ok().flatten().expect("missing"),
+                        created_at: row.get(21).ok().flatten(),
+                        budget_started_at: row.get(22).ok().flatten(),
+                    }),
+                    args_type: row.get::<pg_sys::Oid>(10).ok().flatten(),
+                    held_attempt: row.get::<i32>(11).ok().flatten(),
+                }
+            })
             .collect();
             (claimed, cursor)
         },

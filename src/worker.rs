@@ -153,10 +153,9 @@ struct Worker {
     prune_after: Option<pgrx::Uuid>,
     /// The last claim came back short of its size (see turn).
     took_all_due: Cell<bool>,
-    /// Where the last full claim ended in each queue, and since when claims
-    /// have taken up from a cursor (None: the next claim starts at the heads).
-    cursor: RefCell<ClaimCursor>,
-    cursor_since: Cell<Option<Instant>>,
+    /// Since when claims have taken up from a cursor, and where the last full
+    /// claim ended in each queue (None: the next claim starts at the heads).
+    cursor: RefCell<Option<(Instant, ClaimCursor)>>,
     /// How many commands the next chunk locks runs for and may run (see run_batch).
     chunk_window: usize,
     /// Until when chunks hold one command each (see ISOLATION_PERIOD).
@@ -184,8 +183,7 @@ impl Worker {
             unreleased: Vec::new(),
             chunk_window: usize::MAX,
             took_all_due: Cell::new(false),
-            cursor: RefCell::new(ClaimCursor::default()),
-            cursor_since: Cell::new(None),
+            cursor: RefCell::new(None),
         }
     }
 
@@ -326,6 +324,9 @@ impl Worker {
         // committed or rolled back: the held attempts are over either way
         attempt_record::clear();
         shmem::set_worker_state(self.index, true, None, 0);
+        if outcome.is_err() {
+            self.forget_cursor();   // its claims rolled back: they are behind it
+        }
         match outcome {
             Ok((count, held, ran, cut, runs, leased)) => {
                 if ran < held {
@@ -341,12 +342,8 @@ impl Worker {
                 Some((count, leased))
             }
             // The claim itself failed (the extension is being changed, ...).
-            Err(_) if entered.get().is_none() => {
-                self.forget_cursor();
-                None
-            }
+            Err(_) if entered.get().is_none() => None,
             Err((message, sqlstate)) => {
-                self.forget_cursor();
                 // A held handler's chunk failed outside the handler. Everything
                 // the transaction did rolled back: the held commands and the
                 // leased claims alike are due again, uncharged.
@@ -561,8 +558,7 @@ impl Worker {
 
     /// The next claim starts at the queues' heads.
     fn forget_cursor(&self) {
-        *self.cursor.borrow_mut() = ClaimCursor::default();
-        self.cursor_since.set(None);
+        self.cursor.take();
     }
 
     fn claim(&self) -> Vec<Claimed> {
@@ -573,19 +569,17 @@ impl Worker {
         // reach are claimed again
         let size = self.claim_size().min(self.chunk_window.min(i32::MAX as usize) as i32).max(1);
         let excluded = attempt_record::held_elsewhere(self.index);
-        if self.cursor_since.get().is_some_and(|since| since.elapsed() >= CURSOR_SPAN) {
-            self.forget_cursor();
-        }
-        let (claimed, ended_at) = executor::claim(&self.name, self.backend_start, size, turn, excluded, &self.cursor.borrow());
+        // where the last full claim ended, for at most CURSOR_SPAN
+        let kept = self.cursor.take().filter(|(since, _)| since.elapsed() < CURSOR_SPAN);
+        let (claimed, ended_at) =
+            executor::claim(&self.name, self.backend_start, size, turn, excluded, kept.as_ref().map(|(_, at)| at));
         let full = claimed.len() >= size as usize;
         if full {
             // more may be due: bring in an idle worker
             shmem::wake_workers();
             // and the next claim takes up from here, while a backlog drains
-            *self.cursor.borrow_mut() = ended_at;
-            self.cursor_since.set(Some(self.cursor_since.get().unwrap_or_else(Instant::now)));
-        } else {
-            self.forget_cursor();
+            let since = kept.map_or_else(Instant::now, |(since, _)| since);
+            self.cursor.replace(Some((since, ended_at)));
         }
         self.took_all_due.set(!full);
         shmem::observe("claims", 1);
