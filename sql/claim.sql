@@ -101,11 +101,18 @@ BEGIN
         FROM flow._queues q LEFT JOIN unnest(after_queues, after_at, after_ids) AS a(queue, at, id) ON a.queue = q.name
         WHERE q.name = ANY (lanes)
     ), candidate AS (
-        SELECT h.id, h.budget_start, l.ord, coalesce(l.unlimited AND h.handler = ANY (fast_handlers), false) AS held,
-               h.cmd, h.handler, h.owner, h.takes_context, h.timeout, h.max_elapsed, h.args_type,
+        -- (the columns each later step needs, not the whole row: a row
+        -- carried as one composite value through the steps below is built,
+        -- copied and taken apart again for every command)
+        SELECT h.id, h.run_id, h.key, h.name, h.version, h.queue, h.args, h.status, h.attempts, h.next_run_at,
+               h.deadline, h.wait_timed_out, h.created_at, h.budget_start, l.ord,
+               coalesce(l.unlimited AND h.handler = ANY (fast_handlers), false) AS held,
+               h.handler, h.owner, h.takes_context, h.timeout, h.max_elapsed, h.args_type,
                row_number() OVER (PARTITION BY l.ord ORDER BY h.next_run_at, h.id) AS rank
         FROM lane l CROSS JOIN LATERAL (
-            SELECT c.id, c.next_run_at, c AS cmd, d.handler::oid AS handler, d.owner::oid AS owner, d.takes_context,
+            SELECT c.id, c.run_id, c.key, c.name, c.version, c.queue, c.args, c.status, c.attempts, c.next_run_at,
+                   c.deadline, c.wait_timed_out, c.created_at,
+                   d.handler::oid AS handler, d.owner::oid AS owner, d.takes_context,
                    d.timeout, d.max_elapsed, d.args_type,
                    flow._budget_start(c.status, c.attempts, c.next_run_at, c.budget_started_at) AS budget_start
             FROM flow._commands c                                   -- index _commands_due
@@ -122,8 +129,7 @@ BEGIN
         WHERE l.room > 0
     ), picked AS (
         -- the interleaving is kept: workers run a batch in claim_order
-        SELECT p.id, p.budget_start, p.held, p.cmd, p.handler, p.owner, p.takes_context, p.timeout, p.max_elapsed,
-               p.args_type,
+        SELECT p.*,
                row_number() OVER (ORDER BY p.rank,
                                   ((p.ord - turn) % cardinality(lanes) + cardinality(lanes)) % cardinality(lanes))::integer
                    AS claim_order
@@ -140,67 +146,56 @@ BEGIN
             lease_pid = owner_pid,
             lease_backend_start = owner_started,
             budget_started_at = p.budget_start,
-            attempt_deadline = least(now() + d.timeout, p.budget_start + d.max_elapsed, c.deadline),
+            attempt_deadline = least(now() + p.timeout, p.budget_start + p.max_elapsed, c.deadline),
             lease_expires_at = CASE WHEN owner_pid IS NULL THEN now() + lease
-                                    ELSE coalesce(least(now() + d.timeout, p.budget_start + d.max_elapsed,
+                                    ELSE coalesce(least(now() + p.timeout, p.budget_start + p.max_elapsed,
                                                         c.deadline), 'infinity') END,
             lease_interval = CASE WHEN owner_pid IS NULL THEN lease END,
             wait_timed_out = flow._wait_timed_out(c.status, c.wait_timed_out)
-        FROM picked p, flow._definitions d
-        WHERE c.id = p.id AND NOT p.held AND d.name = c.name AND d.version = c.version
-        RETURNING c AS cmd, d.handler::oid AS handler_oid, d.owner::oid AS handler_owner, d.takes_context,
-                  d.timeout AS attempt_timeout, least(p.budget_start + d.max_elapsed, c.deadline) AS hard_deadline,
-                  p.claim_order, d.args_type
-    ), held AS (
-        -- locked by `candidate` (the row as it was locked), with their runs
-        -- (a run locked elsewhere, by a cancel or another chunk, leaves its
-        -- command for a later claim)
-        SELECT p.cmd, p.handler AS handler_oid, p.owner AS handler_owner, p.takes_context,
-               p.timeout AS attempt_timeout, least(p.budget_start + p.max_elapsed, (p.cmd).deadline) AS hard_deadline,
-               p.claim_order, p.args_type, p.budget_start,
-               least(now() + p.timeout, p.budget_start + p.max_elapsed, (p.cmd).deadline) AS attempt_deadline
         FROM picked p
-        WHERE p.held
-          AND EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = (p.cmd).run_id FOR UPDATE SKIP LOCKED)
+        WHERE c.id = p.id AND NOT p.held
+        RETURNING p.*, c.attempts AS attempt, c.lease_token, c.lease_expires_at, c.attempt_deadline,
+                  c.attempt_started_at AS started, c.wait_timed_out AS timed_out
     ), handed AS (
         -- the attempt as a leased claim wrote it, or as the held attempt's
-        -- settlement will write it
-        SELECT k.cmd, (k.cmd).attempts AS attempt, (k.cmd).lease_token, (k.cmd).lease_expires_at,
-               (k.cmd).attempt_deadline, (k.cmd).budget_started_at AS budget_start,
-               (k.cmd).attempt_started_at AS started, (k.cmd).wait_timed_out,
-               k.handler_oid, k.handler_owner, k.takes_context, k.attempt_timeout, k.hard_deadline, k.claim_order,
-               k.args_type
-        FROM claimed k
+        -- settlement will write it; held commands were locked by `candidate`,
+        -- here with their runs (a run locked elsewhere, by a cancel or another
+        -- chunk, leaves its command for a later claim)
+        SELECT * FROM claimed
         UNION ALL
-        SELECT k.cmd, (k.cmd).attempts + 1, gen_random_uuid(), NULL, k.attempt_deadline, k.budget_start,
-               now(), flow._wait_timed_out((k.cmd).status, (k.cmd).wait_timed_out),
-               k.handler_oid, k.handler_owner, k.takes_context, k.attempt_timeout, k.hard_deadline, k.claim_order,
-               k.args_type
-        FROM held k
+        SELECT p.*, p.attempts + 1, gen_random_uuid(), NULL,
+               least(now() + p.timeout, p.budget_start + p.max_elapsed, p.deadline), now(),
+               flow._wait_timed_out(p.status, p.wait_timed_out)
+        FROM picked p
+        WHERE p.held
+          AND EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = p.run_id FOR UPDATE SKIP LOCKED)
     )
-    SELECT (h.cmd).id, (h.cmd).run_id, (h.cmd).name, (h.cmd).version, (h.cmd).queue, (h.cmd).args,
+    SELECT h.id, h.run_id, h.name, h.version, h.queue, h.args,
            h.attempt, h.lease_token, h.lease_expires_at, h.attempt_deadline,
-           h.handler_oid, h.handler_owner,
+           h.handler, h.owner,
            -- the context a handler or external worker sees: only for handlers
            -- that take it, and external workers (built here, in one
-           -- expression: a function per command would cost several times more)
-           CASE WHEN h.takes_context OR names IS NOT NULL THEN ROW(
-               (h.cmd).run_id, (SELECT r.key FROM flow._runs r WHERE r.id = (h.cmd).run_id), (h.cmd).id,
-               (h.cmd).key, (h.cmd).name, (h.cmd).version, (h.cmd).queue, h.attempt, h.attempt_deadline,
-               coalesce(waits.inputs, '[]'), h.wait_timed_out, coalesce(waits.missing, '[]'),
-               (h.cmd).created_at, h.budget_start, h.started)::flow.context
+           -- expression: a function per command would cost several times more;
+           -- in a branch of the CASE, so no-context handlers pay nothing for it)
+           CASE WHEN h.takes_context OR names IS NOT NULL THEN (
+               SELECT ROW(h.run_id, (SELECT r.key FROM flow._runs r WHERE r.id = h.run_id), h.id,
+                          h.key, h.name, h.version, h.queue, h.attempt, h.attempt_deadline,
+                          coalesce(waits.inputs, '[]'), h.timed_out, coalesce(waits.missing, '[]'),
+                          h.created_at, h.budget_start, h.started)::flow.context
+               FROM (
+                   -- the command's waits, met and not: by its own entries of
+                   -- _waits_pkey (a filter on event_position alone would walk
+                   -- every open wait)
+                   SELECT jsonb_agg(jsonb_build_object('name', w.name, 'key', w.key, 'payload', e.payload,
+                                                       'position', e.position) ORDER BY w.name, w.key)
+                              FILTER (WHERE w.event_position IS NOT NULL) AS inputs,
+                          jsonb_agg(jsonb_build_object('name', w.name, 'key', w.key) ORDER BY w.name, w.key)
+                              FILTER (WHERE w.event_position IS NULL) AS missing
+                   FROM flow._waits w LEFT JOIN flow._events e ON e.position = w.event_position
+                   WHERE w.command_id = h.id) waits)
            END,
-           h.attempt_timeout, h.hard_deadline, h.claim_order, h.args_type, (h.cmd).next_run_at
-    FROM handed h LEFT JOIN LATERAL (
-        -- the command's waits, met and not: by its own entries of _waits_pkey
-        -- (a filter on event_position alone would walk every open wait)
-        SELECT jsonb_agg(jsonb_build_object('name', w.name, 'key', w.key, 'payload', e.payload,
-                                            'position', e.position) ORDER BY w.name, w.key)
-                   FILTER (WHERE w.event_position IS NOT NULL) AS inputs,
-               jsonb_agg(jsonb_build_object('name', w.name, 'key', w.key) ORDER BY w.name, w.key)
-                   FILTER (WHERE w.event_position IS NULL) AS missing
-        FROM flow._waits w LEFT JOIN flow._events e ON e.position = w.event_position
-        WHERE w.command_id = (h.cmd).id AND (h.takes_context OR names IS NOT NULL)) waits ON true;
+           h.timeout, least(h.budget_start + h.max_elapsed, h.deadline), h.claim_order, h.args_type, h.next_run_at
+    FROM handed h;
 END $$;
 
 -- Milliseconds until the next command becomes due (NULL: none scheduled), so
