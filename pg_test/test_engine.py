@@ -105,6 +105,29 @@ def test_rust_handlers_end_to_end(app):
     assert app.one("SELECT count(*) FROM app.effects WHERE run_key = 'from_run_sql'") == 1
 
 
+def test_a_replaced_handler_runs_its_new_body_whatever_its_language(app):
+    # PL/pgSQL and C handlers are called through fmgr with a call info each
+    # worker keeps; replacing the function must reach every worker's next call
+    app.all("""CREATE FUNCTION app.morph(args jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
+               BEGIN RETURN jsonb_build_object('v', 1); END $$""")
+    name = define(app, "app.morph")
+
+    def results():
+        runs = [enqueue(app, name) for _ in range(6)]
+        return [app.await_run(run, "10s") for run in runs]
+
+    assert results() == [("succeeded", {"v": 1}, None)] * 6
+    app.all("""CREATE OR REPLACE FUNCTION app.morph(args jsonb) RETURNS jsonb LANGUAGE sql
+               AS $$ SELECT jsonb_build_object('v', 2) $$""")
+    assert results() == [("succeeded", {"v": 2}, None)] * 6
+    # a STABLE handler reads through the snapshot the worker gives it
+    app.all("INSERT INTO app.effects (run_key) VALUES ('morph')")
+    app.all("""CREATE OR REPLACE FUNCTION app.morph(args jsonb) RETURNS jsonb LANGUAGE plpgsql STABLE AS $$
+               BEGIN RETURN jsonb_build_object('v', 3, 'seen',
+                   (SELECT count(*) FROM app.effects WHERE run_key = 'morph')); END $$""")
+    assert results() == [("succeeded", {"v": 3, "seen": 1}, None)] * 6
+
+
 def test_run_sql_without_sql_fails_permanently(app):
     sql = define(app, "flow.run_sql")
     run = enqueue(app, sql, '{"nope": 1}')
