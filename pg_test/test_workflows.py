@@ -122,13 +122,14 @@ def test_one_hundred_concurrent_fan_outs(pg):
 
 def test_event_before_the_wait_is_read_from_the_journal(pg):
     key = unique("early")
-    pg.one("SELECT flow.emit('evt', %s, '{\"n\": 1}')", key)
     pg.one("SELECT flow.emit('evt2', %s, '{\"n\": 2}')", key)
+    pg.one("SELECT flow.emit('evt', %s, '{\"n\": 1}')", key)
     run = pg.one("SELECT flow.enqueue('wait_root', jsonb_build_object('key', %s::text, 'within', '1 minute'))", key)
     assert pg.await_run(run, "20s")[0] == "succeeded"
     child = pg.one("SELECT result FROM flow.commands WHERE run_id = %s AND key = 'child'", run)
     assert child["timed_out"] is False and child["missing"] == []
-    assert sorted(i["payload"]["n"] for i in child["inputs"]) == [1, 2]
+    # in (name, key) order, not in the order the events came
+    assert [(i["name"], i["payload"]["n"]) for i in child["inputs"]] == [("evt", 1), ("evt2", 2)]
 
 
 def test_event_after_the_wait_wakes_it(pg):

@@ -185,14 +185,18 @@ BEGIN
                FROM (
                    -- the command's waits, met and not: by its own entries of
                    -- _waits_pkey (a filter on event_position alone would walk
-                   -- every open wait)
-                   SELECT jsonb_agg(jsonb_build_object('name', w.name, 'key', w.key, 'payload', e.payload,
-                                                       'position', e.position) ORDER BY w.name, w.key)
+                   -- every open wait), in that index's order, so the aggregates
+                   -- sort nothing (an ORDER BY in them sets up a sort per
+                   -- command, waits or not)
+                   SELECT jsonb_agg(jsonb_build_object('name', w.name, 'key', w.key, 'payload', w.payload,
+                                                       'position', w.position))
                               FILTER (WHERE w.event_position IS NOT NULL) AS inputs,
-                          jsonb_agg(jsonb_build_object('name', w.name, 'key', w.key) ORDER BY w.name, w.key)
+                          jsonb_agg(jsonb_build_object('name', w.name, 'key', w.key))
                               FILTER (WHERE w.event_position IS NULL) AS missing
-                   FROM flow._waits w LEFT JOIN flow._events e ON e.position = w.event_position
-                   WHERE w.command_id = h.id) waits)
+                   FROM (SELECT w.name, w.key, w.event_position, e.payload, e.position
+                         FROM flow._waits w LEFT JOIN flow._events e ON e.position = w.event_position
+                         WHERE w.command_id = h.id
+                         ORDER BY w.name, w.key) w) waits)
            END,
            h.timeout, least(h.budget_start + h.max_elapsed, h.deadline), h.claim_order, h.args_type, h.next_run_at
     FROM handed h;
