@@ -267,12 +267,18 @@ FROM flow._commands c JOIN flow._runs r ON r.id = c.run_id
 LEFT JOIN flow._held_attempts h ON h.command_id = c.id
 WHERE pg_has_role(current_user, r.owner, 'MEMBER');
 
--- Finished attempts of visible commands, plus the live one of a running command.
+-- Finished attempts of visible commands (a success is its command row: see
+-- sql/schema.sql, _attempts), plus the live one of a running command.
 CREATE VIEW flow.attempts WITH (security_barrier) AS
 SELECT a.command_id, c.run_id, c.name, a.attempt, a.owner, a.started_at, a.finished_at,
        a.finished_at - a.started_at AS duration, a.outcome, a.error_code, a.error_message
 FROM flow._attempts a JOIN flow._commands c ON c.id = a.command_id JOIN flow._runs r ON r.id = c.run_id
 WHERE pg_has_role(current_user, r.owner, 'MEMBER')
+UNION ALL
+SELECT c.id, c.run_id, c.name, c.attempts, c.lease_owner, c.attempt_started_at, c.finished_at,
+       c.finished_at - c.attempt_started_at, 'succeeded', NULL, NULL
+FROM flow._commands c JOIN flow._runs r ON r.id = c.run_id
+WHERE c.status = 'succeeded' AND c.lease_token IS NOT NULL AND pg_has_role(current_user, r.owner, 'MEMBER')
 UNION ALL
 SELECT c.id, c.run_id, c.name, c.attempts, c.lease_owner, c.attempt_started_at, NULL, now() - c.attempt_started_at,
        'running', NULL, NULL
@@ -398,8 +404,14 @@ SELECT c.queue, c.name, count(*) AS attempts,
        percentile_cont(0.5) WITHIN GROUP (ORDER BY a.finished_at - a.started_at) AS p50,
        percentile_cont(0.99) WITHIN GROUP (ORDER BY a.finished_at - a.started_at) AS p99,
        max(a.finished_at - a.started_at) AS max
-FROM flow._attempts a JOIN flow._commands c ON c.id = a.command_id JOIN flow._runs r ON r.id = c.run_id
-WHERE a.finished_at > now() - interval '1 minute' AND pg_has_role(current_user, r.owner, 'MEMBER')
+FROM (SELECT a.command_id, a.outcome, a.started_at, a.finished_at FROM flow._attempts a
+      WHERE a.finished_at > now() - interval '1 minute'
+      UNION ALL
+      -- successes: their command rows (see sql/schema.sql, _attempts)
+      SELECT s.id, 'succeeded', s.attempt_started_at, s.finished_at FROM flow._commands s
+      WHERE s.status = 'succeeded' AND s.lease_token IS NOT NULL AND s.finished_at > now() - interval '1 minute') a
+JOIN flow._commands c ON c.id = a.command_id JOIN flow._runs r ON r.id = c.run_id
+WHERE pg_has_role(current_user, r.owner, 'MEMBER')
 GROUP BY c.queue, c.name;
 
 -- ---------------------------------------------------------------- privileges

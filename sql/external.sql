@@ -1,5 +1,15 @@
 -- External workers: claims with leases, heartbeats and settlements from outside the server.
 
+-- Whether a succeeded command succeeded under lease_token: it keeps the
+-- token of its successful attempt (kept_token); one settled by 0.1.0 has
+-- an attempt row instead.
+CREATE FUNCTION flow._succeeded_under(command_id uuid, kept_token uuid, lease_token uuid) RETURNS boolean
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT coalesce(kept_token = lease_token, false)
+        OR EXISTS (SELECT 1 FROM flow._attempts a WHERE a.command_id = _succeeded_under.command_id
+                   AND a.lease_token = _succeeded_under.lease_token AND a.outcome = 'succeeded')
+$$;
+
 -- The running command behind an external lease, locked, after checking the
 -- caller may resolve it. A wrong or stale token is FL013; a command already
 -- settled under this very token is FL017 (double completion).
@@ -28,8 +38,7 @@ BEGIN
         END IF;
         RETURN c;
     END IF;
-    IF EXISTS (SELECT 1 FROM flow._attempts a WHERE a.command_id = _leased.command_id
-               AND a.lease_token = _leased.lease_token AND a.outcome = 'succeeded') THEN
+    IF c.status = 'succeeded' AND flow._succeeded_under(c.id, c.lease_token, _leased.lease_token) THEN
         RAISE EXCEPTION 'flow: command % was already completed under this lease', command_id
             USING ERRCODE = 'FL017';
     END IF;
@@ -58,6 +67,10 @@ BEGIN
     IF c.status = 'running' AND c.lease_token = _resolve.lease_token AND c.lease_pid IS NULL THEN
         RETURN QUERY SELECT CASE WHEN c.lease_expires_at >= now() THEN 'held' ELSE 'expired' END, NULL::text,
                             c.lease_expires_at;
+        RETURN;
+    END IF;
+    IF c.status = 'succeeded' AND flow._succeeded_under(c.id, c.lease_token, _resolve.lease_token) THEN
+        RETURN QUERY SELECT 'concluded', 'succeeded', NULL::timestamptz;
         RETURN;
     END IF;
     SELECT a.outcome INTO concluded FROM flow._attempts a
@@ -196,7 +209,8 @@ BEGIN
     WITH item AS (
         SELECT t.id, t.token, t.result,
                (c.status = 'running' AND c.lease_token = t.token AND c.lease_pid IS NULL
-                AND c.lease_expires_at >= now()) AS held
+                AND c.lease_expires_at >= now()) AS held,
+               c.status = 'succeeded' AS succeeded, c.lease_token AS kept_token
         FROM unnest(command_ids, lease_tokens, coalesce(results, array_fill(NULL::jsonb,
                     ARRAY[cardinality(command_ids)]))) AS t(id, token, result)
         JOIN flow._commands c ON c.id = t.id
@@ -206,8 +220,7 @@ BEGIN
     )
     SELECT i.id,
            CASE WHEN i.held THEN 'succeeded'
-                WHEN EXISTS (SELECT 1 FROM flow._attempts a WHERE a.command_id = i.id AND a.lease_token = i.token
-                             AND a.outcome = 'succeeded') THEN 'already_completed'
+                WHEN i.succeeded AND flow._succeeded_under(i.id, i.kept_token, i.token) THEN 'already_completed'
                 ELSE 'lease_lost' END
     FROM item i, settled;
 END $$;

@@ -82,6 +82,14 @@ ALTER TABLE flow._attempts DROP CONSTRAINT _attempts_command_id_fkey;
 ALTER TABLE flow._waits DROP CONSTRAINT _waits_command_id_fkey;
 -- Commands say whether external workers run them; the claim index keeps the
 -- two kinds apart (see sql/schema.sql).
+-- A succeeded command keeps its successful attempt on its row (see
+-- sql/schema.sql, _attempts): the two checks that only a running command has
+-- a lease token and an attempt start are widened, under their old names.
+ALTER TABLE flow._commands DROP CONSTRAINT _commands_check, DROP CONSTRAINT _commands_check2,
+    ADD CONSTRAINT _commands_check CHECK (CASE status WHEN 'running' THEN lease_token IS NOT NULL
+                                                      WHEN 'succeeded' THEN true ELSE lease_token IS NULL END),
+    ADD CONSTRAINT _commands_check2 CHECK (CASE status WHEN 'running' THEN attempt_started_at IS NOT NULL
+                                                       WHEN 'succeeded' THEN true ELSE attempt_started_at IS NULL END);
 ALTER TABLE flow._commands ADD COLUMN external boolean NOT NULL DEFAULT false;
 UPDATE flow._commands c SET external = true
 FROM flow._definitions d WHERE d.name = c.name AND d.version = c.version AND d.handler IS NULL;
@@ -1118,7 +1126,8 @@ BEGIN
 END $$;
 
 -- Settle successful attempts in three set-based statements: a worker chunk's,
--- or one external completion. The caller holds their runs' locks
+-- or one external completion. A succeeded command is the record of its
+-- successful attempt (see sql/schema.sql, _attempts). The caller holds their runs' locks
 -- (_lock_runs_of). Returns how many settled.
 -- handler_started: when each handler started (in-database workers; NULL:
 -- the attempt started at its claim), so an attempt's duration is its own.
@@ -1140,39 +1149,33 @@ BEGIN
     WITH item AS (
         SELECT * FROM unnest(command_ids, lease_tokens, results, handler_started, held_attempts)
                       AS t(id, token, result, started, held)
-    ), old AS (
-        SELECT x.id, x.attempts, coalesce(t.started, x.attempt_started_at) AS attempt_started_at, x.lease_owner,
-               t.token, t.result
-        FROM flow._commands x JOIN item t ON x.id = t.id
-        WHERE t.held IS NULL AND x.status = 'running' AND x.lease_token = t.token
     ), leased_done AS (
-        -- leased: the lease token must still be the command's
-        UPDATE flow._commands c SET status = 'succeeded', result = old.result, finished_at = clock_timestamp(),
-            lease_token = NULL, lease_owner = NULL, lease_pid = NULL, lease_backend_start = NULL,
-            lease_expires_at = NULL, lease_interval = NULL, attempt_started_at = NULL, attempt_deadline = NULL
-        FROM old WHERE c.id = old.id
-        RETURNING c.id, old.attempts AS attempt, old.token, old.lease_owner AS owner, old.attempt_started_at AS started,
-                  c.run_id, c.result, c.parent_id
+        -- leased: the lease token must still be the command's. The command
+        -- keeps the token, owner and start of its successful attempt: that is
+        -- the attempt's record (no _attempts row; see sql/schema.sql).
+        UPDATE flow._commands c SET status = 'succeeded', result = t.result, finished_at = clock_timestamp(),
+            attempt_started_at = coalesce(t.started, c.attempt_started_at),
+            lease_pid = NULL, lease_backend_start = NULL, lease_expires_at = NULL, lease_interval = NULL,
+            attempt_deadline = NULL
+        FROM item t
+        WHERE c.id = t.id AND t.held IS NULL AND c.status = 'running' AND c.lease_token = t.token
+        RETURNING c.id, c.run_id, c.result, c.parent_id
     ), held_done AS (
         -- held (locked by this transaction's claim): the command must not have
         -- moved on (a cancel in the handler's own transaction); the writes the
-        -- claim of a leased attempt makes are made here
+        -- claim of a leased attempt makes are made here, with the attempt's record
         UPDATE flow._commands c SET status = 'succeeded', result = t.result, finished_at = clock_timestamp(),
-            attempts = t.held,
+            attempts = t.held, lease_token = t.token, lease_owner = owner_name, attempt_started_at = t.started,
             budget_started_at = flow._budget_start(c.status, c.attempts, c.next_run_at, c.budget_started_at),
             wait_timed_out = flow._wait_timed_out(c.status, c.wait_timed_out)
         FROM item t
         WHERE c.id = t.id AND t.held IS NOT NULL AND c.status IN ('pending', 'waiting') AND c.attempts = t.held - 1
-        RETURNING c.id, t.held, t.token, owner_name, t.started, c.run_id, c.result, c.parent_id
+        RETURNING c.id, c.run_id, c.result, c.parent_id
     ), done AS (
         SELECT d.*,
                -- a root without children: the run's only command (spawned ones descend from it)
                d.parent_id IS NULL AND NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = d.id) AS alone
         FROM (SELECT * FROM leased_done UNION ALL SELECT * FROM held_done) d
-    ), attempt AS (
-        INSERT INTO flow._attempts (command_id, attempt, lease_token, owner, started_at, finished_at, outcome)
-        SELECT done.id, done.attempt, done.token, done.owner, done.started, clock_timestamp(), 'succeeded'
-        FROM done
     )
     SELECT count(*), array_agg(done.run_id) FILTER (WHERE NOT done.alone),
            array_agg(done.run_id) FILTER (WHERE done.alone), array_agg(done.result) FILTER (WHERE done.alone)
@@ -1730,6 +1733,16 @@ END $$;
 
 -- External workers: claims with leases, heartbeats and settlements from outside the server.
 
+-- Whether a succeeded command succeeded under lease_token: it keeps the
+-- token of its successful attempt (kept_token); one settled by 0.1.0 has
+-- an attempt row instead.
+CREATE OR REPLACE FUNCTION flow._succeeded_under(command_id uuid, kept_token uuid, lease_token uuid) RETURNS boolean
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT coalesce(kept_token = lease_token, false)
+        OR EXISTS (SELECT 1 FROM flow._attempts a WHERE a.command_id = _succeeded_under.command_id
+                   AND a.lease_token = _succeeded_under.lease_token AND a.outcome = 'succeeded')
+$$;
+
 -- The running command behind an external lease, locked, after checking the
 -- caller may resolve it. A wrong or stale token is FL013; a command already
 -- settled under this very token is FL017 (double completion).
@@ -1758,8 +1771,7 @@ BEGIN
         END IF;
         RETURN c;
     END IF;
-    IF EXISTS (SELECT 1 FROM flow._attempts a WHERE a.command_id = _leased.command_id
-               AND a.lease_token = _leased.lease_token AND a.outcome = 'succeeded') THEN
+    IF c.status = 'succeeded' AND flow._succeeded_under(c.id, c.lease_token, _leased.lease_token) THEN
         RAISE EXCEPTION 'flow: command % was already completed under this lease', command_id
             USING ERRCODE = 'FL017';
     END IF;
@@ -1788,6 +1800,10 @@ BEGIN
     IF c.status = 'running' AND c.lease_token = _resolve.lease_token AND c.lease_pid IS NULL THEN
         RETURN QUERY SELECT CASE WHEN c.lease_expires_at >= now() THEN 'held' ELSE 'expired' END, NULL::text,
                             c.lease_expires_at;
+        RETURN;
+    END IF;
+    IF c.status = 'succeeded' AND flow._succeeded_under(c.id, c.lease_token, _resolve.lease_token) THEN
+        RETURN QUERY SELECT 'concluded', 'succeeded', NULL::timestamptz;
         RETURN;
     END IF;
     SELECT a.outcome INTO concluded FROM flow._attempts a
@@ -1926,7 +1942,8 @@ BEGIN
     WITH item AS (
         SELECT t.id, t.token, t.result,
                (c.status = 'running' AND c.lease_token = t.token AND c.lease_pid IS NULL
-                AND c.lease_expires_at >= now()) AS held
+                AND c.lease_expires_at >= now()) AS held,
+               c.status = 'succeeded' AS succeeded, c.lease_token AS kept_token
         FROM unnest(command_ids, lease_tokens, coalesce(results, array_fill(NULL::jsonb,
                     ARRAY[cardinality(command_ids)]))) AS t(id, token, result)
         JOIN flow._commands c ON c.id = t.id
@@ -1936,8 +1953,7 @@ BEGIN
     )
     SELECT i.id,
            CASE WHEN i.held THEN 'succeeded'
-                WHEN EXISTS (SELECT 1 FROM flow._attempts a WHERE a.command_id = i.id AND a.lease_token = i.token
-                             AND a.outcome = 'succeeded') THEN 'already_completed'
+                WHEN i.succeeded AND flow._succeeded_under(i.id, i.kept_token, i.token) THEN 'already_completed'
                 ELSE 'lease_lost' END
     FROM item i, settled;
 END $$;
@@ -2403,12 +2419,18 @@ FROM flow._commands c JOIN flow._runs r ON r.id = c.run_id
 LEFT JOIN flow._held_attempts h ON h.command_id = c.id
 WHERE pg_has_role(current_user, r.owner, 'MEMBER');
 
--- Finished attempts of visible commands, plus the live one of a running command.
+-- Finished attempts of visible commands (a success is its command row: see
+-- sql/schema.sql, _attempts), plus the live one of a running command.
 CREATE OR REPLACE VIEW flow.attempts WITH (security_barrier) AS
 SELECT a.command_id, c.run_id, c.name, a.attempt, a.owner, a.started_at, a.finished_at,
        a.finished_at - a.started_at AS duration, a.outcome, a.error_code, a.error_message
 FROM flow._attempts a JOIN flow._commands c ON c.id = a.command_id JOIN flow._runs r ON r.id = c.run_id
 WHERE pg_has_role(current_user, r.owner, 'MEMBER')
+UNION ALL
+SELECT c.id, c.run_id, c.name, c.attempts, c.lease_owner, c.attempt_started_at, c.finished_at,
+       c.finished_at - c.attempt_started_at, 'succeeded', NULL, NULL
+FROM flow._commands c JOIN flow._runs r ON r.id = c.run_id
+WHERE c.status = 'succeeded' AND c.lease_token IS NOT NULL AND pg_has_role(current_user, r.owner, 'MEMBER')
 UNION ALL
 SELECT c.id, c.run_id, c.name, c.attempts, c.lease_owner, c.attempt_started_at, NULL, now() - c.attempt_started_at,
        'running', NULL, NULL
@@ -2534,8 +2556,14 @@ SELECT c.queue, c.name, count(*) AS attempts,
        percentile_cont(0.5) WITHIN GROUP (ORDER BY a.finished_at - a.started_at) AS p50,
        percentile_cont(0.99) WITHIN GROUP (ORDER BY a.finished_at - a.started_at) AS p99,
        max(a.finished_at - a.started_at) AS max
-FROM flow._attempts a JOIN flow._commands c ON c.id = a.command_id JOIN flow._runs r ON r.id = c.run_id
-WHERE a.finished_at > now() - interval '1 minute' AND pg_has_role(current_user, r.owner, 'MEMBER')
+FROM (SELECT a.command_id, a.outcome, a.started_at, a.finished_at FROM flow._attempts a
+      WHERE a.finished_at > now() - interval '1 minute'
+      UNION ALL
+      -- successes: their command rows (see sql/schema.sql, _attempts)
+      SELECT s.id, 'succeeded', s.attempt_started_at, s.finished_at FROM flow._commands s
+      WHERE s.status = 'succeeded' AND s.lease_token IS NOT NULL AND s.finished_at > now() - interval '1 minute') a
+JOIN flow._commands c ON c.id = a.command_id JOIN flow._runs r ON r.id = c.run_id
+WHERE pg_has_role(current_user, r.owner, 'MEMBER')
 GROUP BY c.queue, c.name;
 
 -- ---------------------------------------------------------------- privileges

@@ -163,7 +163,8 @@ CREATE TABLE flow._commands (
     budget_started_at timestamptz NOT NULL,  -- max_elapsed counts from here
     deadline          timestamptz,           -- the run's deadline, copied for the claim path
     attempts          integer NOT NULL DEFAULT 0 CHECK (attempts >= 0),
-    -- the live lease (status = 'running' only)
+    -- the live lease (status = 'running'); a succeeded command keeps the
+    -- token, owner and start of its successful attempt (see _attempts)
     attempt_started_at timestamptz,
     lease_token       uuid,
     lease_owner       text,
@@ -183,9 +184,11 @@ CREATE TABLE flow._commands (
     lease_interval    interval,              -- an external lease's length: what a heartbeat extends by
     external          boolean NOT NULL DEFAULT false,  -- its definition has no handler: external workers run it
     UNIQUE (run_id, key),
-    CHECK ((status = 'running') = (lease_token IS NOT NULL)),
+    CHECK (CASE status WHEN 'running' THEN lease_token IS NOT NULL WHEN 'succeeded' THEN true
+                       ELSE lease_token IS NULL END),
     CHECK ((status = 'running') = (lease_expires_at IS NOT NULL)),
-    CHECK ((status = 'running') = (attempt_started_at IS NOT NULL)),
+    CHECK (CASE status WHEN 'running' THEN attempt_started_at IS NOT NULL WHEN 'succeeded' THEN true
+                       ELSE attempt_started_at IS NULL END),
     CHECK (lease_pid IS NULL OR status = 'running'),
     CHECK ((status IN ('succeeded', 'failed', 'cancelled', 'expired')) = (finished_at IS NOT NULL)),
     CHECK (status = 'succeeded' OR result IS NULL),
@@ -202,7 +205,12 @@ CREATE INDEX _commands_due ON flow._commands (queue, external, next_run_at, id)
 CREATE INDEX _commands_running ON flow._commands (queue, lease_expires_at) WHERE status = 'running';
 CREATE INDEX _commands_parent ON flow._commands (parent_id) WHERE parent_id IS NOT NULL;
 
--- One row per finished attempt (the live one is on the command row).
+-- One row per finished attempt, but for a success: a succeeded command keeps
+-- its successful attempt on its own row (lease_token, lease_owner,
+-- attempt_started_at, finished_at; the views show it as an attempt), which
+-- spares every success a row and an index entry here. (Successes settled by
+-- 0.1.0 have their row here, and no lease_token on the command.) The live
+-- attempt is on the command row too.
 CREATE TABLE flow._attempts (
     command_id   uuid NOT NULL,
     attempt      integer NOT NULL CHECK (attempt >= 1),

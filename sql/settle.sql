@@ -127,7 +127,8 @@ BEGIN
 END $$;
 
 -- Settle successful attempts in three set-based statements: a worker chunk's,
--- or one external completion. The caller holds their runs' locks
+-- or one external completion. A succeeded command is the record of its
+-- successful attempt (see sql/schema.sql, _attempts). The caller holds their runs' locks
 -- (_lock_runs_of). Returns how many settled.
 -- handler_started: when each handler started (in-database workers; NULL:
 -- the attempt started at its claim), so an attempt's duration is its own.
@@ -149,39 +150,33 @@ BEGIN
     WITH item AS (
         SELECT * FROM unnest(command_ids, lease_tokens, results, handler_started, held_attempts)
                       AS t(id, token, result, started, held)
-    ), old AS (
-        SELECT x.id, x.attempts, coalesce(t.started, x.attempt_started_at) AS attempt_started_at, x.lease_owner,
-               t.token, t.result
-        FROM flow._commands x JOIN item t ON x.id = t.id
-        WHERE t.held IS NULL AND x.status = 'running' AND x.lease_token = t.token
     ), leased_done AS (
-        -- leased: the lease token must still be the command's
-        UPDATE flow._commands c SET status = 'succeeded', result = old.result, finished_at = clock_timestamp(),
-            lease_token = NULL, lease_owner = NULL, lease_pid = NULL, lease_backend_start = NULL,
-            lease_expires_at = NULL, lease_interval = NULL, attempt_started_at = NULL, attempt_deadline = NULL
-        FROM old WHERE c.id = old.id
-        RETURNING c.id, old.attempts AS attempt, old.token, old.lease_owner AS owner, old.attempt_started_at AS started,
-                  c.run_id, c.result, c.parent_id
+        -- leased: the lease token must still be the command's. The command
+        -- keeps the token, owner and start of its successful attempt: that is
+        -- the attempt's record (no _attempts row; see sql/schema.sql).
+        UPDATE flow._commands c SET status = 'succeeded', result = t.result, finished_at = clock_timestamp(),
+            attempt_started_at = coalesce(t.started, c.attempt_started_at),
+            lease_pid = NULL, lease_backend_start = NULL, lease_expires_at = NULL, lease_interval = NULL,
+            attempt_deadline = NULL
+        FROM item t
+        WHERE c.id = t.id AND t.held IS NULL AND c.status = 'running' AND c.lease_token = t.token
+        RETURNING c.id, c.run_id, c.result, c.parent_id
     ), held_done AS (
         -- held (locked by this transaction's claim): the command must not have
         -- moved on (a cancel in the handler's own transaction); the writes the
-        -- claim of a leased attempt makes are made here
+        -- claim of a leased attempt makes are made here, with the attempt's record
         UPDATE flow._commands c SET status = 'succeeded', result = t.result, finished_at = clock_timestamp(),
-            attempts = t.held,
+            attempts = t.held, lease_token = t.token, lease_owner = owner_name, attempt_started_at = t.started,
             budget_started_at = flow._budget_start(c.status, c.attempts, c.next_run_at, c.budget_started_at),
             wait_timed_out = flow._wait_timed_out(c.status, c.wait_timed_out)
         FROM item t
         WHERE c.id = t.id AND t.held IS NOT NULL AND c.status IN ('pending', 'waiting') AND c.attempts = t.held - 1
-        RETURNING c.id, t.held, t.token, owner_name, t.started, c.run_id, c.result, c.parent_id
+        RETURNING c.id, c.run_id, c.result, c.parent_id
     ), done AS (
         SELECT d.*,
                -- a root without children: the run's only command (spawned ones descend from it)
                d.parent_id IS NULL AND NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = d.id) AS alone
         FROM (SELECT * FROM leased_done UNION ALL SELECT * FROM held_done) d
-    ), attempt AS (
-        INSERT INTO flow._attempts (command_id, attempt, lease_token, owner, started_at, finished_at, outcome)
-        SELECT done.id, done.attempt, done.token, done.owner, done.started, clock_timestamp(), 'succeeded'
-        FROM done
     )
     SELECT count(*), array_agg(done.run_id) FILTER (WHERE NOT done.alone),
            array_agg(done.run_id) FILTER (WHERE done.alone), array_agg(done.result) FILTER (WHERE done.alone)

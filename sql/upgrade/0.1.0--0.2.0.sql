@@ -78,6 +78,14 @@ ALTER TABLE flow._attempts DROP CONSTRAINT _attempts_command_id_fkey;
 ALTER TABLE flow._waits DROP CONSTRAINT _waits_command_id_fkey;
 -- Commands say whether external workers run them; the claim index keeps the
 -- two kinds apart (see sql/schema.sql).
+-- A succeeded command keeps its successful attempt on its row (see
+-- sql/schema.sql, _attempts): the two checks that only a running command has
+-- a lease token and an attempt start are widened, under their old names.
+ALTER TABLE flow._commands DROP CONSTRAINT _commands_check, DROP CONSTRAINT _commands_check2,
+    ADD CONSTRAINT _commands_check CHECK (CASE status WHEN 'running' THEN lease_token IS NOT NULL
+                                                      WHEN 'succeeded' THEN true ELSE lease_token IS NULL END),
+    ADD CONSTRAINT _commands_check2 CHECK (CASE status WHEN 'running' THEN attempt_started_at IS NOT NULL
+                                                       WHEN 'succeeded' THEN true ELSE attempt_started_at IS NULL END);
 ALTER TABLE flow._commands ADD COLUMN external boolean NOT NULL DEFAULT false;
 UPDATE flow._commands c SET external = true
 FROM flow._definitions d WHERE d.name = c.name AND d.version = c.version AND d.handler IS NULL;
