@@ -86,24 +86,57 @@ def finished_count(c):
     return c.execute("SELECT sum(value) FROM flow.stats WHERE name IN ('runs_succeeded', 'runs_failed')").fetchone()[0]
 
 
-def drain(pg, name, n=None):
-    """Drain n pre-enqueued runs of `name`; returns jobs/s."""
+def drain(pg, name, n=None, watch=None):
+    """Drain n pre-enqueued runs of `name`; returns jobs/s. `watch(finished)`,
+    if given, runs beside the drain from its start (finished(): runs done)."""
     n = n or N_DRAIN
     with pg.connect() as c:
         enqueue_paused(c, name, n)
         c.execute("CHECKPOINT")
         before = finished_count(c)
+        stop = threading.Event()
+        watcher = watch and threading.Thread(target=watch, args=(lambda: finished_count(c) - before, stop))
         t0 = time.perf_counter()
         c.execute("SELECT flow.set_queue('drain', paused => false)")
+        if watcher:
+            watcher.start()
         while finished_count(c) - before < n:
             time.sleep(0.01)
         elapsed = time.perf_counter() - t0
+        if watcher:
+            stop.set()
+            watcher.join()
         assert c.execute("SELECT count(*) FROM flow._runs WHERE status = 'succeeded'").fetchone()[0] == n
         c.execute("TRUNCATE flow._runs, flow._commands, flow._attempts, flow._waits")
         c.execute("TRUNCATE bench.sink")
         c.execute("VACUUM ANALYZE flow._commands")
         c.execute("CHECKPOINT")   # the next measurement does not pay for this one's dirty pages
     return n / elapsed
+
+
+def watch_drain(pg):
+    """A `watch` for drain(): every 5 s, the runs finished in those 5 s, what the
+    workers wait for, checkpoints so far and autovacuum workers at work; the
+    busiest processes 10 s in."""
+    def watch(finished, stop):
+        with pg.connect() as c:
+            t0, last, tick = time.perf_counter(), 0, 0
+            while not stop.wait(5):
+                tick += 1
+                done = finished()
+                waits = c.execute("SELECT string_agg(coalesce(wait_event_type || ':' || wait_event, 'cpu'), ' ')"
+                                  " FROM pg_stat_activity WHERE backend_type = 'flow worker'").fetchone()[0]
+                vacuum = c.execute("SELECT string_agg(substring(query from 'flow\\.\\w+'), ' ')"
+                                   " FROM pg_stat_activity WHERE backend_type = 'autovacuum worker'").fetchone()[0]
+                checkpoints = c.execute("SELECT checkpoints_timed + checkpoints_req FROM pg_stat_bgwriter").fetchone()[0]
+                print(f"    {time.perf_counter() - t0:5.0f} s  {done:>9,} done  {(done - last) / 5:>8,.0f}/s  "
+                      f"workers: {waits}  checkpoints: {checkpoints}  autovacuum: {vacuum or '-'}", flush=True)
+                last = done
+                if tick == 2:
+                    print("    busiest processes:\n      " + "\n      ".join(subprocess.run(
+                        "top -b -n1 -w 120 | sed -n 7,12p", shell=True, capture_output=True,
+                        text=True).stdout.splitlines()), flush=True)
+    return watch
 
 
 def drain_while(pg, name, n, side):
@@ -302,14 +335,10 @@ def main():
             add("flow pickup p99.9 (ms)", p999)
         print("-- once", flush=True)
         add("flow drain, 1,000 pending (jobs/s)", statistics.median(drain(pg, "rust_noop", 1000) for _ in range(3)))
-        # what shares the cores during the large drain (in full runs it has run at a fraction of
-        # the same drain run alone; the cause was not found): the busiest processes, 10 s in
-        busiest = threading.Timer(10, lambda: print("  busiest processes 10 s into that drain:\n    " + "\n    ".join(
-            subprocess.run("top -b -n1 -w 120 | sed -n 7,13p", shell=True, capture_output=True,
-                           text=True).stdout.splitlines()), flush=True))
-        busiest.start()
-        add(f"flow drain, {scale_n:,} pending (jobs/s)", drain(pg, "rust_noop", scale_n))
-        busiest.cancel()
+        # the large drain has run at a fifth of the 20,000-pending drains in some full runs and
+        # not in others (cause not found): its progress, what the workers wait for and what
+        # else runs, every 5 s
+        add(f"flow drain, {scale_n:,} pending (jobs/s)", drain(pg, "rust_noop", scale_n, watch=watch_drain(pg)))
         add("flow drain, no snapshot held (jobs/s)", drain(pg, "rust_noop"))
         add("flow drain, a snapshot held (jobs/s)", drain_while(pg, "rust_noop", N_DRAIN, hold_snapshot(pg))[0])
         add("flow external, 4 clients (cmds/s)", external_clients(pg, 4, N_DRAIN))

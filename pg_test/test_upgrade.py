@@ -117,6 +117,14 @@ def test_the_previous_release_updates_in_place(pg):
         assert pg.await_run(run)[0] == "succeeded"
     pg.one("SELECT flow.complete(%s, %s, '{\"late\": true}')", open_id, open_token)
     assert pg.await_run(open_run)[0] == "succeeded"
+    # a success is known by its lease whichever release settled it (the old one
+    # wrote an attempt row, the new one keeps the token on the command): a second
+    # completion is a double completion, and each shows one succeeded attempt
+    for done_id, done_token in ((ok_id, ok_token), (open_id, open_token)):
+        assert pg.sqlstate("SELECT flow.complete(%s, %s)", done_id, done_token) == "FL017"
+        assert pg.all("SELECT state, outcome FROM flow.resolve(%s, %s)", done_id, done_token) == \
+            [("concluded", "succeeded")]
+        assert pg.all("SELECT outcome FROM flow.attempts WHERE command_id = %s", done_id) == [("succeeded",)]
     pg.one("SELECT flow.emit('go', 'child')")
     assert pg.await_run(ok_run)[0] == "succeeded"
     assert pg.await_run(bad_run)[0] == "failed"
