@@ -44,7 +44,9 @@ from conftest import Cluster  # noqa: E402
 PEERS = ROOT.parent / "shared" / "peers"
 N_DRAIN = int(os.environ.get("FLOW_BENCH_DRAIN", 20000))
 N_LATENCY = int(os.environ.get("FLOW_BENCH_LATENCY", 500))
-SETTINGS = ["shared_buffers = '1GB'", "synchronous_commit = on", "max_wal_size = '1GB'", "max_connections = 100"]
+SETTINGS = ["shared_buffers = '1GB'", "synchronous_commit = on", "max_wal_size = '1GB'", "max_connections = 100",
+            # loaded, tracking nothing but while the large drain is watched (watch_drain)
+            "shared_preload_libraries = 'flow,pg_stat_statements'", "pg_stat_statements.track = none"]
 
 
 def start(workers):
@@ -116,26 +118,42 @@ def drain(pg, name, n=None, watch=None):
 
 def watch_drain(pg):
     """A `watch` for drain(): every 5 s, the runs finished in those 5 s, what the
-    workers wait for, checkpoints so far and autovacuum workers at work; the
-    busiest processes 10 s in."""
+    workers do (their batch) and wait for, checkpoints so far and autovacuum
+    workers at work; the busiest processes 10 s in; and after 5 s that finished
+    fewer than 1,000 runs, the statements that took the time (pg_stat_statements,
+    tracking only while this watch runs)."""
     def watch(finished, stop):
         with pg.connect() as c:
+            c.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+            c.execute("ALTER SYSTEM SET pg_stat_statements.track = 'all'")
+            c.execute("SELECT pg_reload_conf()")
+            c.execute("SELECT pg_stat_statements_reset()")
             t0, last, tick = time.perf_counter(), 0, 0
             while not stop.wait(5):
                 tick += 1
                 done = finished()
-                waits = c.execute("SELECT string_agg(coalesce(wait_event_type || ':' || wait_event, 'cpu'), ' ')"
+                waits = c.execute("SELECT string_agg(coalesce(wait_event_type || ':' || wait_event, 'cpu')"
+                                  " || ' ' || left(query, 40), ' | ')"
                                   " FROM pg_stat_activity WHERE backend_type = 'flow worker'").fetchone()[0]
                 vacuum = c.execute("SELECT string_agg(substring(query from 'flow\\.\\w+'), ' ')"
                                    " FROM pg_stat_activity WHERE backend_type = 'autovacuum worker'").fetchone()[0]
                 checkpoints = c.execute("SELECT checkpoints_timed + checkpoints_req FROM pg_stat_bgwriter").fetchone()[0]
                 print(f"    {time.perf_counter() - t0:5.0f} s  {done:>9,} done  {(done - last) / 5:>8,.0f}/s  "
                       f"workers: {waits}  checkpoints: {checkpoints}  autovacuum: {vacuum or '-'}", flush=True)
+                if done - last < 1000:
+                    print("    statements since the last look:\n      " + "\n      ".join(
+                        f"{r[0]:>8,.0f} ms {r[1]:>6} calls {r[2]:>8,.1f} rows/call  {r[3]}" for r in c.execute(
+                            "SELECT total_exec_time, calls, rows::float / calls,"
+                            " left(regexp_replace(query, '\\s+', ' ', 'g'), 120) FROM pg_stat_statements"
+                            " ORDER BY total_exec_time DESC LIMIT 6").fetchall()), flush=True)
+                c.execute("SELECT pg_stat_statements_reset()")
                 last = done
                 if tick == 2:
                     print("    busiest processes:\n      " + "\n      ".join(subprocess.run(
                         "top -b -n1 -w 120 | sed -n 7,12p", shell=True, capture_output=True,
                         text=True).stdout.splitlines()), flush=True)
+            c.execute("ALTER SYSTEM RESET pg_stat_statements.track")
+            c.execute("SELECT pg_reload_conf()")
     return watch
 
 
