@@ -75,6 +75,43 @@ def test_plans_cached_on_an_empty_table_stay_index_driven_through_a_burst(pg):
     assert pg.one("SELECT count(*) FROM flow.runs WHERE name = 'burst' AND status = 'succeeded'") == BURST
 
 
+def test_settlements_planned_when_nothing_ran_stay_driven_by_their_commands_through_a_burst(pg):
+    """A settlement joins the commands it settles to _commands. Planned while
+    the table was small (and its statistics said it was empty), the join
+    could read every due command, through the claim's partial index, for each
+    chunk: once the same plan met a burst of a million, each settlement read
+    them all (a full benchmark finished nothing for 40 s, then 3 runs a second,
+    until autovacuum analyzed the tables again). Counted in index entries
+    read: the settlements look up what they settle."""
+    pg.one("SELECT flow.define('calm', 'flow.noop'::regproc, queue => 'calm')")
+    pg.one("SELECT flow.define('wave', 'flow.noop'::regproc, queue => 'wave')")
+    for _ in range(2):
+        pg.one("SELECT cardinality(flow.enqueue_many('calm', array_fill('{}'::jsonb, array[1000])))")
+    pg.wait_for("SELECT count(*) = 0 FROM flow.runs WHERE name = 'calm' AND status = 'running'", timeout=60)
+    pg.all("ANALYZE flow._runs")
+    pg.all("ANALYZE flow._commands")
+    for _ in range(20):   # more than 5 settlements each: PL/pgSQL's generic plans
+        run = pg.one("SELECT flow.enqueue('calm')")
+        assert pg.await_run(run, "10s")[0] == "succeeded"
+    pg.one("SELECT flow.set_queue('wave', paused => true)")
+    wave = 20_000
+    for _ in range(wave // 1000):
+        pg.one("SELECT cardinality(flow.enqueue_many('wave', array_fill('{}'::jsonb, array[1000])))")
+
+    def entries_read():
+        pg.all("SELECT pg_stat_force_next_flush()")
+        return pg.one("SELECT sum(idx_tup_read) FROM pg_stat_user_indexes"
+                      " WHERE relid IN ('flow._runs'::regclass, 'flow._commands'::regclass)")
+
+    before = entries_read()
+    pg.one("SELECT flow.set_queue('wave', paused => false)")
+    pg.wait_for("SELECT count(*) = 0 FROM flow.runs WHERE name = 'wave' AND status = 'running'", timeout=300)
+    time.sleep(2.5)   # the workers report their table statistics at most once a second
+    read = entries_read() - before
+    # each run: its claim, its settlement, a few lookups; a scan per chunk would be tens of millions
+    assert read < 10 * wave, f"draining {wave} runs read {read:,} index entries of _runs and _commands"
+
+
 def test_a_command_due_behind_where_claims_take_up_is_not_left_until_the_backlog_ends(pg):
     """While a backlog drains, each claim takes up where the worker's last one
     ended (flow._claim): a command that becomes due behind that point (here,

@@ -140,6 +140,14 @@ ALTER TABLE flow._queues SET (autovacuum_analyze_threshold = 0, autovacuum_analy
 -- off`: the cost penalty of a sequential scan that has no alternative (of
 -- the few rows of _queues) would otherwise pass jit_above_cost, and compiling
 -- takes 100+ ms per call.
+-- A statement that looks commands up by id (or run) compares their status
+-- as text (`c.status::text = 'running'`): written as the partial indexes'
+-- own predicates, it would let the planner read a whole partial index
+-- (_commands_due, _commands_running) instead of the primary key, and after a
+-- quiet spell VACUUM and ANALYZE leave those indexes counted empty, so that
+-- plan looks free: met with a burst of a million, each settlement read every
+-- due command (pg_test/test_scale.py). The claim's own probes keep the
+-- predicates: they are meant to read those indexes, from their heads.
 
 CREATE OR REPLACE FUNCTION flow._require_name(what text, value text) RETURNS text
 LANGUAGE plpgsql IMMUTABLE SET search_path = pg_catalog, pg_temp AS $$
@@ -1049,7 +1057,7 @@ DECLARE
 BEGIN
     WITH in_progress AS (
         SELECT c.id, c.attempts AS attempt, c.lease_token, c.lease_owner AS owner, c.attempt_started_at AS started_at
-        FROM flow._commands c WHERE c.run_id = _close_open_commands.run_id AND c.status = 'running'
+        FROM flow._commands c WHERE c.run_id = _close_open_commands.run_id AND c.status::text = 'running'
         UNION ALL
         SELECT h.command_id, h.attempt, gen_random_uuid(), h.owner, h.started_at
         FROM flow._held_attempts h JOIN flow._commands c ON c.id = h.command_id
@@ -1093,7 +1101,7 @@ BEGIN
     RETURN QUERY
         SELECT c.id, c.run_id = ANY (coalesce(locked, '{}'))
         FROM flow._commands c JOIN unnest(command_ids, lease_tokens) AS t(id, token) ON c.id = t.id
-        WHERE c.status = 'running' AND c.lease_token = t.token;
+        WHERE c.status::text = 'running' AND c.lease_token = t.token;   -- by id (sql/common.sql)
 END $$;
 
 -- Hand claimed commands back to their queue, giving back the attempt the
@@ -1108,7 +1116,7 @@ DECLARE
 BEGIN
     WITH mine AS (
         SELECT c.id FROM flow._commands c JOIN unnest(command_ids, lease_tokens) AS t(id, token) ON c.id = t.id
-        WHERE c.status = 'running' AND c.lease_token = t.token
+        WHERE c.status::text = 'running' AND c.lease_token = t.token   -- by id (sql/common.sql)
         FOR UPDATE OF c SKIP LOCKED
     ), done AS (
         UPDATE flow._commands c SET status = 'pending', attempts = c.attempts - 1,
@@ -1137,7 +1145,13 @@ END $$;
 CREATE OR REPLACE FUNCTION flow._settle_batch(command_ids uuid[], lease_tokens uuid[], results jsonb[],
     handler_started timestamptz[] DEFAULT NULL, held_attempts integer[] DEFAULT NULL, owner_name text DEFAULT NULL)
 RETURNS integer
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off
+    -- Planned at each call, for the table sizes of the moment: a plan kept
+    -- from a small table (PL/pgSQL keeps one after five calls) may read every
+    -- due command through the claim's partial index for each command it
+    -- settles, harmless at a thousand and a stall at a million (see
+    -- pg_test/test_scale.py). Planning costs about a microsecond per command.
+    SET plan_cache_mode = force_custom_plan AS $$
 DECLARE
     settled integer;
     other_runs uuid[];
@@ -1146,6 +1160,8 @@ DECLARE
     finished integer;
     more integer;
 BEGIN
+    -- (the commands are looked up by id: their status is compared as text,
+    -- see sql/common.sql)
     WITH item AS (
         SELECT * FROM unnest(command_ids, lease_tokens, results, handler_started, held_attempts)
                       AS t(id, token, result, started, held)
@@ -1158,7 +1174,7 @@ BEGIN
             lease_pid = NULL, lease_backend_start = NULL, lease_expires_at = NULL, lease_interval = NULL,
             attempt_deadline = NULL
         FROM item t
-        WHERE c.id = t.id AND t.held IS NULL AND c.status = 'running' AND c.lease_token = t.token
+        WHERE c.id = t.id AND t.held IS NULL AND c.status::text = 'running' AND c.lease_token = t.token
         RETURNING c.id, c.run_id, c.result, c.parent_id
     ), held_done AS (
         -- held (locked by this transaction's claim): the command must not have
@@ -1169,7 +1185,8 @@ BEGIN
             budget_started_at = flow._budget_start(c.status, c.attempts, c.next_run_at, c.budget_started_at),
             wait_timed_out = flow._wait_timed_out(c.status, c.wait_timed_out)
         FROM item t
-        WHERE c.id = t.id AND t.held IS NOT NULL AND c.status IN ('pending', 'waiting') AND c.attempts = t.held - 1
+        WHERE c.id = t.id AND t.held IS NOT NULL AND c.status::text IN ('pending', 'waiting')
+          AND c.attempts = t.held - 1
         RETURNING c.id, c.run_id, c.result, c.parent_id
     ), done AS (
         SELECT d.*,
@@ -1222,11 +1239,12 @@ BEGIN
     PERFORM flow._lock_runs_of(ARRAY[command_id]);
     IF held_attempt IS NULL THEN
         SELECT * INTO c FROM flow._commands x
-        WHERE x.id = _settle_failure.command_id AND x.status = 'running' AND x.lease_token = _settle_failure.lease_token
+        WHERE x.id = _settle_failure.command_id AND x.status::text = 'running'   -- by id (sql/common.sql)
+          AND x.lease_token = _settle_failure.lease_token
         FOR UPDATE;
     ELSE
         SELECT * INTO c FROM flow._commands x
-        WHERE x.id = _settle_failure.command_id AND x.status IN ('pending', 'waiting')
+        WHERE x.id = _settle_failure.command_id AND x.status::text IN ('pending', 'waiting')
           AND x.attempts = held_attempt - 1
         FOR UPDATE;
         IF NOT FOUND THEN
