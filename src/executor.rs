@@ -1016,6 +1016,8 @@ thread_local! {
     static DIRECT_CALLS: RefCell<HashMap<u32, Option<DirectCall>>> = RefCell::new(HashMap::new());
     /// Holds the FmgrInfos and call infos of DIRECT_CALLS; reset with it.
     static DIRECT_CALL_MEMORY: Cell<pg_sys::MemoryContext> = const { Cell::new(std::ptr::null_mut()) };
+    /// A direct call's argument and result, emptied after each call.
+    static DIRECT_CALL_ARGS_MEMORY: Cell<pg_sys::MemoryContext> = const { Cell::new(std::ptr::null_mut()) };
     /// A function was created, replaced or dropped somewhere (a pg_proc
     /// invalidation): the kept call infos may be stale, and are rebuilt
     /// before the next call (never during one: a handler may be running).
@@ -1043,6 +1045,14 @@ impl DirectCall {
             call.as_ref().map(|c| (c.fcinfo, c.returns_void))
         })?;
         unsafe {
+            // The args' datum and what the handler returns live in a context of
+            // their own, emptied after each call (as SPI frees its own at the
+            // end of a statement): a chunk of handlers with large args does not
+            // keep them all until it commits. After an error, the next call
+            // empties it.
+            let call_memory = Self::call_memory();
+            pg_sys::MemoryContextReset(call_memory);
+            let caller_memory = pg_sys::MemoryContextSwitchTo(call_memory);
             let text = std::ffi::CString::new(args).unwrap_or_else(|_| error!("flow: args contain a NUL byte"));
             let value = pg_sys::DirectFunctionCall1Coll(
                 Some(jsonb_in),
@@ -1063,10 +1073,14 @@ impl DirectCall {
             let addr = (*fc.flinfo).fn_addr.expect("fmgr_info set the function's address");
             let result = pg_sys::ffi::pg_guard_ffi_boundary(|| addr(fcinfo));
             pg_sys::PopActiveSnapshot();
-            if returns_void || fc.isnull {
-                return Some(None);
-            }
-            Some(JsonB::from_polymorphic_datum(result, false, pg_sys::JSONBOID))
+            let returned = if returns_void || fc.isnull {
+                None
+            } else {
+                JsonB::from_polymorphic_datum(result, false, pg_sys::JSONBOID) // a copy, owned by Rust
+            };
+            pg_sys::MemoryContextSwitchTo(caller_memory);
+            pg_sys::MemoryContextReset(call_memory);
+            Some(returned)
         }
     }
 
@@ -1101,6 +1115,24 @@ impl DirectCall {
             pg_sys::ReleaseSysCache(tuple);
             std::ffi::CStr::from_ptr(pg_sys::get_language_name(language, false)).to_bytes() == b"sql"
         }
+    }
+
+    /// Where a direct call's arguments and result live (see `call`).
+    fn call_memory() -> pg_sys::MemoryContext {
+        DIRECT_CALL_ARGS_MEMORY.with(|m| {
+            if m.get().is_null() {
+                unsafe {
+                    m.set(pg_sys::AllocSetContextCreateExtended(
+                        pg_sys::TopMemoryContext,
+                        c"flow direct handler call".as_ptr(),
+                        pg_sys::ALLOCSET_DEFAULT_MINSIZE as usize,
+                        pg_sys::ALLOCSET_DEFAULT_INITSIZE as usize,
+                        pg_sys::ALLOCSET_DEFAULT_MAXSIZE as usize,
+                    ));
+                }
+            }
+            m.get()
+        })
     }
 
     fn memory() -> pg_sys::MemoryContext {
