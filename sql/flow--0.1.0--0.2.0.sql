@@ -1145,13 +1145,7 @@ END $$;
 CREATE OR REPLACE FUNCTION flow._settle_batch(command_ids uuid[], lease_tokens uuid[], results jsonb[],
     handler_started timestamptz[] DEFAULT NULL, held_attempts integer[] DEFAULT NULL, owner_name text DEFAULT NULL)
 RETURNS integer
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off
-    -- Planned at each call, for the table sizes of the moment: a plan kept
-    -- from a small table (PL/pgSQL keeps one after five calls) may read every
-    -- due command through the claim's partial index for each command it
-    -- settles, harmless at a thousand and a stall at a million (see
-    -- pg_test/test_scale.py). Planning costs about a microsecond per command.
-    SET plan_cache_mode = force_custom_plan AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
     settled integer;
     other_runs uuid[];
