@@ -1034,6 +1034,31 @@ unsafe extern "C-unwind" fn direct_calls_stale(_arg: pg_sys::Datum, _cache: c_in
     DIRECT_CALLS_STALE.with(|s| s.set(true));
 }
 
+/// The memory context kept in `slot`, a child of TopMemoryContext for the
+/// worker's life, created (and `created` run) on first use.
+fn kept_context(
+    slot: &'static std::thread::LocalKey<Cell<pg_sys::MemoryContext>>,
+    name: &'static std::ffi::CStr,
+    created: impl FnOnce(),
+) -> pg_sys::MemoryContext {
+    slot.with(|m| {
+        if m.get().is_null() {
+            // SAFETY: a new context under TopMemoryContext, never deleted
+            m.set(unsafe {
+                pg_sys::AllocSetContextCreateExtended(
+                    pg_sys::TopMemoryContext,
+                    name.as_ptr(),
+                    pg_sys::ALLOCSET_DEFAULT_MINSIZE as usize,
+                    pg_sys::ALLOCSET_DEFAULT_INITSIZE as usize,
+                    pg_sys::ALLOCSET_DEFAULT_MAXSIZE as usize,
+                )
+            });
+            created();
+        }
+        m.get()
+    })
+}
+
 impl DirectCall {
     /// Call `handler` with `args` (jsonb's text) if it is called directly:
     /// Some(its result), or None if it goes through SPI.
@@ -1119,41 +1144,18 @@ impl DirectCall {
 
     /// Where a direct call's arguments and result live (see `call`).
     fn call_memory() -> pg_sys::MemoryContext {
-        DIRECT_CALL_ARGS_MEMORY.with(|m| {
-            if m.get().is_null() {
-                unsafe {
-                    m.set(pg_sys::AllocSetContextCreateExtended(
-                        pg_sys::TopMemoryContext,
-                        c"flow direct handler call".as_ptr(),
-                        pg_sys::ALLOCSET_DEFAULT_MINSIZE as usize,
-                        pg_sys::ALLOCSET_DEFAULT_INITSIZE as usize,
-                        pg_sys::ALLOCSET_DEFAULT_MAXSIZE as usize,
-                    ));
-                }
-            }
-            m.get()
-        })
+        kept_context(&DIRECT_CALL_ARGS_MEMORY, c"flow direct handler call", || {})
     }
 
+    /// Where the kept call infos live; created with the watch on pg_proc that
+    /// marks them stale.
     fn memory() -> pg_sys::MemoryContext {
-        DIRECT_CALL_MEMORY.with(|m| {
-            if m.get().is_null() {
-                unsafe {
-                    m.set(pg_sys::AllocSetContextCreateExtended(
-                        pg_sys::TopMemoryContext,
-                        c"flow direct handler calls".as_ptr(),
-                        pg_sys::ALLOCSET_SMALL_MINSIZE as usize,
-                        pg_sys::ALLOCSET_SMALL_INITSIZE as usize,
-                        pg_sys::ALLOCSET_SMALL_MAXSIZE as usize,
-                    ));
-                    pg_sys::CacheRegisterSyscacheCallback(
-                        pg_sys::SysCacheIdentifier::PROCOID as c_int,
-                        Some(direct_calls_stale),
-                        pg_sys::Datum::from(0),
-                    );
-                }
-            }
-            m.get()
+        kept_context(&DIRECT_CALL_MEMORY, c"flow direct handler calls", || unsafe {
+            pg_sys::CacheRegisterSyscacheCallback(
+                pg_sys::SysCacheIdentifier::PROCOID as c_int,
+                Some(direct_calls_stale),
+                pg_sys::Datum::from(0),
+            );
         })
     }
 
