@@ -374,9 +374,11 @@ END $$;
 
 -- What keeps DROP ROLE from leaving flow objects with a dangling owner: the
 -- role still owns definitions, queues or unfinished runs here.
+-- (Runs are not indexed by owner, see sql/schema.sql: this reads the runs
+-- table, kept small by flow.retention; DROP ROLE and flow.drop_queue are rare.)
 CREATE FUNCTION flow._owns_anything(role oid) RETURNS boolean
 LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
     SELECT EXISTS (SELECT 1 FROM flow._definition_names n WHERE n.owner = role)
         OR EXISTS (SELECT 1 FROM flow._queues q WHERE q.owner = role)
-        OR EXISTS (SELECT 1 FROM flow._runs r WHERE r.owner = role AND r.status = 'running')   -- index _runs_owner_key_key
+        OR EXISTS (SELECT 1 FROM flow._runs r WHERE r.owner = role AND r.status = 'running')
 $$;

@@ -94,6 +94,8 @@ CREATE FUNCTION flow._enqueue(caller oid, name text, args jsonb, key text, versi
     start_after interval, run_at timestamptz, deadline interval)
 RETURNS uuid
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+#variable_conflict use_column
+-- (the ON CONFLICT below names columns key and owner, which cannot be qualified)
 DECLARE
     p record := flow._plan_enqueue(caller, name, version, queue, start_after, run_at, deadline);
     run_id uuid := flow._new_id();
@@ -109,7 +111,7 @@ BEGIN
     -- waits for the first to commit, then finds its row.
     INSERT INTO flow._runs (id, key, owner, name, version, queue, args, deadline)
     VALUES (run_id, key, caller, (p.d).name, (p.d).version, p.lane, args, p.ends)
-    ON CONFLICT ON CONSTRAINT _runs_owner_key_key DO NOTHING;
+    ON CONFLICT (owner, key) WHERE key IS NOT NULL DO NOTHING;      -- index _runs_owner_key
     IF NOT FOUND THEN
         SELECT * INTO existing FROM flow._runs r WHERE r.owner = caller AND r.key = _enqueue.key;
         IF existing.name IS DISTINCT FROM (p.d).name OR existing.version IS DISTINCT FROM (p.d).version

@@ -113,6 +113,9 @@ ALTER TYPE flow.claimed_command ADD ATTRIBUTE due_at timestamptz;
 -- flow.queues counts what is live by the claim's indexes; flow.queue_history
 -- counts what is finished (both created below).
 ALTER TABLE flow._queues SET (autovacuum_analyze_threshold = 0, autovacuum_analyze_scale_factor = 0);
+-- Only keyed runs are indexed by (owner, key) (see sql/schema.sql).
+ALTER TABLE flow._runs DROP CONSTRAINT _runs_owner_key_key;
+CREATE UNIQUE INDEX _runs_owner_key ON flow._runs (owner, key) WHERE key IS NOT NULL;
 
 -- src/lib.rs:25
 -- requires:
@@ -593,11 +596,13 @@ END $$;
 
 -- What keeps DROP ROLE from leaving flow objects with a dangling owner: the
 -- role still owns definitions, queues or unfinished runs here.
+-- (Runs are not indexed by owner, see sql/schema.sql: this reads the runs
+-- table, kept small by flow.retention; DROP ROLE and flow.drop_queue are rare.)
 CREATE OR REPLACE FUNCTION flow._owns_anything(role oid) RETURNS boolean
 LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
     SELECT EXISTS (SELECT 1 FROM flow._definition_names n WHERE n.owner = role)
         OR EXISTS (SELECT 1 FROM flow._queues q WHERE q.owner = role)
-        OR EXISTS (SELECT 1 FROM flow._runs r WHERE r.owner = role AND r.status = 'running')   -- index _runs_owner_key_key
+        OR EXISTS (SELECT 1 FROM flow._runs r WHERE r.owner = role AND r.status = 'running')
 $$;
 
 -- src/lib.rs:27
@@ -700,6 +705,8 @@ CREATE OR REPLACE FUNCTION flow._enqueue(caller oid, name text, args jsonb, key 
     start_after interval, run_at timestamptz, deadline interval)
 RETURNS uuid
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+#variable_conflict use_column
+-- (the ON CONFLICT below names columns key and owner, which cannot be qualified)
 DECLARE
     p record := flow._plan_enqueue(caller, name, version, queue, start_after, run_at, deadline);
     run_id uuid := flow._new_id();
@@ -715,7 +722,7 @@ BEGIN
     -- waits for the first to commit, then finds its row.
     INSERT INTO flow._runs (id, key, owner, name, version, queue, args, deadline)
     VALUES (run_id, key, caller, (p.d).name, (p.d).version, p.lane, args, p.ends)
-    ON CONFLICT ON CONSTRAINT _runs_owner_key_key DO NOTHING;
+    ON CONFLICT (owner, key) WHERE key IS NOT NULL DO NOTHING;      -- index _runs_owner_key
     IF NOT FOUND THEN
         SELECT * INTO existing FROM flow._runs r WHERE r.owner = caller AND r.key = _enqueue.key;
         IF existing.name IS DISTINCT FROM (p.d).name OR existing.version IS DISTINCT FROM (p.d).version
@@ -1996,7 +2003,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_args_misfit_as_wrapper';
 
--- src/api.rs:126
+-- src/api.rs:163
 -- flow::api::_counters
 CREATE OR REPLACE FUNCTION "_counters"() RETURNS TABLE (
 	"name" TEXT,  /* String */
@@ -2006,7 +2013,7 @@ STRICT VOLATILE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_counters_wrapper';
 
--- src/api.rs:85
+-- src/api.rs:122
 -- flow::api::_current_command
 CREATE OR REPLACE FUNCTION "_current_command"() RETURNS uuid /* Option < pgrx :: Uuid > */
 STRICT VOLATILE PARALLEL UNSAFE
@@ -2034,7 +2041,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_interrupt_run_wrapper';
 
--- src/api.rs:79
+-- src/api.rs:116
 -- flow::api::_lease_duration_s
 CREATE OR REPLACE FUNCTION "_lease_duration_s"() RETURNS INT /* i32 */
 STRICT STABLE PARALLEL SAFE
@@ -2053,21 +2060,21 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_lock_event_key_wrapper';
 
--- src/api.rs:73
+-- src/api.rs:110
 -- flow::api::_max_payload_bytes
 CREATE OR REPLACE FUNCTION "_max_payload_bytes"() RETURNS INT /* i32 */
 STRICT STABLE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_max_payload_bytes_wrapper';
 
--- src/api.rs:67
+-- src/api.rs:78
 -- flow::api::_new_id
 CREATE OR REPLACE FUNCTION "_new_id"() RETURNS uuid /* pgrx :: Uuid */
 STRICT VOLATILE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_new_id_wrapper';
 
--- src/api.rs:132
+-- src/api.rs:169
 -- flow::api::_observe
 CREATE OR REPLACE FUNCTION "_observe"(
 	"metric" TEXT, /* & str */
@@ -2095,7 +2102,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_stop_workers_of_wrapper';
 
--- src/api.rs:140
+-- src/api.rs:177
 -- flow::api::_stopped_in
 CREATE OR REPLACE FUNCTION "_stopped_in"(
 	"pid" INT, /* i32 */
@@ -2128,7 +2135,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_wake_wrapper';
 
--- src/api.rs:91
+-- src/api.rs:128
 -- flow::api::_worker_states
 CREATE OR REPLACE FUNCTION "_worker_states"() RETURNS TABLE (
 	"worker" INT,  /* i32 */

@@ -63,10 +63,47 @@ fn _stop_workers_of(run: pgrx::Uuid) -> i32 {
     shmem::stop_workers_of(*run.as_bytes())
 }
 
-/// A new time-ordered id (UUIDv7).
+thread_local! {
+    /// The last id's millisecond and counter (see `_new_id`).
+    static LAST_ID: std::cell::Cell<(u64, u64)> = const { std::cell::Cell::new((0, 0)) };
+}
+
+/// A new time-ordered id (UUIDv7, RFC 9562): 48 bits of Unix milliseconds, a
+/// 42-bit counter (12 bits of rand_a and the top 30 of rand_b) that starts at
+/// a random value in each new millisecond and counts up within it, so ids made
+/// by one process are strictly increasing, and 32 random bits.
+/// The random bits come from rand's thread-local generator (ChaCha, seeded
+/// from the OS, reseeded after fork), not from a getrandom system call per id
+/// as `uuid::Uuid::now_v7` makes them: that call was 6 % of an enqueue_many.
 #[pg_extern(volatile, parallel_safe)]
 pub(crate) fn _new_id() -> pgrx::Uuid {
-    pgrx::Uuid::from_bytes(*uuid::Uuid::now_v7().as_bytes())
+    use rand::Rng;
+    const COUNTER_MAX: u64 = (1 << 42) - 1;
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    let mut rng = rand::thread_rng();
+    let (ms, counter) = LAST_ID.with(|last| {
+        let (last_ms, last_counter) = last.get();
+        let next = if now_ms > last_ms {
+            // a fresh start in the lower half, so counting up has room
+            (now_ms, rng.gen::<u64>() & (COUNTER_MAX >> 1))
+        } else if last_counter < COUNTER_MAX {
+            // the same millisecond (or the clock went back): count up
+            (last_ms, last_counter + 1)
+        } else {
+            (last_ms + 1, rng.gen::<u64>() & (COUNTER_MAX >> 1))
+        };
+        last.set(next);
+        next
+    });
+    let bits = (u128::from(ms & 0xFFFF_FFFF_FFFF) << 80)
+        | (0x7 << 76)                                       // version 7
+        | (u128::from(counter >> 30) << 64)                 // rand_a: the counter's top 12 bits
+        | (0b10 << 62)                                      // variant
+        | (u128::from(counter & 0x3FFF_FFFF) << 32)         // rand_b: the counter's low 30 bits,
+        | u128::from(rng.gen::<u32>());                     // then random ones
+    pgrx::Uuid::from_bytes(bits.to_be_bytes())
 }
 
 /// flow.max_result_bytes, in bytes, for the SQL side's payload checks.

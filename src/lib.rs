@@ -92,6 +92,21 @@ mod tests {
         assert_eq!(ordered, Ok(Some(true)));
         let version = Spi::get_one::<String>("SELECT substr(flow._new_id()::text, 15, 1)");
         assert_eq!(version, Ok(Some("7".to_string())));
+        // the variant (10xx), and the time: the first 48 bits are now's milliseconds
+        let variant = Spi::get_one::<bool>("SELECT substr(flow._new_id()::text, 20, 1) IN ('8', '9', 'a', 'b')");
+        assert_eq!(variant, Ok(Some(true)));
+        let now = Spi::get_one::<bool>(
+            "SELECT abs(('x' || lpad(replace(left(flow._new_id()::text, 13), '-', ''), 16, '0'))::bit(64)::bigint
+                        - (extract(epoch FROM clock_timestamp()) * 1000)::bigint) < 1000",
+        );
+        assert_eq!(now, Ok(Some(true)));
+        // 100,000 in one statement (many per millisecond) are distinct and increasing
+        let increasing = Spi::get_one::<bool>(
+            "SELECT bool_and(a < b) FROM (SELECT lag(i) OVER (ORDER BY n) a, i b
+                                         FROM (SELECT n, flow._new_id() i FROM generate_series(1, 100000) n) x) y
+             WHERE a IS NOT NULL",
+        );
+        assert_eq!(increasing, Ok(Some(true)));
     }
 }
 

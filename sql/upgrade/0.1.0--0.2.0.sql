@@ -109,3 +109,6 @@ ALTER TYPE flow.claimed_command ADD ATTRIBUTE due_at timestamptz;
 -- flow.queues counts what is live by the claim's indexes; flow.queue_history
 -- counts what is finished (both created below).
 ALTER TABLE flow._queues SET (autovacuum_analyze_threshold = 0, autovacuum_analyze_scale_factor = 0);
+-- Only keyed runs are indexed by (owner, key) (see sql/schema.sql).
+ALTER TABLE flow._runs DROP CONSTRAINT _runs_owner_key_key;
+CREATE UNIQUE INDEX _runs_owner_key ON flow._runs (owner, key) WHERE key IS NOT NULL;
