@@ -827,6 +827,21 @@ def test_drop_role_refuses_to_leave_flow_objects_without_an_owner(pg):
     assert pg.one("SELECT count(*) FROM flow.runs WHERE id = %s", run, user="heir") == 1
 
 
+def test_drop_role_refuses_while_the_role_has_unfinished_runs_only(pg):
+    """A role that owns no definition or queue, only runs it started with
+    another role's definition, is kept while one of them is unfinished (runs
+    are not indexed by owner: the check reads the runs table)."""
+    pg.all("CREATE ROLE starter_only LOGIN")
+    name = unique("lent")
+    pg.one(f"SELECT flow.define('{name}', NULL)")
+    pg.one(f"SELECT flow.grant_definition('{name}', 'starter_only')")
+    run = pg.one(f"SELECT flow.enqueue('{name}')", user="starter_only")
+    assert pg.sqlstate("DROP ROLE starter_only") == "2BP01"
+    assert pg.one("SELECT flow.cancel(%s)", run, user="starter_only") is True
+    pg.all("DROP ROLE starter_only")
+    assert pg.one("SELECT status::text FROM flow._runs WHERE id = %s", run) == "cancelled"
+
+
 def test_a_settlement_is_retried_past_a_transient_error(pg):
     before = dict(pg.all("SELECT name, value FROM flow.stats"))
     name = unique("transient")
