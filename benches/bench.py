@@ -15,7 +15,8 @@ Targets (each a ratio measured here, never an absolute time):
   writing     a handler that INSERTs one row, >= 2x graphile-worker's no-op drain
               (drained alone, as graphile-worker's is); a second drain beside a
               reader shows the reader's rate; subtransaction SLRU traffic shown
-  enqueue     enqueue_many (chunks of 1,000) >= 2x graphile-worker's addJobs
+  enqueue     enqueue_many (chunks of 1,000, each run's args sent by the client,
+              as graphile-worker's addJobs sends its payloads) >= 2x addJobs
   pickup      500 enqueues 10 ms apart into idle workers: p50 <= graphile's,
               p99 <= half of graphile's, p99.9 <= 10 ms
   scale       drain with 1,000,000 pending (--quick: 100,000) >= 0.8x the drain
@@ -236,10 +237,16 @@ def external_clients(pg, clients, n):
     return n / elapsed
 
 
-def enqueue_many_rate(pg, n):
+def enqueue_many_rate(pg, n, chunk=1000):
+    """enqueue_many as a client uses it, and as graphile-worker's addJobs is
+    measured: each run's args ({"i": n}) built by the client and sent, chunks
+    of 1,000, one transaction each."""
     with pg.connect() as c:
+        c.execute("SELECT flow.set_queue('drain', paused => true)")
         t0 = time.perf_counter()
-        enqueue_paused(c, "rust_noop", n)
+        for i in range(0, n, chunk):
+            args = [json.dumps({"i": j}) for j in range(i, min(n, i + chunk))]
+            c.execute("SELECT flow.enqueue_many('rust_noop', %s::jsonb[])", (args,))
         rate = n / (time.perf_counter() - t0)
         c.execute("TRUNCATE flow._runs, flow._commands, flow._attempts, flow._waits")
     return rate

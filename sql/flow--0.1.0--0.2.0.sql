@@ -950,7 +950,10 @@ BEGIN
         -- chunk, leaves its command for a later claim)
         SELECT * FROM claimed
         UNION ALL
-        SELECT p.*, p.attempts + 1, gen_random_uuid(), NULL,
+        -- (a held attempt's token never leaves the worker: it names the
+        -- attempt, no client presents it, so it need not come from the
+        -- strong generator a lease's does, which costs a microsecond each)
+        SELECT p.*, p.attempts + 1, flow._new_id(), NULL,
                least(now() + p.timeout, p.budget_start + p.max_elapsed, p.deadline), now(),
                flow._wait_timed_out(p.status, p.wait_timed_out)
         FROM picked p
