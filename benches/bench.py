@@ -15,8 +15,9 @@ Targets (each a ratio measured here, never an absolute time):
   writing     a handler that INSERTs one row, >= 2x graphile-worker's no-op drain
               (drained alone, as graphile-worker's is); a second drain beside a
               reader shows the reader's rate; subtransaction SLRU traffic shown
-  enqueue     enqueue_many (chunks of 1,000, each run's args sent by the client,
-              as graphile-worker's addJobs sends its payloads) >= 2x addJobs
+  enqueue     enqueue_many (chunks of 1,000, each run's args sent by the client
+              in one JSON array, as graphile-worker's addJobs sends its job
+              specs) >= 2x addJobs
   pickup      500 enqueues 10 ms apart into idle workers: p50 <= graphile's,
               p99 <= half of graphile's, p99.9 <= 10 ms
   scale       drain with 1,000,000 pending (--quick: 100,000) >= 0.8x the drain
@@ -240,13 +241,16 @@ def external_clients(pg, clients, n):
 def enqueue_many_rate(pg, n, chunk=1000):
     """enqueue_many as a client uses it, and as graphile-worker's addJobs is
     measured: each run's args ({"i": n}) built by the client and sent, chunks
-    of 1,000, one transaction each."""
+    of 1,000, one transaction each. Like addJobs (which sends one JSON
+    document of all its job specs, read by json_populate_recordset), a chunk
+    is one JSON array, taken apart by the server."""
     with pg.connect() as c:
         c.execute("SELECT flow.set_queue('drain', paused => true)")
         t0 = time.perf_counter()
         for i in range(0, n, chunk):
-            args = [json.dumps({"i": j}) for j in range(i, min(n, i + chunk))]
-            c.execute("SELECT flow.enqueue_many('rust_noop', %s::jsonb[])", (args,))
+            args = json.dumps([{"i": j} for j in range(i, min(n, i + chunk))])
+            c.execute("SELECT flow.enqueue_many('rust_noop', ARRAY(SELECT jsonb_array_elements(%s::jsonb)))",
+                      (args,))
         rate = n / (time.perf_counter() - t0)
         c.execute("TRUNCATE flow._runs, flow._commands, flow._attempts, flow._waits")
     return rate
