@@ -1024,6 +1024,10 @@ thread_local! {
     static DIRECT_CALLS_STALE: Cell<bool> = const { Cell::new(false) };
 }
 
+// catalog/pg_language_d.h is not in pgrx-pg-sys 0.18.1: SQLlanguageId, the
+// fixed OID of `LANGUAGE sql` in pg_language.dat.
+const SQL_LANGUAGE: pg_sys::Oid = pg_sys::Oid::from_u32(14);
+
 unsafe extern "C-unwind" {
     /// jsonb's input function, as fmgr calls it (pgrx's binding is a Rust wrapper).
     fn jsonb_in(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum;
@@ -1109,36 +1113,31 @@ impl DirectCall {
         }
     }
 
-    /// The direct call of `handler`, or None when it goes through SPI.
+    /// The direct call of `handler`, or None when it goes through SPI: a
+    /// `LANGUAGE sql` function, or one that does not take one argument and
+    /// return one value (read from one lookup of its pg_proc entry).
     fn prepare(handler: pg_sys::Oid) -> Option<DirectCall> {
         unsafe {
-            if pg_sys::get_func_nargs(handler) != 1 || pg_sys::get_func_retset(handler) || Self::is_sql(handler) {
+            let tuple = pg_sys::SearchSysCache1(pg_sys::SysCacheIdentifier::PROCOID as c_int, handler.into());
+            if tuple.is_null() {
+                error!("flow: handler function {} no longer exists", handler.to_u32());
+            }
+            let proc_ = &*pg_sys::heap_tuple_get_struct::<pg_sys::FormData_pg_proc>(tuple);
+            let (nargs, retset, rettype, language) = (proc_.pronargs, proc_.proretset, proc_.prorettype, proc_.prolang);
+            pg_sys::ReleaseSysCache(tuple);
+            if nargs != 1 || retset || language == SQL_LANGUAGE {
                 return None;
             }
             let memory = Self::memory();
             let flinfo = pg_sys::MemoryContextAllocZero(memory, std::mem::size_of::<pg_sys::FmgrInfo>())
                 .cast::<pg_sys::FmgrInfo>();
             pg_sys::fmgr_info_cxt(handler, flinfo, memory);
-            let rettype = pg_sys::get_func_rettype(handler);
             let size = std::mem::size_of::<pg_sys::FunctionCallInfoBaseData>() + std::mem::size_of::<pg_sys::NullableDatum>();
             let fcinfo = pg_sys::MemoryContextAllocZero(memory, size).cast::<pg_sys::FunctionCallInfoBaseData>();
             (*fcinfo).flinfo = flinfo;
             (*fcinfo).nargs = 1;
             (*fcinfo).fncollation = pg_sys::InvalidOid;
             Some(DirectCall { fcinfo, returns_void: rettype == pg_sys::VOIDOID })
-        }
-    }
-
-    /// Whether `handler` is a `LANGUAGE sql` function (from the catalog cache).
-    fn is_sql(handler: pg_sys::Oid) -> bool {
-        unsafe {
-            let tuple = pg_sys::SearchSysCache1(pg_sys::SysCacheIdentifier::PROCOID as c_int, handler.into());
-            if tuple.is_null() {
-                error!("flow: handler function {} no longer exists", handler.to_u32());
-            }
-            let language = (*pg_sys::heap_tuple_get_struct::<pg_sys::FormData_pg_proc>(tuple)).prolang;
-            pg_sys::ReleaseSysCache(tuple);
-            std::ffi::CStr::from_ptr(pg_sys::get_language_name(language, false)).to_bytes() == b"sql"
         }
     }
 
