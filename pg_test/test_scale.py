@@ -136,3 +136,25 @@ def test_a_command_due_behind_where_claims_take_up_is_not_left_until_the_backlog
     after = pg.one("SELECT count(*) FROM flow.runs WHERE name = 'backlog' AND finished_at > %s", finished)
     # claimed within CURSOR_SPAN (250 ms) of its commit, early in a drain of several seconds
     assert after > backlog // 4, f"only {after} of {backlog} backlog runs finished after the late one"
+
+
+def test_a_runs_commands_are_found_by_index_among_many(pg):
+    """A run's root command has the run's id, its other commands are indexed
+    by (run_id, key) (sql/schema.sql): the views filtered by run, a cancel and
+    a run graph read no sequential scan of _commands on a table of 170,000
+    analyzed commands (after the tests above)."""
+    pg.one("SELECT flow.set_queue('probe', paused => true)")
+    run = pg.one("SELECT flow.enqueue('probe')")
+    done = pg.one("SELECT id FROM flow._runs WHERE name = 'burst' LIMIT 1")
+    pg.all("ANALYZE flow._commands")
+    pg.all("SELECT pg_stat_force_next_flush()")
+    before = seq_scans(pg)
+    assert pg.all("SELECT id, key, status FROM flow.commands WHERE run_id = %s", run) == [(run, "root", "pending")]
+    assert pg.all("SELECT outcome FROM flow.attempts WHERE run_id = %s", done) == [("succeeded",)]
+    assert pg.one("SELECT attempts FROM flow.runs WHERE id = %s", done) == 1
+    assert pg.all("SELECT * FROM flow.waits WHERE run_id = %s", done) == []
+    assert "root: burst v1" in pg.one("SELECT flow.run_graph(%s)", done)
+    pg.one("SELECT flow.cancel(%s)", run)
+    assert pg.one("SELECT status FROM flow.commands WHERE run_id = %s", run) == "cancelled"
+    pg.all("SELECT pg_stat_force_next_flush()")
+    assert seq_scans(pg) == before

@@ -133,3 +133,20 @@ def test_the_previous_release_updates_in_place(pg):
     # the fourth external run is still there to claim
     rows = pg.all("SELECT command_id, lease_token FROM flow.claim(array['ext'], 'up-2', 10)")
     assert len(rows) == 1
+
+    # The roots of the old runs keep their own ids; a new run's root takes the
+    # run's (sql/schema.sql, _commands_run_key). Both kinds are found by run,
+    # counted by flow.runs, and pruned with their runs.
+    old_root, old_key = pg.all("SELECT id, key FROM flow.commands WHERE run_id = %s", pending[0])[0]
+    assert old_root != pending[0] and old_key == "root"
+    assert pg.one("SELECT attempts FROM flow.runs WHERE id = %s", pending[0]) == 1
+    assert sorted(pg.one("SELECT array_agg(key) FROM flow.commands WHERE run_id = %s", ok_run)) == ["child", "root"]
+    new = pg.one("SELECT flow.enqueue('work', '{\"k\": \"new\"}')")
+    assert pg.await_run(new)[0] == "succeeded"
+    assert pg.all("SELECT id, key FROM flow.commands WHERE run_id = %s", new) == [(new, "root")]
+    assert pg.one("SELECT attempts FROM flow.runs WHERE id = %s", new) == 1
+    finished = pg.one("SELECT count(*) FROM flow._runs WHERE status <> 'running'")
+    assert pg.one("SELECT pruned FROM flow._prune('0 s', 1000, NULL)") == finished
+    assert pg.one("SELECT count(*) FROM flow._runs WHERE id = ANY (%s)", [pending[0], ok_run, new]) == 0
+    assert pg.one("SELECT count(*) FROM flow._commands c"
+                  " WHERE NOT EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = c.run_id)") == 0

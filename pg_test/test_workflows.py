@@ -66,6 +66,9 @@ def pg():
                 IF args ? 'conflict' THEN
                     PERFORM flow.spawn('leaf', '{"x": 2}', key => 'leaf');
                 END IF;
+                IF args ? 'root_key' THEN
+                    PERFORM flow.spawn('leaf', '{}', key => 'root');
+                END IF;
                 IF ctx.attempt = 1 THEN RAISE EXCEPTION 'first attempt fails'; END IF;
                 RETURN NULL;
             END $$;
@@ -176,6 +179,17 @@ def test_a_conflicting_respawn_is_an_invalid_decision(pg):
     assert status == "failed" and error["code"] == "invalid_decision" and error["stop_reason"] == "permanent"
     assert pg.one("SELECT attempts FROM flow.commands WHERE run_id = %s AND key = 'root'", run) == 1
     assert pg.one("SELECT count(*) FROM flow.commands WHERE run_id = %s", run) == 1  # the child rolled back
+
+
+def test_spawning_the_root_key_is_an_invalid_decision(pg):
+    """'root' is the root command's key, and the root's id is its run's (it
+    has no entry in the index of the run's other keys): spawning it is an
+    invalid decision, as spawning any key with another declaration."""
+    run = pg.one("SELECT flow.enqueue('respawn', '{\"root_key\": true}')")
+    status, _, error = pg.await_run(run, "20s")
+    assert status == "failed" and error["code"] == "invalid_decision" and error["stop_reason"] == "permanent"
+    assert "child key root" in error["message"]
+    assert pg.all("SELECT id, key FROM flow.commands WHERE run_id = %s", run) == [(run, "root")]
 
 
 def test_a_child_failure_fails_the_run_and_cancels_siblings(pg):

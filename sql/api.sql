@@ -242,7 +242,7 @@ CREATE VIEW flow.runs WITH (security_barrier) AS
 SELECT r.id, r.key, r.name, r.version, r.queue, r.status, r.args, r.result, r.error,
        r.error ->> 'message' AS last_error, r.deadline, r.created_at, r.finished_at,
        r.owner::regrole AS owner,
-       (SELECT sum(c.attempts) FROM flow._commands c WHERE c.run_id = r.id)::integer AS attempts
+       (SELECT sum(c.attempts) FROM flow._commands_of(r.id) c)::integer AS attempts
 FROM flow._runs r
 WHERE pg_has_role(current_user, r.owner, 'MEMBER');
 
@@ -263,7 +263,7 @@ SELECT c.id, c.run_id, c.parent_id, c.key, c.name, c.version, c.queue,
        c.wait_timed_out, coalesce(h.owner, c.lease_owner) AS lease_owner, c.lease_expires_at,
        coalesce(h.started_at, c.attempt_started_at) AS attempt_started_at, c.attempt_deadline,
        c.created_at, c.finished_at
-FROM flow._commands c JOIN flow._runs r ON r.id = c.run_id
+FROM flow._command_rows c JOIN flow._runs r ON r.id = c.run_id
 LEFT JOIN flow._held_attempts h ON h.command_id = c.id
 WHERE pg_has_role(current_user, r.owner, 'MEMBER');
 
@@ -272,21 +272,21 @@ WHERE pg_has_role(current_user, r.owner, 'MEMBER');
 CREATE VIEW flow.attempts WITH (security_barrier) AS
 SELECT a.command_id, c.run_id, c.name, a.attempt, a.owner, a.started_at, a.finished_at,
        a.finished_at - a.started_at AS duration, a.outcome, a.error_code, a.error_message
-FROM flow._attempts a JOIN flow._commands c ON c.id = a.command_id JOIN flow._runs r ON r.id = c.run_id
+FROM flow._attempts a JOIN flow._command_rows c ON c.id = a.command_id JOIN flow._runs r ON r.id = c.run_id
 WHERE pg_has_role(current_user, r.owner, 'MEMBER')
 UNION ALL
 SELECT c.id, c.run_id, c.name, c.attempts, c.lease_owner, c.attempt_started_at, c.finished_at,
        c.finished_at - c.attempt_started_at, 'succeeded', NULL, NULL
-FROM flow._commands c JOIN flow._runs r ON r.id = c.run_id
+FROM flow._command_rows c JOIN flow._runs r ON r.id = c.run_id
 WHERE c.status = 'succeeded' AND c.lease_token IS NOT NULL AND pg_has_role(current_user, r.owner, 'MEMBER')
 UNION ALL
 SELECT c.id, c.run_id, c.name, c.attempts, c.lease_owner, c.attempt_started_at, NULL, now() - c.attempt_started_at,
        'running', NULL, NULL
-FROM flow._commands c JOIN flow._runs r ON r.id = c.run_id
+FROM flow._command_rows c JOIN flow._runs r ON r.id = c.run_id
 WHERE c.status = 'running' AND pg_has_role(current_user, r.owner, 'MEMBER')
 UNION ALL
 SELECT c.id, c.run_id, c.name, h.attempt, h.owner, h.started_at, NULL, now() - h.started_at, 'running', NULL, NULL
-FROM flow._held_attempts h JOIN flow._commands c ON c.id = h.command_id JOIN flow._runs r ON r.id = c.run_id
+FROM flow._held_attempts h JOIN flow._command_rows c ON c.id = h.command_id JOIN flow._runs r ON r.id = c.run_id
 WHERE pg_has_role(current_user, r.owner, 'MEMBER');
 
 CREATE VIEW flow.definitions WITH (security_barrier) AS
@@ -353,7 +353,7 @@ WHERE pg_has_role(current_user, e.owner, 'MEMBER');
 
 CREATE VIEW flow.waits WITH (security_barrier) AS
 SELECT w.command_id, c.run_id, w.name, w.key, w.event_position, w.satisfied_at
-FROM flow._waits w JOIN flow._commands c ON c.id = w.command_id JOIN flow._runs r ON r.id = c.run_id
+FROM flow._waits w JOIN flow._command_rows c ON c.id = w.command_id JOIN flow._runs r ON r.id = c.run_id
 WHERE pg_has_role(current_user, r.owner, 'MEMBER');
 
 -- What each in-database worker is doing now (shared memory).

@@ -83,8 +83,8 @@ BEGIN
     INSERT INTO flow._commands (id, run_id, key, name, version, queue, args, declaration, status,
         next_run_at, not_before, budget_started_at, deadline, external)
     -- (a root is never spawned again, so it has no declaration to match:
-    -- its args are not stored twice)
-    SELECT flow._new_id(), t.run_id, 'root', d.name, d.version, lane, t.args, '{}',
+    -- its args are not stored twice; its id is its run's, see _commands_run_key)
+    SELECT t.run_id, t.run_id, 'root', d.name, d.version, lane, t.args, '{}',
         'pending', due, due, due, ends, d.handler IS NULL
     FROM unnest(run_ids, args) AS t(run_id, args);
     PERFORM flow._wake();

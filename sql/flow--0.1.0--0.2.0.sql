@@ -116,6 +116,11 @@ ALTER TABLE flow._queues SET (autovacuum_analyze_threshold = 0, autovacuum_analy
 -- Only keyed runs are indexed by (owner, key) (see sql/schema.sql).
 ALTER TABLE flow._runs DROP CONSTRAINT _runs_owner_key_key;
 CREATE UNIQUE INDEX _runs_owner_key ON flow._runs (owner, key) WHERE key IS NOT NULL;
+-- A run's root command has the run's id from 0.2.0 on, found by the primary
+-- key; (run_id, key) is unique among the other commands (see sql/schema.sql).
+-- The roots of 0.1.0's runs keep their ids, and their entries.
+ALTER TABLE flow._commands DROP CONSTRAINT _commands_run_id_key_key;
+CREATE UNIQUE INDEX _commands_run_key ON flow._commands (run_id, key) WHERE id <> run_id;
 
 -- src/lib.rs:25
 -- requires:
@@ -215,6 +220,26 @@ CREATE OR REPLACE FUNCTION flow._wait_timed_out(status flow.command_status, wait
 LANGUAGE sql IMMUTABLE AS $$
     SELECT wait_timed_out OR status = 'waiting'
 $$;
+
+-- The commands of a run: its root by the primary key (its id is the run's),
+-- the others by index _commands_run_key. (LANGUAGE sql, STABLE, no SET
+-- clause: inlined into the statements that use it, as two index scans.)
+-- flow._command_rows is the same for views.
+CREATE OR REPLACE FUNCTION flow._commands_of(run_id uuid) RETURNS SETOF flow._commands
+LANGUAGE sql STABLE AS $$
+    SELECT * FROM flow._commands c WHERE c.id = _commands_of.run_id
+    UNION ALL
+    SELECT * FROM flow._commands c WHERE c.run_id = _commands_of.run_id AND c.id <> c.run_id  -- (the index's predicate, as written)
+$$;
+
+-- All commands, in two parts the planner can find by run: roots made by
+-- 0.2.0 on (id = run_id: a filter on run_id is one on the primary key too)
+-- and the others (index _commands_run_key). The views that show run_id read
+-- commands through this, so "WHERE run_id = ..." on them never scans.
+CREATE OR REPLACE VIEW flow._command_rows AS
+SELECT * FROM flow._commands c WHERE c.id = c.run_id
+UNION ALL
+SELECT * FROM flow._commands c WHERE c.id <> c.run_id;
 
 -- src/lib.rs:26
 -- requires:
@@ -694,8 +719,8 @@ BEGIN
     INSERT INTO flow._commands (id, run_id, key, name, version, queue, args, declaration, status,
         next_run_at, not_before, budget_started_at, deadline, external)
     -- (a root is never spawned again, so it has no declaration to match:
-    -- its args are not stored twice)
-    SELECT flow._new_id(), t.run_id, 'root', d.name, d.version, lane, t.args, '{}',
+    -- its args are not stored twice; its id is its run's, see _commands_run_key)
+    SELECT t.run_id, t.run_id, 'root', d.name, d.version, lane, t.args, '{}',
         'pending', due, due, due, ends, d.handler IS NULL
     FROM unnest(run_ids, args) AS t(run_id, args);
     PERFORM flow._wake();
@@ -1067,11 +1092,10 @@ DECLARE
 BEGIN
     WITH in_progress AS (
         SELECT c.id, c.attempts AS attempt, c.lease_token, c.lease_owner AS owner, c.attempt_started_at AS started_at
-        FROM flow._commands c WHERE c.run_id = _close_open_commands.run_id AND c.status::text = 'running'
+        FROM flow._commands_of(_close_open_commands.run_id) c WHERE c.status::text = 'running'   -- (sql/common.sql)
         UNION ALL
         SELECT h.command_id, h.attempt, gen_random_uuid(), h.owner, h.started_at
-        FROM flow._held_attempts h JOIN flow._commands c ON c.id = h.command_id
-        WHERE c.run_id = _close_open_commands.run_id
+        FROM flow._held_attempts h JOIN flow._commands_of(_close_open_commands.run_id) c ON c.id = h.command_id
     ), counted AS (
         INSERT INTO flow._attempts (command_id, attempt, lease_token, owner, started_at, finished_at,
             outcome, error_code, error_message)
@@ -1084,7 +1108,7 @@ BEGIN
             attempts = coalesce((SELECT k.attempt FROM counted k WHERE k.command_id = c.id), c.attempts),
             lease_token = NULL, lease_owner = NULL, lease_pid = NULL, lease_backend_start = NULL,
             lease_expires_at = NULL, lease_interval = NULL, attempt_started_at = NULL, attempt_deadline = NULL
-        WHERE c.run_id = _close_open_commands.run_id AND c.finished_at IS NULL
+        WHERE c.id IN (SELECT k.id FROM flow._commands_of(_close_open_commands.run_id) k) AND c.finished_at IS NULL
     )
     SELECT count(*) INTO interrupted FROM counted;
     PERFORM flow._observe('attempts_cancelled', interrupted);
@@ -1208,9 +1232,9 @@ BEGIN
     WHERE r.id = t.id AND r.status = 'running';
     GET DIAGNOSTICS finished = ROW_COUNT;
     UPDATE flow._runs r SET status = 'succeeded', finished_at = clock_timestamp(),
-        result = (SELECT c.result FROM flow._commands c WHERE c.run_id = r.id AND c.parent_id IS NULL)
+        result = (SELECT c.result FROM flow._commands_of(r.id) c WHERE c.parent_id IS NULL)
     WHERE r.id = ANY (other_runs) AND r.status = 'running'
-      AND NOT EXISTS (SELECT 1 FROM flow._commands c WHERE c.run_id = r.id AND c.finished_at IS NULL);
+      AND NOT EXISTS (SELECT 1 FROM flow._commands_of(r.id) c WHERE c.finished_at IS NULL);
     GET DIAGNOSTICS more = ROW_COUNT;
     finished := finished + more;
     PERFORM flow._observe('attempts_succeeded', settled), flow._observe('runs_succeeded', finished);
@@ -1392,7 +1416,7 @@ BEGIN
         WHERE r.id = ANY (window_ids) AND r.status <> 'running' AND r.finished_at < cut
         RETURNING r.id
     ), commands AS (
-        DELETE FROM flow._commands c USING gone WHERE c.run_id = gone.id      -- index _commands_run_id_key_key
+        DELETE FROM flow._commands c WHERE c.id IN (SELECT k.id FROM gone, flow._commands_of(gone.id) k)
         RETURNING c.id
     ), attempts AS (
         DELETE FROM flow._attempts a USING commands WHERE a.command_id = commands.id
@@ -1597,6 +1621,10 @@ CREATE OR REPLACE FUNCTION flow._spawn(caller oid, parent_id uuid, name text, ar
     waits flow.wait_spec[], within interval, version integer, queue text)
 RETURNS uuid
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+#variable_conflict use_column
+-- (the ON CONFLICT below names columns run_id and key, which cannot be
+-- qualified; every other use of a parameter or column here is qualified, or
+-- has no column of that name in scope)
 DECLARE
     parent flow._commands;
     d flow._definitions;
@@ -1619,6 +1647,11 @@ BEGIN
     PERFORM flow._require_use(caller, d);
     lane := CASE WHEN queue IS NULL THEN d.queue ELSE flow._use_queue(caller, queue) END;
     PERFORM flow._require_name('key', key);
+    IF key = 'root' THEN
+        -- (the root's key, though not in _commands_run_key: spawning it is
+        -- spawning a declaration other than the root's)
+        RAISE EXCEPTION 'flow: child key root is the run''s root command' USING ERRCODE = 'FL016';
+    END IF;
     PERFORM flow._require_payload('args', args);
     PERFORM flow._require_args_fit(d, args);
     PERFORM flow._require_span('within', within);
@@ -1642,11 +1675,11 @@ BEGIN
              ELSE least(CASE WHEN within IS NULL THEN 'infinity' ELSE greatest(now() + within, due) END,
                         coalesce(parent.deadline, 'infinity')) END,
         due, due, parent.deadline, d.handler IS NULL)
-    ON CONFLICT ON CONSTRAINT _commands_run_id_key_key DO NOTHING;
+    ON CONFLICT (run_id, key) WHERE id <> run_id DO NOTHING;          -- index _commands_run_key
     IF NOT FOUND THEN
         -- Keys are unique within a run: the same declaration again is a no-op
         -- (a retried attempt re-spawns safely), another one is an invalid decision.
-        SELECT * INTO existing FROM flow._commands c WHERE c.run_id = parent.run_id AND c.key = _spawn.key;
+        SELECT * INTO existing FROM flow._commands_of(parent.run_id) c WHERE c.key = _spawn.key;
         IF existing.declaration IS DISTINCT FROM declared THEN
             RAISE EXCEPTION 'flow: child key % was already spawned with another declaration', key
                 USING ERRCODE = 'FL016';
@@ -1697,7 +1730,7 @@ BEGIN
                CASE c.status WHEN 'succeeded' THEN 'palegreen' WHEN 'failed' THEN 'salmon'
                              WHEN 'running' THEN 'lightblue' WHEN 'waiting' THEN 'khaki'
                              WHEN 'cancelled' THEN 'lightgrey' ELSE 'white' END AS colour
-        FROM flow._commands c WHERE c.run_id = _run_graph.run_id ORDER BY c.created_at, c.id
+        FROM flow._commands_of(_run_graph.run_id) c ORDER BY c.created_at, c.id
     LOOP
         lines := lines || CASE WHEN dot
             THEN format('  %s [label="%s", fillcolor=%s];', item.node, item.label, item.colour)
@@ -1713,8 +1746,8 @@ BEGIN
                translate(format('event %s/%s', e.name, e.key), '"[]{}<>|', '''()()()/') AS label
         FROM flow._events e
         WHERE e.run_id = _run_graph.run_id
-           OR e.position IN (SELECT w.event_position FROM flow._waits w JOIN flow._commands c ON c.id = w.command_id
-                             WHERE c.run_id = _run_graph.run_id)
+           OR e.position IN (SELECT w.event_position
+                             FROM flow._waits w JOIN flow._commands_of(_run_graph.run_id) c ON c.id = w.command_id)
     LOOP
         lines := lines || CASE WHEN dot THEN format('  %s [shape=ellipse, label="%s"];', item.node, item.label)
                                ELSE format('  %s(["%s"])', item.node, item.label) END;
@@ -1728,8 +1761,8 @@ BEGIN
         SELECT w.event_position, 'c' || replace(w.command_id::text, '-', '') AS waiter,
                'w' || md5(w.command_id::text || w.name || w.key) AS open_node,
                translate(format('waiting for %s/%s', w.name, w.key), '"[]{}<>|', '''()()()/') AS label
-        FROM flow._waits w JOIN flow._commands c ON c.id = w.command_id
-        WHERE c.run_id = _run_graph.run_id ORDER BY w.name, w.key
+        FROM flow._waits w JOIN flow._commands_of(_run_graph.run_id) c ON c.id = w.command_id
+        ORDER BY w.name, w.key
     LOOP
         IF item.event_position IS NOT NULL THEN
             lines := lines || format(CASE WHEN dot THEN '  %s -> %s [style=dashed, label="satisfies"];'
@@ -2416,7 +2449,7 @@ CREATE OR REPLACE VIEW flow.runs WITH (security_barrier) AS
 SELECT r.id, r.key, r.name, r.version, r.queue, r.status, r.args, r.result, r.error,
        r.error ->> 'message' AS last_error, r.deadline, r.created_at, r.finished_at,
        r.owner::regrole AS owner,
-       (SELECT sum(c.attempts) FROM flow._commands c WHERE c.run_id = r.id)::integer AS attempts
+       (SELECT sum(c.attempts) FROM flow._commands_of(r.id) c)::integer AS attempts
 FROM flow._runs r
 WHERE pg_has_role(current_user, r.owner, 'MEMBER');
 
@@ -2437,7 +2470,7 @@ SELECT c.id, c.run_id, c.parent_id, c.key, c.name, c.version, c.queue,
        c.wait_timed_out, coalesce(h.owner, c.lease_owner) AS lease_owner, c.lease_expires_at,
        coalesce(h.started_at, c.attempt_started_at) AS attempt_started_at, c.attempt_deadline,
        c.created_at, c.finished_at
-FROM flow._commands c JOIN flow._runs r ON r.id = c.run_id
+FROM flow._command_rows c JOIN flow._runs r ON r.id = c.run_id
 LEFT JOIN flow._held_attempts h ON h.command_id = c.id
 WHERE pg_has_role(current_user, r.owner, 'MEMBER');
 
@@ -2446,21 +2479,21 @@ WHERE pg_has_role(current_user, r.owner, 'MEMBER');
 CREATE OR REPLACE VIEW flow.attempts WITH (security_barrier) AS
 SELECT a.command_id, c.run_id, c.name, a.attempt, a.owner, a.started_at, a.finished_at,
        a.finished_at - a.started_at AS duration, a.outcome, a.error_code, a.error_message
-FROM flow._attempts a JOIN flow._commands c ON c.id = a.command_id JOIN flow._runs r ON r.id = c.run_id
+FROM flow._attempts a JOIN flow._command_rows c ON c.id = a.command_id JOIN flow._runs r ON r.id = c.run_id
 WHERE pg_has_role(current_user, r.owner, 'MEMBER')
 UNION ALL
 SELECT c.id, c.run_id, c.name, c.attempts, c.lease_owner, c.attempt_started_at, c.finished_at,
        c.finished_at - c.attempt_started_at, 'succeeded', NULL, NULL
-FROM flow._commands c JOIN flow._runs r ON r.id = c.run_id
+FROM flow._command_rows c JOIN flow._runs r ON r.id = c.run_id
 WHERE c.status = 'succeeded' AND c.lease_token IS NOT NULL AND pg_has_role(current_user, r.owner, 'MEMBER')
 UNION ALL
 SELECT c.id, c.run_id, c.name, c.attempts, c.lease_owner, c.attempt_started_at, NULL, now() - c.attempt_started_at,
        'running', NULL, NULL
-FROM flow._commands c JOIN flow._runs r ON r.id = c.run_id
+FROM flow._command_rows c JOIN flow._runs r ON r.id = c.run_id
 WHERE c.status = 'running' AND pg_has_role(current_user, r.owner, 'MEMBER')
 UNION ALL
 SELECT c.id, c.run_id, c.name, h.attempt, h.owner, h.started_at, NULL, now() - h.started_at, 'running', NULL, NULL
-FROM flow._held_attempts h JOIN flow._commands c ON c.id = h.command_id JOIN flow._runs r ON r.id = c.run_id
+FROM flow._held_attempts h JOIN flow._command_rows c ON c.id = h.command_id JOIN flow._runs r ON r.id = c.run_id
 WHERE pg_has_role(current_user, r.owner, 'MEMBER');
 
 CREATE OR REPLACE VIEW flow.definitions WITH (security_barrier) AS
@@ -2527,7 +2560,7 @@ WHERE pg_has_role(current_user, e.owner, 'MEMBER');
 
 CREATE OR REPLACE VIEW flow.waits WITH (security_barrier) AS
 SELECT w.command_id, c.run_id, w.name, w.key, w.event_position, w.satisfied_at
-FROM flow._waits w JOIN flow._commands c ON c.id = w.command_id JOIN flow._runs r ON r.id = c.run_id
+FROM flow._waits w JOIN flow._command_rows c ON c.id = w.command_id JOIN flow._runs r ON r.id = c.run_id
 WHERE pg_has_role(current_user, r.owner, 'MEMBER');
 
 -- What each in-database worker is doing now (shared memory).

@@ -27,7 +27,7 @@ BEGIN
         WHERE r.id = ANY (window_ids) AND r.status <> 'running' AND r.finished_at < cut
         RETURNING r.id
     ), commands AS (
-        DELETE FROM flow._commands c USING gone WHERE c.run_id = gone.id      -- index _commands_run_id_key_key
+        DELETE FROM flow._commands c WHERE c.id IN (SELECT k.id FROM gone, flow._commands_of(gone.id) k)
         RETURNING c.id
     ), attempts AS (
         DELETE FROM flow._attempts a USING commands WHERE a.command_id = commands.id

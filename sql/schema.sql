@@ -186,7 +186,6 @@ CREATE TABLE flow._commands (
     finished_at       timestamptz,
     lease_interval    interval,              -- an external lease's length: what a heartbeat extends by
     external          boolean NOT NULL DEFAULT false,  -- its definition has no handler: external workers run it
-    UNIQUE (run_id, key),
     CHECK (CASE status WHEN 'running' THEN lease_token IS NOT NULL WHEN 'succeeded' THEN true
                        ELSE lease_token IS NULL END),
     CHECK ((status = 'running') = (lease_expires_at IS NOT NULL)),
@@ -200,6 +199,13 @@ CREATE TABLE flow._commands (
 -- The claim path: due commands of one queue in (next_run_at, id) order,
 -- those for in-database workers apart from those for external workers, so
 -- neither kind's backlog is in the other's way.
+-- A run's root command has the run's id (key 'root'): it is found by the
+-- primary key. Keys are unique within a run among the others, the commands
+-- spawned in it (and the roots of runs 0.1.0 started, which have ids of their
+-- own). So a run of one command has two index entries here, not three, and
+-- its settlement (an update that cannot be HOT: status is in the partial
+-- indexes) inserts one, not two. flow._commands_of finds a run's commands.
+CREATE UNIQUE INDEX _commands_run_key ON flow._commands (run_id, key) WHERE id <> run_id;
 CREATE INDEX _commands_due ON flow._commands (queue, external, next_run_at, id)
     WHERE status IN ('pending', 'waiting');
 -- Concurrency accounting and recovery of dead owners.

@@ -50,11 +50,10 @@ DECLARE
 BEGIN
     WITH in_progress AS (
         SELECT c.id, c.attempts AS attempt, c.lease_token, c.lease_owner AS owner, c.attempt_started_at AS started_at
-        FROM flow._commands c WHERE c.run_id = _close_open_commands.run_id AND c.status::text = 'running'
+        FROM flow._commands_of(_close_open_commands.run_id) c WHERE c.status::text = 'running'   -- (sql/common.sql)
         UNION ALL
         SELECT h.command_id, h.attempt, gen_random_uuid(), h.owner, h.started_at
-        FROM flow._held_attempts h JOIN flow._commands c ON c.id = h.command_id
-        WHERE c.run_id = _close_open_commands.run_id
+        FROM flow._held_attempts h JOIN flow._commands_of(_close_open_commands.run_id) c ON c.id = h.command_id
     ), counted AS (
         INSERT INTO flow._attempts (command_id, attempt, lease_token, owner, started_at, finished_at,
             outcome, error_code, error_message)
@@ -67,7 +66,7 @@ BEGIN
             attempts = coalesce((SELECT k.attempt FROM counted k WHERE k.command_id = c.id), c.attempts),
             lease_token = NULL, lease_owner = NULL, lease_pid = NULL, lease_backend_start = NULL,
             lease_expires_at = NULL, lease_interval = NULL, attempt_started_at = NULL, attempt_deadline = NULL
-        WHERE c.run_id = _close_open_commands.run_id AND c.finished_at IS NULL
+        WHERE c.id IN (SELECT k.id FROM flow._commands_of(_close_open_commands.run_id) k) AND c.finished_at IS NULL
     )
     SELECT count(*) INTO interrupted FROM counted;
     PERFORM flow._observe('attempts_cancelled', interrupted);
@@ -191,9 +190,9 @@ BEGIN
     WHERE r.id = t.id AND r.status = 'running';
     GET DIAGNOSTICS finished = ROW_COUNT;
     UPDATE flow._runs r SET status = 'succeeded', finished_at = clock_timestamp(),
-        result = (SELECT c.result FROM flow._commands c WHERE c.run_id = r.id AND c.parent_id IS NULL)
+        result = (SELECT c.result FROM flow._commands_of(r.id) c WHERE c.parent_id IS NULL)
     WHERE r.id = ANY (other_runs) AND r.status = 'running'
-      AND NOT EXISTS (SELECT 1 FROM flow._commands c WHERE c.run_id = r.id AND c.finished_at IS NULL);
+      AND NOT EXISTS (SELECT 1 FROM flow._commands_of(r.id) c WHERE c.finished_at IS NULL);
     GET DIAGNOSTICS more = ROW_COUNT;
     finished := finished + more;
     PERFORM flow._observe('attempts_succeeded', settled), flow._observe('runs_succeeded', finished);

@@ -168,6 +168,10 @@ CREATE FUNCTION flow._spawn(caller oid, parent_id uuid, name text, args jsonb, k
     waits flow.wait_spec[], within interval, version integer, queue text)
 RETURNS uuid
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+#variable_conflict use_column
+-- (the ON CONFLICT below names columns run_id and key, which cannot be
+-- qualified; every other use of a parameter or column here is qualified, or
+-- has no column of that name in scope)
 DECLARE
     parent flow._commands;
     d flow._definitions;
@@ -190,6 +194,11 @@ BEGIN
     PERFORM flow._require_use(caller, d);
     lane := CASE WHEN queue IS NULL THEN d.queue ELSE flow._use_queue(caller, queue) END;
     PERFORM flow._require_name('key', key);
+    IF key = 'root' THEN
+        -- (the root's key, though not in _commands_run_key: spawning it is
+        -- spawning a declaration other than the root's)
+        RAISE EXCEPTION 'flow: child key root is the run''s root command' USING ERRCODE = 'FL016';
+    END IF;
     PERFORM flow._require_payload('args', args);
     PERFORM flow._require_args_fit(d, args);
     PERFORM flow._require_span('within', within);
@@ -213,11 +222,11 @@ BEGIN
              ELSE least(CASE WHEN within IS NULL THEN 'infinity' ELSE greatest(now() + within, due) END,
                         coalesce(parent.deadline, 'infinity')) END,
         due, due, parent.deadline, d.handler IS NULL)
-    ON CONFLICT ON CONSTRAINT _commands_run_id_key_key DO NOTHING;
+    ON CONFLICT (run_id, key) WHERE id <> run_id DO NOTHING;          -- index _commands_run_key
     IF NOT FOUND THEN
         -- Keys are unique within a run: the same declaration again is a no-op
         -- (a retried attempt re-spawns safely), another one is an invalid decision.
-        SELECT * INTO existing FROM flow._commands c WHERE c.run_id = parent.run_id AND c.key = _spawn.key;
+        SELECT * INTO existing FROM flow._commands_of(parent.run_id) c WHERE c.key = _spawn.key;
         IF existing.declaration IS DISTINCT FROM declared THEN
             RAISE EXCEPTION 'flow: child key % was already spawned with another declaration', key
                 USING ERRCODE = 'FL016';
@@ -268,7 +277,7 @@ BEGIN
                CASE c.status WHEN 'succeeded' THEN 'palegreen' WHEN 'failed' THEN 'salmon'
                              WHEN 'running' THEN 'lightblue' WHEN 'waiting' THEN 'khaki'
                              WHEN 'cancelled' THEN 'lightgrey' ELSE 'white' END AS colour
-        FROM flow._commands c WHERE c.run_id = _run_graph.run_id ORDER BY c.created_at, c.id
+        FROM flow._commands_of(_run_graph.run_id) c ORDER BY c.created_at, c.id
     LOOP
         lines := lines || CASE WHEN dot
             THEN format('  %s [label="%s", fillcolor=%s];', item.node, item.label, item.colour)
@@ -284,8 +293,8 @@ BEGIN
                translate(format('event %s/%s', e.name, e.key), '"[]{}<>|', '''()()()/') AS label
         FROM flow._events e
         WHERE e.run_id = _run_graph.run_id
-           OR e.position IN (SELECT w.event_position FROM flow._waits w JOIN flow._commands c ON c.id = w.command_id
-                             WHERE c.run_id = _run_graph.run_id)
+           OR e.position IN (SELECT w.event_position
+                             FROM flow._waits w JOIN flow._commands_of(_run_graph.run_id) c ON c.id = w.command_id)
     LOOP
         lines := lines || CASE WHEN dot THEN format('  %s [shape=ellipse, label="%s"];', item.node, item.label)
                                ELSE format('  %s(["%s"])', item.node, item.label) END;
@@ -299,8 +308,8 @@ BEGIN
         SELECT w.event_position, 'c' || replace(w.command_id::text, '-', '') AS waiter,
                'w' || md5(w.command_id::text || w.name || w.key) AS open_node,
                translate(format('waiting for %s/%s', w.name, w.key), '"[]{}<>|', '''()()()/') AS label
-        FROM flow._waits w JOIN flow._commands c ON c.id = w.command_id
-        WHERE c.run_id = _run_graph.run_id ORDER BY w.name, w.key
+        FROM flow._waits w JOIN flow._commands_of(_run_graph.run_id) c ON c.id = w.command_id
+        ORDER BY w.name, w.key
     LOOP
         IF item.event_position IS NOT NULL THEN
             lines := lines || format(CASE WHEN dot THEN '  %s -> %s [style=dashed, label="satisfies"];'

@@ -112,3 +112,8 @@ ALTER TABLE flow._queues SET (autovacuum_analyze_threshold = 0, autovacuum_analy
 -- Only keyed runs are indexed by (owner, key) (see sql/schema.sql).
 ALTER TABLE flow._runs DROP CONSTRAINT _runs_owner_key_key;
 CREATE UNIQUE INDEX _runs_owner_key ON flow._runs (owner, key) WHERE key IS NOT NULL;
+-- A run's root command has the run's id from 0.2.0 on, found by the primary
+-- key; (run_id, key) is unique among the other commands (see sql/schema.sql).
+-- The roots of 0.1.0's runs keep their ids, and their entries.
+ALTER TABLE flow._commands DROP CONSTRAINT _commands_run_id_key_key;
+CREATE UNIQUE INDEX _commands_run_key ON flow._commands (run_id, key) WHERE id <> run_id;
