@@ -196,9 +196,6 @@ CREATE TABLE flow._commands (
     CHECK (status = 'succeeded' OR result IS NULL),
     CHECK (status <> 'running' OR attempts >= 1)
 );
--- The claim path: due commands of one queue in (next_run_at, id) order,
--- those for in-database workers apart from those for external workers, so
--- neither kind's backlog is in the other's way.
 -- A run's root command has the run's id (key 'root'): it is found by the
 -- primary key. Keys are unique within a run among the others, the commands
 -- spawned in it (and the roots of runs 0.1.0 started, which have ids of their
@@ -206,6 +203,9 @@ CREATE TABLE flow._commands (
 -- its settlement (an update that cannot be HOT: status is in the partial
 -- indexes) inserts one, not two. flow._commands_of finds a run's commands.
 CREATE UNIQUE INDEX _commands_run_key ON flow._commands (run_id, key) WHERE id <> run_id;
+-- The claim path: due commands of one queue in (next_run_at, id) order,
+-- those for in-database workers apart from those for external workers, so
+-- neither kind's backlog is in the other's way.
 CREATE INDEX _commands_due ON flow._commands (queue, external, next_run_at, id)
     WHERE status IN ('pending', 'waiting');
 -- Concurrency accounting and recovery of dead owners.
