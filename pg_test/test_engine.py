@@ -253,6 +253,27 @@ def test_the_run_deadline_bounds_the_attempt(app):
     assert attempts(app, run)[0][1] == "timeout"
 
 
+def test_args_and_results_pass_through_exactly(app):
+    """Args reach the handler and its result reaches the run as the jsonb they
+    were: numbers beyond a double (digits, trailing zeros), unicode, and a
+    value large enough to be stored compressed, through each way a handler is
+    called (PL/pgSQL directly, SQL and context handlers through SPI)."""
+    app.all("""
+        CREATE FUNCTION app.echo_plpgsql(args jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$ BEGIN RETURN args; END $$;
+        CREATE FUNCTION app.echo_sql(args jsonb) RETURNS jsonb LANGUAGE sql AS $$ SELECT args $$;
+        CREATE FUNCTION app.echo_context(args jsonb, ctx flow.context) RETURNS jsonb LANGUAGE sql AS $$ SELECT args $$;
+    """)
+    args = ('{"big": 123456789012345678901234567890.000001000, "price": 1.10, "tiny": 1e-20, "neg": -0.0,'
+            ' "text": "d\u00e9j\u00e0 vu \u2603", "nested": {"list": [1, 2.50, null, true]},'
+            ' "blob": "' + "0123456789abcdef" * 400 + '"}')
+    for handler in ("app.echo_plpgsql", "app.echo_sql", "app.echo_context"):
+        name = define(app, handler)
+        run = app.one("SELECT flow.enqueue(%s, %s::jsonb)", name, args)
+        assert app.await_run(run, "10s")[0] == "succeeded"
+        assert app.one("SELECT r.result::text = %s::jsonb::text AND c.result::text = %s::jsonb::text"
+                       " FROM flow.runs r JOIN flow.commands c ON c.id = r.id WHERE r.id = %s", args, args, run), handler
+
+
 def test_result_too_large_is_permanent_and_rolls_back(app):
     name = define(app, "app.decides")
     run = enqueue(app, name, '{"do": "big", "tag": "big"}')

@@ -122,7 +122,7 @@ CREATE UNIQUE INDEX _runs_owner_key ON flow._runs (owner, key) WHERE key IS NOT 
 ALTER TABLE flow._commands DROP CONSTRAINT _commands_run_id_key_key;
 CREATE UNIQUE INDEX _commands_run_key ON flow._commands (run_id, key) WHERE id <> run_id;
 
--- src/lib.rs:25
+-- src/lib.rs:26
 -- requires:
 --   schema
 
@@ -241,7 +241,7 @@ SELECT * FROM flow._commands c WHERE c.id = c.run_id
 UNION ALL
 SELECT * FROM flow._commands c WHERE c.id <> c.run_id;
 
--- src/lib.rs:26
+-- src/lib.rs:27
 -- requires:
 --   common
 
@@ -630,7 +630,7 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
         OR EXISTS (SELECT 1 FROM flow._runs r WHERE r.owner = role AND r.status = 'running')
 $$;
 
--- src/lib.rs:27
+-- src/lib.rs:28
 -- requires:
 --   definitions
 
@@ -806,7 +806,7 @@ BEGIN
     RETURN ids;
 END $$;
 
--- src/lib.rs:28
+-- src/lib.rs:29
 -- requires:
 --   enqueue
 
@@ -1036,7 +1036,7 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp SET enable_seqscan = o
                                WHERE r.queue = q.name AND r.status = 'running'))
 $$;
 
--- src/lib.rs:29
+-- src/lib.rs:30
 -- requires:
 --   claim
 
@@ -1335,7 +1335,7 @@ BEGIN
     RETURN CASE WHEN stop IS NULL THEN 'retry' ELSE 'failed' END;
 END $$;
 
--- src/lib.rs:30
+-- src/lib.rs:31
 -- requires:
 --   settle
 
@@ -1383,7 +1383,7 @@ BEGIN
     RETURN concluded;
 END $$;
 
--- src/lib.rs:31
+-- src/lib.rs:32
 -- requires:
 --   recover
 
@@ -1447,7 +1447,7 @@ BEGIN
     RETURN retired;
 END $$;
 
--- src/lib.rs:32
+-- src/lib.rs:33
 -- requires:
 --   retention
 
@@ -1782,7 +1782,7 @@ BEGIN
     RETURN format(E'flowchart LR\n%s\n', array_to_string(lines, E'\n'));
 END $$;
 
--- src/lib.rs:33
+-- src/lib.rs:34
 -- requires:
 --   workflows
 
@@ -2203,7 +2203,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', 'run_sql_wrapper';
 
--- src/lib.rs:34
+-- src/lib.rs:35
 -- finalize
 -- flow's public SQL surface (names and named parameters are the API, see
 -- DESIGN.md) and the views a person reads.

@@ -16,7 +16,8 @@ use pgrx::datum::DatumWithOid;
 use pgrx::pg_sys::{self, PgBuiltInOids, PgOid};
 use pgrx::prelude::*;
 use pgrx::spi::OwnedPreparedStatement;
-use pgrx::{JsonB, PgTryBuilder};
+use crate::payload::Jsonb;
+use pgrx::{FromDatum, PgTryBuilder};
 use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, HashSet};
 use std::ffi::c_int;
@@ -33,9 +34,8 @@ pub struct Claimed {
     pub timeout_us: Option<i64>,
     pub handler: pg_sys::Oid,
     pub owner: pg_sys::Oid,
-    /// The args as jsonb's text: handed to the handler as they came, never
-    /// taken apart here.
-    pub args: String,
+    /// The args, handed to the handler as the datum they were (see payload).
+    pub args: Jsonb,
     /// Only for handlers that take a `flow.context`.
     pub context: Option<HandlerContext>,
     /// The definition's args_type, if any: the args must still fit it.
@@ -311,6 +311,7 @@ const INT8: PgOid = PgOid::BuiltIn(PgBuiltInOids::INT8OID);
 const INT4: PgOid = PgOid::BuiltIn(PgBuiltInOids::INT4OID);
 const TIMESTAMPTZ: PgOid = PgOid::BuiltIn(PgBuiltInOids::TIMESTAMPTZOID);
 const UUID_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::UUIDARRAYOID);
+const JSONB: PgOid = PgOid::BuiltIn(PgBuiltInOids::JSONBOID);
 const JSONB_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::JSONBARRAYOID);
 const TIMESTAMPTZ_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::TIMESTAMPTZARRAYOID);
 const INT4_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::INT4ARRAYOID);
@@ -365,7 +366,7 @@ pub fn claim(
         "SELECT command_id, run_id, lease_token,
                 (extract(epoch FROM hard_deadline) * 1000000)::bigint - 946684800000000,
                 (extract(epoch FROM attempt_timeout) * 1000000)::bigint,
-                handler, handler_owner, args::text, (context).run_key, args_type::oid,
+                handler, handler_owner, args, (context).run_key, args_type::oid,
                 CASE WHEN lease_expires_at IS NULL THEN attempt END,
                 (context).command_id IS NOT NULL, (context).command_key, (context).name, (context).version,
                 (context).queue, (context).attempt, (context).inputs::text, (context).wait_timed_out,
@@ -402,7 +403,7 @@ pub fn claim(
                     timeout_us: row.get(5).ok().flatten(),
                     handler: row.get(6).ok().flatten().expect("handler"),
                     owner: row.get(7).ok().flatten().expect("handler_owner"),
-                    args: row.get::<String>(8).ok().flatten().expect("args"),
+                    args: row.get::<Jsonb>(8).ok().flatten().expect("args"),
                     context: row.get::<bool>(12).ok().flatten().unwrap_or(false).then(|| HandlerContext {
                         run_key: row.get(9).ok().flatten(),
                         command_key: row.get(13).ok().flatten().expect("command_key"),
@@ -439,7 +440,7 @@ pub struct Chunk<'a> {
     /// Runs that failed in this chunk: their other commands were cancelled.
     failed_runs: HashSet<[u8; 16]>,
     /// (command, lease token, result, when its handler started, held attempt)
-    successes: Vec<(pgrx::Uuid, pgrx::Uuid, Option<JsonB>, Option<TimestampWithTimeZone>, Option<i32>)>,
+    successes: Vec<(pgrx::Uuid, pgrx::Uuid, Option<Jsonb>, Option<TimestampWithTimeZone>, Option<i32>)>,
     /// Commands to hand back uncharged (see `finish`).
     handed_back: Vec<(pgrx::Uuid, pgrx::Uuid)>,
     /// Held commands: their rows and runs were locked by this transaction itself.
@@ -750,9 +751,9 @@ fn refused_before_start(command: &Claimed, remaining_ms: Option<i64>) -> Option<
     let misfit = in_subtransaction(
         || {
             Ok(engine_query(
-                "SELECT flow._args_misfit_as($1, $2, $3::pg_catalog.jsonb)",
-                &[oid, oid, TEXT],
-                &[command.owner.into(), args_type.into(), command.args.as_str().into()],
+                "SELECT flow._args_misfit_as($1, $2, $3)",
+                &[oid, oid, JSONB],
+                &[command.owner.into(), args_type.into(), command.args.clone().into()],
                 |t| t.first().get_one::<String>().ok().flatten(),
             ))
         },
@@ -764,7 +765,7 @@ fn refused_before_start(command: &Claimed, remaining_ms: Option<i64>) -> Option<
 
 /// How an attempt ended.
 enum Attempted {
-    Succeeded(Option<JsonB>),
+    Succeeded(Option<Jsonb>),
     /// Its writes were rolled back.
     Failed(Failure),
     /// flow.fail(keep_writes => true): its writes are kept.
@@ -821,7 +822,7 @@ fn attempt(index: usize, command: &Claimed, group: Option<&Subtransaction>, now:
         if let Some(invalid) = INVALID_DECISION.with(|d| d.borrow_mut().take()) {
             return Err(decided_failure(invalid));
         }
-        let size = result.as_ref().map(|r| serde_json::to_string(&r.0).map(|s| s.len()).unwrap_or(usize::MAX));
+        let size = result.as_ref().map(Jsonb::text_size);
         if let Some(size) = size.filter(|s| *s > gucs::max_result_bytes() as usize) {
             return Err(Failure {
                 class: "permanent",
@@ -944,7 +945,7 @@ fn stop_deadline_timer() {
 /// owner, and re-validates the plan when the function is replaced. The
 /// statement names everything with its schema, so nothing in it resolves
 /// through the owner's search_path.
-fn call_handler(command: &Claimed, deadline: Option<TimestampWithTimeZone>, started: Option<TimestampWithTimeZone>) -> Option<JsonB> {
+fn call_handler(command: &Claimed, deadline: Option<TimestampWithTimeZone>, started: Option<TimestampWithTimeZone>) -> Option<Jsonb> {
     if let Some(result) = DirectCall::call(command.handler, &command.args) {
         return result;
     }
@@ -952,7 +953,7 @@ fn call_handler(command: &Claimed, deadline: Option<TimestampWithTimeZone>, star
     let missing = HANDLER_PLANS.with(|p| !p.borrow().contains_key(&key));
     if missing {
         let (sql, takes_context) = handler_call_sql(command.handler);
-        let types: &[PgOid] = if takes_context { &CONTEXT_CALL_TYPES } else { &[TEXT] };
+        let types: &[PgOid] = if takes_context { &CONTEXT_CALL_TYPES } else { &[JSONB] };
         let plan = Spi::connect_mut(|client| {
             client.prepare_mut(sql.as_str(), types).unwrap_or_else(|e| error!("flow: {e}")).keep()
         });
@@ -963,9 +964,9 @@ fn call_handler(command: &Claimed, deadline: Option<TimestampWithTimeZone>, star
             let plans = plans.borrow();
             let (plan, takes_context) = &plans[&key];
             let args: Vec<DatumWithOid> = match (&command.context, takes_context) {
-                (_, false) => vec![command.args.as_str().into()],
+                (_, false) => vec![command.args.clone().into()],
                 (Some(c), true) => vec![
-                    command.args.as_str().into(),
+                    command.args.clone().into(),
                     command.run_id.into(),
                     c.run_key.as_deref().into(),
                     command.command_id.into(),
@@ -990,7 +991,7 @@ fn call_handler(command: &Claimed, deadline: Option<TimestampWithTimeZone>, star
             // pg_subtrans entry and a slot of the 64-entry subxid cache.
             client
                 .select(plan, Some(1), &args)
-                .and_then(|t| t.first().get_one::<JsonB>())
+                .and_then(|t| t.first().get_one::<Jsonb>())
                 .unwrap_or_else(|e| error!("flow: {e}"))
         })
     })
@@ -1028,11 +1029,6 @@ thread_local! {
 // fixed OID of `LANGUAGE sql` in pg_language.dat.
 const SQL_LANGUAGE: pg_sys::Oid = pg_sys::Oid::from_u32(14);
 
-unsafe extern "C-unwind" {
-    /// jsonb's input function, as fmgr calls it (pgrx's binding is a Rust wrapper).
-    fn jsonb_in(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum;
-}
-
 #[pg_guard]
 unsafe extern "C-unwind" fn direct_calls_stale(_arg: pg_sys::Datum, _cache: c_int, _hash: u32) {
     DIRECT_CALLS_STALE.with(|s| s.set(true));
@@ -1064,9 +1060,9 @@ fn kept_context(
 }
 
 impl DirectCall {
-    /// Call `handler` with `args` (jsonb's text) if it is called directly:
-    /// Some(its result), or None if it goes through SPI.
-    fn call(handler: pg_sys::Oid, args: &str) -> Option<Option<JsonB>> {
+    /// Call `handler` with `args` if it is called directly: Some(its
+    /// result), or None if it goes through SPI.
+    fn call(handler: pg_sys::Oid, args: &Jsonb) -> Option<Option<Jsonb>> {
         Self::forget_if_stale();
         let (fcinfo, returns_void) = DIRECT_CALLS.with(|calls| {
             let mut calls = calls.borrow_mut();
@@ -1082,12 +1078,7 @@ impl DirectCall {
             let call_memory = Self::call_memory();
             pg_sys::MemoryContextReset(call_memory);
             let caller_memory = pg_sys::MemoryContextSwitchTo(call_memory);
-            let text = std::ffi::CString::new(args).unwrap_or_else(|_| error!("flow: args contain a NUL byte"));
-            let value = pg_sys::DirectFunctionCall1Coll(
-                Some(jsonb_in),
-                pg_sys::InvalidOid,
-                pg_sys::Datum::from(text.as_ptr()),
-            );
+            let value = args.to_datum();
             let fc = &mut *fcinfo;
             fc.isnull = false;
             let arg = fc.args.as_mut_slice(1);
@@ -1105,7 +1096,7 @@ impl DirectCall {
             let returned = if returns_void || fc.isnull {
                 None
             } else {
-                JsonB::from_polymorphic_datum(result, false, pg_sys::JSONBOID) // a copy, owned by Rust
+                Jsonb::from_polymorphic_datum(result, false, pg_sys::JSONBOID) // a copy, owned by Rust
             };
             pg_sys::MemoryContextSwitchTo(caller_memory);
             pg_sys::MemoryContextReset(call_memory);
@@ -1176,10 +1167,10 @@ impl DirectCall {
     }
 }
 
-/// The parameters of a call of a handler that takes a context: its args
-/// (jsonb's text), then the fields of flow.context in order.
+/// The parameters of a call of a handler that takes a context: its args,
+/// then the fields of flow.context in order.
 const CONTEXT_CALL_TYPES: [PgOid; 16] = [
-    TEXT, UUID, TEXT, UUID, TEXT, TEXT, INT4, TEXT, INT4, TIMESTAMPTZ, TEXT, BOOL, TEXT, TIMESTAMPTZ, TIMESTAMPTZ,
+    JSONB, UUID, TEXT, UUID, TEXT, TEXT, INT4, TEXT, INT4, TIMESTAMPTZ, TEXT, BOOL, TEXT, TIMESTAMPTZ, TIMESTAMPTZ,
     TIMESTAMPTZ,
 ];
 

@@ -15,6 +15,7 @@ mod gucs;
 mod handlers;
 mod hooks;
 mod isolation;
+mod payload;
 mod roles;
 mod shmem;
 mod worker;
