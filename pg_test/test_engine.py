@@ -261,12 +261,12 @@ def test_args_and_results_pass_through_exactly(app):
     app.all("""
         CREATE FUNCTION app.echo_plpgsql(args jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$ BEGIN RETURN args; END $$;
         CREATE FUNCTION app.echo_sql(args jsonb) RETURNS jsonb LANGUAGE sql AS $$ SELECT args $$;
-        CREATE FUNCTION app.echo_context(args jsonb, ctx flow.context) RETURNS jsonb LANGUAGE sql AS $$ SELECT args $$;
+        CREATE FUNCTION app.echo_args_context(args jsonb, ctx flow.context) RETURNS jsonb LANGUAGE sql AS $$ SELECT args $$;
     """)
     args = ('{"big": 123456789012345678901234567890.000001000, "price": 1.10, "tiny": 1e-20, "neg": -0.0,'
             ' "text": "d\u00e9j\u00e0 vu \u2603", "nested": {"list": [1, 2.50, null, true]},'
             ' "blob": "' + "0123456789abcdef" * 400 + '"}')
-    for handler in ("app.echo_plpgsql", "app.echo_sql", "app.echo_context"):
+    for handler in ("app.echo_plpgsql", "app.echo_sql", "app.echo_args_context"):
         name = define(app, handler)
         run = app.one("SELECT flow.enqueue(%s, %s::jsonb)", name, args)
         assert app.await_run(run, "10s")[0] == "succeeded"

@@ -439,6 +439,18 @@ def test_args_are_checked_against_the_definitions_args_type(pg):
     assert pg.sqlstate(f"SELECT flow.define('{unique('n')}', 'flow.noop'::regproc, args_type => 'integer')") == "FL015"
 
 
+def test_args_are_checked_as_they_are(pg):
+    """The args_type check sees the args exactly (not through doubles): a
+    price of 1.10 has two decimal places, at enqueue and again before the
+    attempt."""
+    pg.all("CREATE DOMAIN app.cents AS numeric CHECK (scale(VALUE) = 2)")
+    pg.all("CREATE TYPE app.priced AS (price app.cents)")
+    name = unique("priced")
+    pg.one(f"SELECT flow.define('{name}', 'flow.noop'::regproc, args_type => 'app.priced')")
+    assert pg.await_run(pg.one(f"""SELECT flow.enqueue('{name}', '{{"price": 1.10}}')"""))[0] == "succeeded"
+    assert pg.sqlstate(f"""SELECT flow.enqueue('{name}', '{{"price": 1.1}}')""") == "FL019"
+
+
 def test_args_that_no_longer_fit_fail_permanently_before_the_handler(pg):
     pg.all("CREATE TYPE app.shrinking AS (a int, b text)")
     q = unique("typedq")

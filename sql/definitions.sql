@@ -154,7 +154,7 @@ END $$;
 CREATE FUNCTION flow._require_args_fit(d flow._definitions, args jsonb) RETURNS void
 LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
-    misfit text := CASE WHEN d.args_type IS NOT NULL THEN flow._args_misfit_as(d.owner, d.args_type, args) END;
+    misfit text := CASE WHEN d.args_type IS NOT NULL THEN flow._args_misfit_as(d.owner, d.args_type, args::text) END;
 BEGIN
     IF misfit IS NOT NULL THEN
         RAISE EXCEPTION 'flow: args do not fit % of definition %: %', d.args_type, d.name, misfit

@@ -153,7 +153,7 @@ BEGIN
     END IF;
     IF (p.d).args_type IS NOT NULL THEN
         SELECT t.i, t.why INTO bad FROM (
-            SELECT i, flow._args_misfit_as((p.d).owner, (p.d).args_type, a) AS why
+            SELECT i, flow._args_misfit_as((p.d).owner, (p.d).args_type, a::text) AS why
             FROM unnest(args_array) WITH ORDINALITY AS u(a, i)) t
         WHERE t.why IS NOT NULL
         LIMIT 1;

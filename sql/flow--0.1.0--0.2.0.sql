@@ -401,7 +401,7 @@ END $$;
 CREATE OR REPLACE FUNCTION flow._require_args_fit(d flow._definitions, args jsonb) RETURNS void
 LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
-    misfit text := CASE WHEN d.args_type IS NOT NULL THEN flow._args_misfit_as(d.owner, d.args_type, args) END;
+    misfit text := CASE WHEN d.args_type IS NOT NULL THEN flow._args_misfit_as(d.owner, d.args_type, args::text) END;
 BEGIN
     IF misfit IS NOT NULL THEN
         RAISE EXCEPTION 'flow: args do not fit % of definition %: %', d.args_type, d.name, misfit
@@ -789,7 +789,7 @@ BEGIN
     END IF;
     IF (p.d).args_type IS NOT NULL THEN
         SELECT t.i, t.why INTO bad FROM (
-            SELECT i, flow._args_misfit_as((p.d).owner, (p.d).args_type, a) AS why
+            SELECT i, flow._args_misfit_as((p.d).owner, (p.d).args_type, a::text) AS why
             FROM unnest(args_array) WITH ORDINALITY AS u(a, i)) t
         WHERE t.why IS NOT NULL
         LIMIT 1;
@@ -2028,12 +2028,12 @@ BEGIN
         coalesce(message, 'failed by its external worker'), retry_after);
 END $$;
 
--- src/isolation.rs:200
+-- src/isolation.rs:202
 -- flow::isolation::_args_misfit_as
 CREATE OR REPLACE FUNCTION "_args_misfit_as"(
 	"owner" oid, /* pg_sys :: Oid */
 	"args_type" oid, /* pg_sys :: Oid */
-	"args" jsonb /* pgrx :: JsonB */
+	"args" TEXT /* & str */
 ) RETURNS TEXT /* Option < String > */
 STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
@@ -2084,7 +2084,7 @@ STRICT STABLE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_lease_duration_s_wrapper';
 
--- src/isolation.rs:217
+-- src/isolation.rs:219
 -- flow::isolation::_lock_event_key
 CREATE OR REPLACE FUNCTION "_lock_event_key"(
 	"name" TEXT, /* & str */

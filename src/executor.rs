@@ -751,7 +751,7 @@ fn refused_before_start(command: &Claimed, remaining_ms: Option<i64>) -> Option<
     let misfit = in_subtransaction(
         || {
             Ok(engine_query(
-                "SELECT flow._args_misfit_as($1, $2, $3)",
+                "SELECT flow._args_misfit_as($1, $2, $3::pg_catalog.text)",
                 &[oid, oid, JSONB],
                 &[command.owner.into(), args_type.into(), command.args.clone().into()],
                 |t| t.first().get_one::<String>().ok().flatten(),

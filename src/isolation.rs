@@ -196,12 +196,14 @@ pub fn check_utility(stmt: *mut pg_sys::Node) {
 /// under SECURITY_RESTRICTED_OPERATION: a domain's CHECK or a type's input
 /// function is the owner's code, never run with the caller's or the worker's
 /// rights. (Called by the engine's SQL at enqueue and spawn, and by the worker
-/// before an attempt.)
+/// before an attempt.) `args` is jsonb's text, read back as jsonb by the
+/// check: pgrx's `JsonB` would pass the numbers through doubles, and the
+/// check would see other args than the handler gets.
 #[pg_extern(volatile, parallel_unsafe)]
-fn _args_misfit_as(owner: pg_sys::Oid, args_type: pg_sys::Oid, args: pgrx::JsonB) -> Option<String> {
+fn _args_misfit_as(owner: pg_sys::Oid, args_type: pg_sys::Oid, args: &str) -> Option<String> {
     as_role(owner, pg_sys::SECURITY_RESTRICTED_OPERATION, || {
         Spi::get_one_with_args::<String>(
-            "SELECT flow._args_misfit($1::pg_catalog.regtype, $2)",
+            "SELECT flow._args_misfit($1::pg_catalog.regtype, $2::pg_catalog.jsonb)",
             &[args_type.into(), args.into()],
         )
         .unwrap_or_else(|e| pgrx::error!("flow: {e}"))
