@@ -221,25 +221,23 @@ LANGUAGE sql IMMUTABLE AS $$
     SELECT wait_timed_out OR status = 'waiting'
 $$;
 
--- The commands of a run: its root by the primary key (its id is the run's),
--- the others by index _commands_run_key. (LANGUAGE sql, STABLE, no SET
--- clause: inlined into the statements that use it, as two index scans.)
--- flow._command_rows is the same for views.
-CREATE OR REPLACE FUNCTION flow._commands_of(run_id uuid) RETURNS SETOF flow._commands
-LANGUAGE sql STABLE AS $$
-    SELECT * FROM flow._commands c WHERE c.id = _commands_of.run_id
-    UNION ALL
-    SELECT * FROM flow._commands c WHERE c.run_id = _commands_of.run_id AND c.id <> c.run_id  -- (the index's predicate, as written)
-$$;
-
 -- All commands, in two parts the planner can find by run: roots made by
 -- 0.2.0 on (id = run_id: a filter on run_id is one on the primary key too)
--- and the others (index _commands_run_key). The views that show run_id read
--- commands through this, so "WHERE run_id = ..." on them never scans.
+-- and the others (index _commands_run_key, whose predicate the second part
+-- repeats as written). What reads commands by run reads them through this
+-- (the views, and flow._commands_of), so "WHERE run_id = ..." never scans.
 CREATE OR REPLACE VIEW flow._command_rows AS
 SELECT * FROM flow._commands c WHERE c.id = c.run_id
 UNION ALL
 SELECT * FROM flow._commands c WHERE c.id <> c.run_id;
+
+-- The commands of a run, for the engine's own statements. (LANGUAGE sql,
+-- STABLE, no SET clause: inlined into the statements that use it, as two
+-- index scans.)
+CREATE OR REPLACE FUNCTION flow._commands_of(run_id uuid) RETURNS SETOF flow._commands
+LANGUAGE sql STABLE AS $$
+    SELECT * FROM flow._command_rows c WHERE c.run_id = _commands_of.run_id
+$$;
 
 -- src/lib.rs:27
 -- requires:

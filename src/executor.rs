@@ -753,7 +753,7 @@ fn refused_before_start(command: &Claimed, remaining_ms: Option<i64>) -> Option<
             Ok(engine_query(
                 "SELECT flow._args_misfit_as($1, $2, $3::pg_catalog.text)",
                 &[oid, oid, JSONB],
-                &[command.owner.into(), args_type.into(), command.args.clone().into()],
+                &[command.owner.into(), args_type.into(), (&command.args).into()],
                 |t| t.first().get_one::<String>().ok().flatten(),
             ))
         },
@@ -964,9 +964,9 @@ fn call_handler(command: &Claimed, deadline: Option<TimestampWithTimeZone>, star
             let plans = plans.borrow();
             let (plan, takes_context) = &plans[&key];
             let args: Vec<DatumWithOid> = match (&command.context, takes_context) {
-                (_, false) => vec![command.args.clone().into()],
+                (_, false) => vec![(&command.args).into()],
                 (Some(c), true) => vec![
-                    command.args.clone().into(),
+                    (&command.args).into(),
                     command.run_id.into(),
                     c.run_key.as_deref().into(),
                     command.command_id.into(),

@@ -73,3 +73,15 @@ impl IntoDatum for Jsonb {
         pg_sys::JSONBOID
     }
 }
+
+/// As a statement's parameter, without cloning the bytes first (`to_datum`
+/// makes the one copy the statement gets).
+impl IntoDatum for &Jsonb {
+    fn into_datum(self) -> Option<pg_sys::Datum> {
+        Some(self.to_datum())
+    }
+
+    fn type_oid() -> pg_sys::Oid {
+        pg_sys::JSONBOID
+    }
+}
