@@ -455,17 +455,21 @@ def test_held_attempts_that_share_a_subtransaction_commit_once_when_one_fails(ap
     assert app.one("SELECT value FROM flow.stats WHERE name = 'group_reruns'") > reruns
 
 
-def test_a_handler_sees_its_whole_context_leased_and_held(app):
-    """The context is built from the claim's fields (executor.rs,
-    HandlerContext): every field says what the tables say, for the first
-    (leased) attempts and the later (held) ones alike."""
-    app.all("""
-        CREATE FUNCTION app.echo_context(args jsonb, ctx flow.context) RETURNS jsonb LANGUAGE sql AS $$
-            SELECT to_jsonb(ctx) || jsonb_build_object('now', clock_timestamp()) $$;
+@pytest.mark.parametrize("language", ["sql", "plpgsql"])
+def test_a_handler_sees_its_whole_context_leased_and_held(app, language):
+    """The context is the claim's composite with the attempt's deadline and
+    start filled in (payload.rs, Context): every field says what the tables
+    say, for the first (leased) attempts and the later (held) ones alike,
+    given through SPI (a `LANGUAGE sql` handler) or a direct call (others)."""
+    body = {"sql": "SELECT to_jsonb(ctx) || jsonb_build_object('now', clock_timestamp())",
+            "plpgsql": "BEGIN RETURN to_jsonb(ctx) || jsonb_build_object('now', clock_timestamp()); END"}[language]
+    app.all(f"""
+        CREATE FUNCTION app.echo_context_{language}(args jsonb, ctx flow.context) RETURNS jsonb
+        LANGUAGE {language} AS $$ {body} $$;
     """)
-    name = define(app, "app.echo_context", timeout="'1 hour'")
+    name = define(app, f"app.echo_context_{language}", timeout="'1 hour'")
     for round_ in range(4):
-        runs = [enqueue(app, name, '{"i": %d}' % i, key=f"'k{round_}-{i}'") for i in range(15)]
+        runs = [enqueue(app, name, '{"i": %d}' % i, key=f"'{language}{round_}-{i}'") for i in range(15)]
         for i, run in enumerate(runs):
             status, ctx, _ = app.await_run(run, "10s")
             assert status == "succeeded"
@@ -475,7 +479,7 @@ def test_a_handler_sees_its_whole_context_leased_and_held(app):
                           " FROM flow.commands c JOIN flow.runs r ON r.id = c.run_id JOIN flow._commands x ON x.id = c.id"
                           " WHERE c.run_id = %s", run)
             assert {k: ctx[k] for k in row} == row
-            assert row["run_key"] == f"k{round_}-{i}"
+            assert row["run_key"] == f"{language}{round_}-{i}"
             assert (ctx["attempt"], ctx["inputs"], ctx["missing"], ctx["wait_timed_out"]) == (1, [], [], False)
             started = app.one("SELECT started_at FROM flow.attempts WHERE run_id = %s", run)
             assert app.one("SELECT %s::timestamptz = %s", ctx["attempt_started_at"], started)

@@ -190,7 +190,8 @@ BEGIN
                    -- _waits_pkey (a filter on event_position alone would walk
                    -- every open wait), in that index's order, so the aggregates
                    -- sort nothing (an ORDER BY in them sets up a sort per
-                   -- command, waits or not)
+                   -- command, waits or not); a run's root (id = run_id) waits
+                   -- for nothing, so its index is not probed
                    SELECT jsonb_agg(jsonb_build_object('name', w.name, 'key', w.key, 'payload', w.payload,
                                                        'position', w.position))
                               FILTER (WHERE w.event_position IS NOT NULL) AS inputs,
@@ -198,7 +199,7 @@ BEGIN
                               FILTER (WHERE w.event_position IS NULL) AS missing
                    FROM (SELECT w.name, w.key, w.event_position, e.payload, e.position
                          FROM flow._waits w LEFT JOIN flow._events e ON e.position = w.event_position
-                         WHERE w.command_id = h.id
+                         WHERE w.command_id = h.id AND h.id <> h.run_id
                          ORDER BY w.name, w.key) w) waits)
            END,
            h.timeout, least(h.budget_start + h.max_elapsed, h.deadline), h.claim_order, h.args_type, h.next_run_at

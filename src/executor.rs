@@ -16,7 +16,7 @@ use pgrx::datum::DatumWithOid;
 use pgrx::pg_sys::{self, PgBuiltInOids, PgOid};
 use pgrx::prelude::*;
 use pgrx::spi::OwnedPreparedStatement;
-use crate::payload::Jsonb;
+use crate::payload::{Context, Jsonb, RawDatum};
 use pgrx::{FromDatum, PgTryBuilder};
 use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, HashSet};
@@ -36,31 +36,13 @@ pub struct Claimed {
     pub owner: pg_sys::Oid,
     /// The args, handed to the handler as the datum they were (see payload).
     pub args: Jsonb,
-    /// Only for handlers that take a `flow.context`.
-    pub context: Option<HandlerContext>,
+    /// Only for handlers that take a `flow.context` (see payload::Context).
+    pub context: Option<Context>,
     /// The definition's args_type, if any: the args must still fit it.
     pub args_type: Option<pg_sys::Oid>,
     /// Held, not leased (see flow._claim): the number of the attempt it makes,
     /// counted when it is settled in the claim's own transaction.
     pub held_attempt: Option<i32>,
-}
-
-/// The `flow.context` of a claimed command, but for what the handler's start
-/// decides (its deadline and start time): the handler gets it built from
-/// these as SQL parameters (see handler_call_sql), not through JSON.
-pub struct HandlerContext {
-    run_key: Option<String>,
-    command_key: String,
-    name: String,
-    version: i32,
-    queue: String,
-    attempt: i32,
-    /// jsonb's text, as the claim wrote it
-    inputs: String,
-    wait_timed_out: bool,
-    missing: String,
-    created_at: Option<TimestampWithTimeZone>,
-    budget_started_at: Option<TimestampWithTimeZone>,
 }
 
 /// What a settlement names: the command, and its lease or held attempt.
@@ -306,7 +288,6 @@ fn holding_off_cancels<R>(f: impl FnOnce() -> R) -> R {
 
 const UUID: PgOid = PgOid::BuiltIn(PgBuiltInOids::UUIDOID);
 const TEXT: PgOid = PgOid::BuiltIn(PgBuiltInOids::TEXTOID);
-const BOOL: PgOid = PgOid::BuiltIn(PgBuiltInOids::BOOLOID);
 const INT8: PgOid = PgOid::BuiltIn(PgBuiltInOids::INT8OID);
 const INT4: PgOid = PgOid::BuiltIn(PgBuiltInOids::INT4OID);
 const TIMESTAMPTZ: PgOid = PgOid::BuiltIn(PgBuiltInOids::TIMESTAMPTZOID);
@@ -366,11 +347,8 @@ pub fn claim(
         "SELECT command_id, run_id, lease_token,
                 (extract(epoch FROM hard_deadline) * 1000000)::bigint - 946684800000000,
                 (extract(epoch FROM attempt_timeout) * 1000000)::bigint,
-                handler, handler_owner, args, (context).run_key, args_type::oid,
-                CASE WHEN lease_expires_at IS NULL THEN attempt END,
-                (context).command_id IS NOT NULL, (context).command_key, (context).name, (context).version,
-                (context).queue, (context).attempt, (context).inputs::text, (context).wait_timed_out,
-                (context).missing::text, (context).created_at, (context).budget_started_at, queue, due_at
+                handler, handler_owner, args, args_type::oid, CASE WHEN lease_expires_at IS NULL THEN attempt END,
+                context, queue, due_at
          FROM flow._claim($1, $2, $3, $4, NULL, NULL, $5, $6, $7, $8, $9, $10)
          ORDER BY claim_order",
         &[TEXT, INT4, TIMESTAMPTZ, INT4, INT4, OID_ARRAY, UUID_ARRAY, TEXT_ARRAY, TIMESTAMPTZ_ARRAY, UUID_ARRAY],
@@ -391,8 +369,8 @@ pub fn claim(
             let claimed = rows.map(|row| {
                 let command_id = row.get(1).ok().flatten().expect("command_id");
                 cursor.advance(
-                    row.get(23).ok().flatten().expect("queue"),
-                    row.get(24).ok().flatten().expect("due_at"),
+                    row.get(12).ok().flatten().expect("queue"),
+                    row.get(13).ok().flatten().expect("due_at"),
                     command_id,
                 );
                 Claimed {
@@ -404,21 +382,9 @@ pub fn claim(
                     handler: row.get(6).ok().flatten().expect("handler"),
                     owner: row.get(7).ok().flatten().expect("handler_owner"),
                     args: row.get::<Jsonb>(8).ok().flatten().expect("args"),
-                    context: row.get::<bool>(12).ok().flatten().unwrap_or(false).then(|| HandlerContext {
-                        run_key: row.get(9).ok().flatten(),
-                        command_key: row.get(13).ok().flatten().expect("command_key"),
-                        name: row.get(14).ok().flatten().expect("name"),
-                        version: row.get(15).ok().flatten().expect("version"),
-                        queue: row.get(16).ok().flatten().expect("queue"),
-                        attempt: row.get(17).ok().flatten().expect("attempt"),
-                        inputs: row.get(18).ok().flatten().expect("inputs"),
-                        wait_timed_out: row.get(19).ok().flatten().expect("wait_timed_out"),
-                        missing: row.get(20).ok().flatten().expect("missing"),
-                        created_at: row.get(21).ok().flatten(),
-                        budget_started_at: row.get(22).ok().flatten(),
-                    }),
-                    args_type: row.get::<pg_sys::Oid>(10).ok().flatten(),
-                    held_attempt: row.get::<i32>(11).ok().flatten(),
+                    args_type: row.get::<pg_sys::Oid>(9).ok().flatten(),
+                    held_attempt: row.get::<i32>(10).ok().flatten(),
+                    context: row.get::<Context>(11).ok().flatten(),
                 }
             })
             .collect();
@@ -786,10 +752,6 @@ fn attempt(index: usize, command: &Claimed, group: Option<&Subtransaction>, now:
         return Attempted::Failed(failure);
     }
 
-    // The context tells the handler the deadline actually enforced and when
-    // its attempt started (the claim computed them for a start at claim time).
-    let started_at = crate::api::timestamp_from_pg(now);
-    let deadline_at = deadline.and_then(crate::api::timestamp_from_pg);
     DECISION.with(|d| d.borrow_mut().take());
     KEPT_FAILURE.with(|d| d.borrow_mut().take());
     INVALID_DECISION.with(|d| d.borrow_mut().take());
@@ -801,7 +763,7 @@ fn attempt(index: usize, command: &Claimed, group: Option<&Subtransaction>, now:
         gucs::inject_fault("handler_start");
         // The deadline covers what fires when the handler returns, too.
         let result = with_deadline(remaining_ms, || {
-            isolation::run_as_owner(command.owner, || call_handler(command, deadline_at, started_at))
+            isolation::run_as_owner(command.owner, || call_handler(command, deadline, now))
         });
         CURRENT_COMMAND.with(|c| c.set(None));
         gucs::inject_fault("handler_return");
@@ -939,52 +901,38 @@ fn stop_deadline_timer() {
     }
 }
 
-/// Call the handler: directly through fmgr when it is not `LANGUAGE sql` and
-/// takes no context (see DirectCall), otherwise through a plan kept per
-/// (handler function, owner): SPI inlines SQL handlers, resolving names as the
-/// owner, and re-validates the plan when the function is replaced. The
-/// statement names everything with its schema, so nothing in it resolves
-/// through the owner's search_path.
-fn call_handler(command: &Claimed, deadline: Option<TimestampWithTimeZone>, started: Option<TimestampWithTimeZone>) -> Option<Jsonb> {
-    if let Some(result) = DirectCall::call(command.handler, &command.args) {
+/// Call the handler: directly through fmgr when it is not `LANGUAGE sql`
+/// (see DirectCall), otherwise through a plan kept per (handler function,
+/// owner): SPI inlines SQL handlers, resolving names as the owner, and
+/// re-validates the plan when the function is replaced. The statement names
+/// everything with its schema, so nothing in it resolves through the owner's
+/// search_path. A handler that takes a context gets the attempt's: cut off at
+/// `deadline`, started `now` (TimestampTz µs; the claim computed them for a
+/// start at claim time).
+fn call_handler(command: &Claimed, deadline: Option<i64>, now: i64) -> Option<Jsonb> {
+    if let Some(result) = DirectCall::call(command, deadline, now) {
         return result;
     }
     let key = (command.handler.to_u32(), command.owner.to_u32());
     let missing = HANDLER_PLANS.with(|p| !p.borrow().contains_key(&key));
     if missing {
-        let (sql, takes_context) = handler_call_sql(command.handler);
-        let types: &[PgOid] = if takes_context { &CONTEXT_CALL_TYPES } else { &[JSONB] };
+        let (sql, context_type) = handler_call_sql(command.handler);
+        let types: Vec<PgOid> = std::iter::once(JSONB).chain(context_type.map(PgOid::from)).collect();
         let plan = Spi::connect_mut(|client| {
-            client.prepare_mut(sql.as_str(), types).unwrap_or_else(|e| error!("flow: {e}")).keep()
+            client.prepare_mut(sql.as_str(), &types).unwrap_or_else(|e| error!("flow: {e}")).keep()
         });
-        HANDLER_PLANS.with(|p| p.borrow_mut().insert(key, (plan, takes_context)));
+        HANDLER_PLANS.with(|p| p.borrow_mut().insert(key, (plan, context_type.is_some())));
     }
     Spi::connect_mut(|client| {
         HANDLER_PLANS.with(|plans| {
             let plans = plans.borrow();
             let (plan, takes_context) = &plans[&key];
-            let args: Vec<DatumWithOid> = match (&command.context, takes_context) {
-                (_, false) => vec![(&command.args).into()],
-                (Some(c), true) => vec![
-                    (&command.args).into(),
-                    command.run_id.into(),
-                    c.run_key.as_deref().into(),
-                    command.command_id.into(),
-                    c.command_key.as_str().into(),
-                    c.name.as_str().into(),
-                    c.version.into(),
-                    c.queue.as_str().into(),
-                    c.attempt.into(),
-                    deadline.into(),
-                    c.inputs.as_str().into(),
-                    c.wait_timed_out.into(),
-                    c.missing.as_str().into(),
-                    c.created_at.into(),
-                    c.budget_started_at.into(),
-                    started.into(),
-                ],
-                (None, true) => error!("flow: handler {} takes a flow.context, and its definition says it does not", command.handler.to_u32()),
-            };
+            let mut args: Vec<DatumWithOid> = vec![(&command.args).into()];
+            if *takes_context {
+                let context = handler_context(command);
+                // SAFETY: a composite datum of the context's own type
+                args.push(unsafe { DatumWithOid::new(RawDatum(context.to_datum(deadline, now)), context.type_oid()) });
+            }
             // The plan was prepared mutating, so it runs read-write; pgrx's
             // `update` would also assign the handler's subtransaction a
             // transaction id, which costs every handler that writes nothing a
@@ -997,6 +945,14 @@ fn call_handler(command: &Claimed, deadline: Option<TimestampWithTimeZone>, star
     })
 }
 
+/// The context of a command whose handler takes one (the definition says
+/// whether it does; the function may have been replaced since).
+fn handler_context(command: &Claimed) -> &Context {
+    command.context.as_ref().unwrap_or_else(|| {
+        error!("flow: handler {} takes a flow.context, and its definition says it does not", command.handler.to_u32())
+    })
+}
+
 /// A handler called through fmgr with a call info kept per function, not
 /// through SPI: a PL/pgSQL or C handler costs a fraction of a microsecond
 /// instead of an executor start and end per command (a `LANGUAGE sql`
@@ -1004,12 +960,12 @@ fn call_handler(command: &Claimed, deadline: Option<TimestampWithTimeZone>, star
 /// where SPI inlines it). The function's own SECURITY DEFINER and SET clauses
 /// apply as under SPI (fmgr_info wraps it); the caller runs it as its owner
 /// with the pinned search_path (isolation::run_as_owner), in its subtransaction.
-/// Handlers that take a `flow.context` go through SPI, which builds the
-/// composite from the parameters.
 struct DirectCall {
-    /// In DIRECT_CALL_MEMORY: the function's FmgrInfo and a call info for one argument.
+    /// In DIRECT_CALL_MEMORY: the function's FmgrInfo and a call info for its arguments.
     fcinfo: *mut pg_sys::FunctionCallInfoBaseData,
     returns_void: bool,
+    /// It takes a `flow.context` as its second argument.
+    takes_context: bool,
 }
 
 thread_local! {
@@ -1060,15 +1016,17 @@ fn kept_context(
 }
 
 impl DirectCall {
-    /// Call `handler` with `args` if it is called directly: Some(its
-    /// result), or None if it goes through SPI.
-    fn call(handler: pg_sys::Oid, args: &Jsonb) -> Option<Option<Jsonb>> {
+    /// Call the command's handler if it is called directly (see
+    /// call_handler): Some(its result), or None if it goes through SPI.
+    fn call(command: &Claimed, deadline: Option<i64>, now: i64) -> Option<Option<Jsonb>> {
         Self::forget_if_stale();
-        let (fcinfo, returns_void) = DIRECT_CALLS.with(|calls| {
+        let handler = command.handler;
+        let (fcinfo, returns_void, takes_context) = DIRECT_CALLS.with(|calls| {
             let mut calls = calls.borrow_mut();
             let call = calls.entry(handler.to_u32()).or_insert_with(|| Self::prepare(handler));
-            call.as_ref().map(|c| (c.fcinfo, c.returns_void))
+            call.as_ref().map(|c| (c.fcinfo, c.returns_void, c.takes_context))
         })?;
+        let context = takes_context.then(|| handler_context(command));
         unsafe {
             // The args' datum and what the handler returns live in a context of
             // their own, emptied after each call (as SPI frees its own at the
@@ -1078,12 +1036,15 @@ impl DirectCall {
             let call_memory = Self::call_memory();
             pg_sys::MemoryContextReset(call_memory);
             let caller_memory = pg_sys::MemoryContextSwitchTo(call_memory);
-            let value = args.to_datum();
             let fc = &mut *fcinfo;
             fc.isnull = false;
-            let arg = fc.args.as_mut_slice(1);
-            arg[0].value = value;
+            let arg = fc.args.as_mut_slice(fc.nargs as usize);
+            arg[0].value = command.args.to_datum();
             arg[0].isnull = false;
+            if let Some(context) = context {
+                arg[1].value = context.to_datum(deadline, now);
+                arg[1].isnull = false;
+            }
             // As SPI would for a statement: the handler sees what the handlers
             // before it in this transaction wrote, under a fresh snapshot (a
             // STABLE function reads through the active one). An error pops it
@@ -1105,8 +1066,8 @@ impl DirectCall {
     }
 
     /// The direct call of `handler`, or None when it goes through SPI: a
-    /// `LANGUAGE sql` function, or one that does not take one argument and
-    /// return one value (read from one lookup of its pg_proc entry).
+    /// `LANGUAGE sql` function, or one that does not take its args (and a
+    /// context) and return one value (read from one lookup of its pg_proc entry).
     fn prepare(handler: pg_sys::Oid) -> Option<DirectCall> {
         unsafe {
             let tuple = pg_sys::SearchSysCache1(pg_sys::SysCacheIdentifier::PROCOID as c_int, handler.into());
@@ -1116,19 +1077,20 @@ impl DirectCall {
             let proc_ = &*pg_sys::heap_tuple_get_struct::<pg_sys::FormData_pg_proc>(tuple);
             let (nargs, retset, rettype, language) = (proc_.pronargs, proc_.proretset, proc_.prorettype, proc_.prolang);
             pg_sys::ReleaseSysCache(tuple);
-            if nargs != 1 || retset || language == SQL_LANGUAGE {
+            if !(1..=2).contains(&nargs) || retset || language == SQL_LANGUAGE {
                 return None;
             }
             let memory = Self::memory();
             let flinfo = pg_sys::MemoryContextAllocZero(memory, std::mem::size_of::<pg_sys::FmgrInfo>())
                 .cast::<pg_sys::FmgrInfo>();
             pg_sys::fmgr_info_cxt(handler, flinfo, memory);
-            let size = std::mem::size_of::<pg_sys::FunctionCallInfoBaseData>() + std::mem::size_of::<pg_sys::NullableDatum>();
+            let size = std::mem::size_of::<pg_sys::FunctionCallInfoBaseData>()
+                + nargs as usize * std::mem::size_of::<pg_sys::NullableDatum>();
             let fcinfo = pg_sys::MemoryContextAllocZero(memory, size).cast::<pg_sys::FunctionCallInfoBaseData>();
             (*fcinfo).flinfo = flinfo;
-            (*fcinfo).nargs = 1;
+            (*fcinfo).nargs = nargs;
             (*fcinfo).fncollation = pg_sys::InvalidOid;
-            Some(DirectCall { fcinfo, returns_void: rettype == pg_sys::VOIDOID })
+            Some(DirectCall { fcinfo, returns_void: rettype == pg_sys::VOIDOID, takes_context: nargs == 2 })
         }
     }
 
@@ -1167,17 +1129,10 @@ impl DirectCall {
     }
 }
 
-/// The parameters of a call of a handler that takes a context: its args,
-/// then the fields of flow.context in order.
-const CONTEXT_CALL_TYPES: [PgOid; 16] = [
-    JSONB, UUID, TEXT, UUID, TEXT, TEXT, INT4, TEXT, INT4, TIMESTAMPTZ, TEXT, BOOL, TEXT, TIMESTAMPTZ, TIMESTAMPTZ,
-    TIMESTAMPTZ,
-];
-
-/// `SELECT schema.fn($1 [, context])` for a handler, read from the catalog
+/// `SELECT schema.fn($1 [, $2])` for a handler, read from the catalog
 /// caches (no SQL, so nothing a handler left behind can change its meaning),
-/// and whether it takes a context.
-fn handler_call_sql(handler: pg_sys::Oid) -> (String, bool) {
+/// and the type of its second parameter, flow.context, if it takes one.
+fn handler_call_sql(handler: pg_sys::Oid) -> (String, Option<pg_sys::Oid>) {
     unsafe {
         let name = pg_sys::get_func_name(handler);
         if name.is_null() {
@@ -1188,19 +1143,16 @@ fn handler_call_sql(handler: pg_sys::Oid) -> (String, bool) {
             std::ffi::CStr::from_ptr(pg_sys::quote_identifier(s)).to_string_lossy().into_owned()
         };
         let function = format!("{}.{}", quote(schema), quote(name));
-        let returns_void = pg_sys::get_func_rettype(handler) == pg_sys::VOIDOID;
-        let takes_context = pg_sys::get_func_nargs(handler) == 2;
+        let mut arg_types: *mut pg_sys::Oid = std::ptr::null_mut();
+        let mut nargs: c_int = 0;
+        let returns_void = pg_sys::get_func_signature(handler, &mut arg_types, &mut nargs) == pg_sys::VOIDOID;
+        let context_type = (nargs == 2).then(|| *arg_types.add(1));
         let sql = format!(
             "SELECT {}{function}($1::pg_catalog.jsonb{})",
             if returns_void { "NULL::pg_catalog.jsonb FROM " } else { "" },
-            if takes_context {
-                ", ROW($2, $3, $4, $5, $6, $7, $8, $9, $10, $11::pg_catalog.jsonb, $12, $13::pg_catalog.jsonb, \
-                 $14, $15, $16)::flow.context"
-            } else {
-                ""
-            }
+            if context_type.is_some() { ", $2" } else { "" }
         );
-        (sql, takes_context)
+        (sql, context_type)
     }
 }
 
