@@ -211,9 +211,13 @@ END $$;
 -- full are left out: what frees them (flow.set_queue, a settlement) wakes the
 -- workers. So "due now" means a claim may take it: it came due after the
 -- worker's last claim.
+-- (plpgsql, not sql: its plan is kept for the worker's session; an sql
+-- function with SET clauses is planned again at every call, a quarter of a
+-- millisecond each time a worker goes idle)
 CREATE FUNCTION flow._next_due_ms() RETURNS bigint
-LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
-    SELECT (extract(epoch FROM min(h.next_run_at) - clock_timestamp()) * 1000)::bigint
+LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+BEGIN
+    RETURN (SELECT (extract(epoch FROM min(h.next_run_at) - clock_timestamp()) * 1000)::bigint
     FROM flow._queues q CROSS JOIN LATERAL (
         SELECT c.next_run_at FROM flow._commands c                  -- index _commands_due
         WHERE c.queue = q.name AND NOT c.external AND c.status IN ('pending', 'waiting')
@@ -222,5 +226,5 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp SET enable_seqscan = o
     WHERE NOT q.paused
       AND (q.concurrency IS NULL
            OR q.concurrency > (SELECT count(*) FROM flow._commands r      -- index _commands_running
-                               WHERE r.queue = q.name AND r.status = 'running'))
-$$;
+                               WHERE r.queue = q.name AND r.status = 'running')));
+END $$;
