@@ -184,6 +184,7 @@ BEGIN
                -- a root without children: the run's only command (spawned ones descend from it)
                d.parent_id IS NULL AND NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = d.id) AS alone
         FROM (SELECT * FROM leased_done UNION ALL SELECT * FROM held_done) d
+        OFFSET 0   -- (kept a subquery: pulled up, its probe ran once per aggregate below, three times a command)
     )
     SELECT count(*), array_agg(done.run_id) FILTER (WHERE NOT done.alone),
            array_agg(done.run_id) FILTER (WHERE done.alone), array_agg(done.result) FILTER (WHERE done.alone)
