@@ -142,7 +142,8 @@ def test_a_runs_commands_are_found_by_index_among_many(pg):
     """A run's root command has the run's id, its other commands are indexed
     by (run_id, key) (sql/schema.sql): the views filtered by run, a cancel and
     a run graph read no sequential scan of _commands on a table of 170,000
-    analyzed commands (after the tests above)."""
+    analyzed commands (after the tests above), and neither does pruning (a
+    lateral join to flow._commands_of read all of _commands per batch)."""
     pg.one("SELECT flow.set_queue('probe', paused => true)")
     run = pg.one("SELECT flow.enqueue('probe')")
     done = pg.one("SELECT id FROM flow._runs WHERE name = 'burst' LIMIT 1")
@@ -158,3 +159,10 @@ def test_a_runs_commands_are_found_by_index_among_many(pg):
     assert pg.one("SELECT status FROM flow.commands WHERE run_id = %s", run) == "cancelled"
     pg.all("SELECT pg_stat_force_next_flush()")
     assert seq_scans(pg) == before
+    # a window of 100 runs from a finished one on (flow._prune takes runs after its third argument)
+    after = pg.one("SELECT id FROM flow._runs WHERE id < %s ORDER BY id DESC LIMIT 1", done)
+    pruned = pg.one("SELECT pruned FROM flow._prune('0 s', 100, %s)", after)
+    pg.all("SELECT pg_stat_force_next_flush()")
+    assert seq_scans(pg) == before
+    assert pruned >= 1
+    assert pg.one("SELECT count(*) FROM flow._commands WHERE run_id = %s", done) == 0
