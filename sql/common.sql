@@ -105,7 +105,10 @@ SELECT * FROM flow._commands c WHERE c.id <> c.run_id;
 
 -- The commands of a run, for the engine's own statements. (LANGUAGE sql,
 -- STABLE, no SET clause: inlined into the statements that use it, as two
--- index scans.)
+-- index scans.) Give it a parameter or a correlated outer value, never a
+-- lateral join's column (FROM x, flow._commands_of(x.id)): there its filter
+-- is a join clause, which the planner does not push into the view's two
+-- parts, and all of _commands is read (see flow._prune).
 CREATE FUNCTION flow._commands_of(run_id uuid) RETURNS SETOF flow._commands
 LANGUAGE sql STABLE AS $$
     SELECT * FROM flow._command_rows c WHERE c.run_id = _commands_of.run_id

@@ -233,7 +233,10 @@ SELECT * FROM flow._commands c WHERE c.id <> c.run_id;
 
 -- The commands of a run, for the engine's own statements. (LANGUAGE sql,
 -- STABLE, no SET clause: inlined into the statements that use it, as two
--- index scans.)
+-- index scans.) Give it a parameter or a correlated outer value, never a
+-- lateral join's column (FROM x, flow._commands_of(x.id)): there its filter
+-- is a join clause, which the planner does not push into the view's two
+-- parts, and all of _commands is read (see flow._prune).
 CREATE OR REPLACE FUNCTION flow._commands_of(run_id uuid) RETURNS SETOF flow._commands
 LANGUAGE sql STABLE AS $$
     SELECT * FROM flow._command_rows c WHERE c.run_id = _commands_of.run_id
@@ -1427,10 +1430,8 @@ BEGIN
         WHERE r.id = ANY (window_ids) AND r.status <> 'running' AND r.finished_at < cut
         RETURNING r.id
     ), commands AS (
-        -- (each run's commands by a subquery on its id: joined laterally
-        -- instead, flow._commands_of's filter is a join clause, which the
-        -- planner does not push into the two parts of flow._command_rows,
-        -- and every batch read all of _commands)
+        -- (each run's commands by a subquery on its id, not a lateral join:
+        -- see flow._commands_of)
         DELETE FROM flow._commands c
         WHERE c.id IN (SELECT unnest(ARRAY(SELECT k.id FROM flow._commands_of(gone.id) k)) FROM gone)
         RETURNING c.id

@@ -27,10 +27,8 @@ BEGIN
         WHERE r.id = ANY (window_ids) AND r.status <> 'running' AND r.finished_at < cut
         RETURNING r.id
     ), commands AS (
-        -- (each run's commands by a subquery on its id: joined laterally
-        -- instead, flow._commands_of's filter is a join clause, which the
-        -- planner does not push into the two parts of flow._command_rows,
-        -- and every batch read all of _commands)
+        -- (each run's commands by a subquery on its id, not a lateral join:
+        -- see flow._commands_of)
         DELETE FROM flow._commands c
         WHERE c.id IN (SELECT unnest(ARRAY(SELECT k.id FROM flow._commands_of(gone.id) k)) FROM gone)
         RETURNING c.id
