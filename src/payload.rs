@@ -112,8 +112,12 @@ pub struct Context(Vec<u8>);
 impl Context {
     /// The composite type (flow.context) of this value.
     pub fn type_oid(&self) -> pg_sys::Oid {
-        // SAFETY: the bytes are a composite datum: a HeapTupleHeader
-        unsafe { (*self.0.as_ptr().cast::<pg_sys::HeapTupleHeaderData>()).t_choice.t_datum.datum_typeid }
+        // SAFETY: the bytes are a composite datum: a HeapTupleHeader (read
+        // unaligned: a Vec<u8> promises no alignment)
+        unsafe {
+            let header = self.0.as_ptr().cast::<pg_sys::HeapTupleHeaderData>();
+            std::ptr::addr_of!((*header).t_choice.t_datum.datum_typeid).read_unaligned()
+        }
     }
 
     /// The context of an attempt that started at `started` and is cut off at
