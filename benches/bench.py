@@ -110,7 +110,7 @@ def drain(pg, name, n=None, watch=None):
         if watcher:
             stop.set()
             watcher.join()
-        assert c.execute("SELECT count(*) FROM flow._runs WHERE status = 'succeeded'").fetchone()[0] == n
+        assert c.execute("SELECT count(*) FROM flow._run_rows WHERE status = 'succeeded'").fetchone()[0] == n
         c.execute("TRUNCATE flow._runs, flow._commands, flow._attempts, flow._waits")
         c.execute("TRUNCATE bench.sink")
         c.execute("VACUUM ANALYZE flow._commands")
@@ -293,8 +293,11 @@ def churn(pg, seconds, rate, every, retention):
                 mb = c.execute("SELECT round(sum(pg_total_relation_size(c.oid)) / 1048576.0, 1) FROM pg_class c"
                                " JOIN pg_namespace n ON n.oid = c.relnamespace"
                                " WHERE n.nspname = 'flow' AND c.relkind = 'r'").fetchone()[0]
-                kept, pending = c.execute("SELECT count(*), count(*) FILTER (WHERE status = 'running')"
-                                          " FROM flow._runs").fetchone()
+                # (a run of one command ends with its command: unfinished runs are
+                # those with an unfinished command, counted without a lookup per run)
+                kept, pending = c.execute("SELECT (SELECT count(*) FROM flow._runs),"
+                                          " (SELECT count(DISTINCT run_id) FROM flow._commands"
+                                          "  WHERE finished_at IS NULL)").fetchone()
                 samples.append((round(now), float(mb), kept, pending))
                 next_sample += every
         c.execute("ALTER SYSTEM RESET flow.retention")

@@ -15,7 +15,7 @@ SELECT jsonb_build_object(
                                                      max_attempts, backoff::text) ORDER BY name, version)
                   FROM flow._definitions),
   'queues', (SELECT jsonb_agg(jsonb_build_array(name, concurrency, paused) ORDER BY name) FROM flow._queues),
-  'runs', (SELECT jsonb_agg(jsonb_build_array(id, key, owner::text, status, result) ORDER BY id) FROM flow._runs),
+  'runs', (SELECT jsonb_agg(jsonb_build_array(id, key, owner::text, status, result) ORDER BY id) FROM flow._run_rows),
   'commands', (SELECT jsonb_agg(jsonb_build_array(id, run_id, key, status, attempts, next_run_at) ORDER BY id)
                FROM flow._commands),
   'attempts', (SELECT count(*) FROM flow._attempts),
@@ -182,4 +182,4 @@ def test_a_dump_taken_mid_workflow_restores_and_completes(pg):
                            **{f"held-{i}": 1 for i in range(5)}}
         # nothing ran in the plain-format copy: no worker serves it
         with connect_to(pg, "restored_plain") as p:
-            assert p.execute("SELECT count(*) FROM flow._runs WHERE status = 'running'").fetchone()[0] == 8
+            assert p.execute("SELECT count(*) FROM flow._run_rows WHERE status = 'running'").fetchone()[0] == 8

@@ -653,6 +653,26 @@ def test_pruning_moves_past_a_backlog_of_unfinished_runs(app):
     app.all(f"SELECT flow.cancel(r.id) FROM flow.runs r WHERE r.name = '{backlog}'")
 
 
+def test_a_run_of_one_command_ends_with_it(app):
+    """A run's only command succeeding writes that command and not the run (one
+    row version per command less): the run is seen ended, with the command's
+    result and end, by flow.runs, flow.await, flow.cancel and the pruning."""
+    name = define(app, "app.hello")
+    run = enqueue(app, name, '{"who": "one"}')
+    written = app.one("SELECT xmin::text FROM flow._runs WHERE id = %s", run)
+    status, result, error = app.await_run(run, "10s")
+    assert (status, result["hello"], error) == ("succeeded", "one", None)
+    assert app.one("SELECT xmin::text FROM flow._runs WHERE id = %s", run) == written
+    assert app.all("SELECT r.status, r.result, r.finished_at = c.finished_at, r.attempts FROM flow.runs r"
+                   " JOIN flow.commands c ON c.run_id = r.id WHERE r.id = %s", run) == [("succeeded", result, True, 1)]
+    assert app.one("SELECT flow.cancel(%s)", run) is False
+    assert app.one("SELECT status FROM flow.runs WHERE id = %s", run) == "succeeded"
+    time.sleep(1.1)
+    after = app.one("SELECT id FROM flow._runs WHERE id < %s ORDER BY id DESC LIMIT 1", run)
+    assert app.all("SELECT pruned, last FROM flow._prune('1 s', 1, %s)", after) == [(1, run)]
+    assert app.one("SELECT count(*) FROM flow._runs WHERE id = %s", run) == 0
+
+
 def test_workers_wait_calmly_without_the_extension(app):
     app.all("DROP EXTENSION flow CASCADE")
     time.sleep(2.5)

@@ -839,7 +839,7 @@ def test_drop_role_refuses_while_the_role_has_unfinished_runs_only(pg):
     assert pg.sqlstate("DROP ROLE starter_only") == "2BP01"
     assert pg.one("SELECT flow.cancel(%s)", run, user="starter_only") is True
     pg.all("DROP ROLE starter_only")
-    assert pg.one("SELECT status::text FROM flow._runs WHERE id = %s", run) == "cancelled"
+    assert pg.one("SELECT status::text FROM flow._run_rows WHERE id = %s", run) == "cancelled"
 
 
 def test_a_settlement_is_retried_past_a_transient_error(pg):

@@ -256,7 +256,7 @@ def test_a_run_locked_elsewhere_does_not_hold_up_the_batch(pg):
         for run in others:
             assert pg.await_run(run, "10s")[0] == "succeeded"
         assert time.time() - started < 8
-        assert pg.one("SELECT status FROM flow._runs WHERE id = %s", blocked) == "running"
+        assert pg.one("SELECT status FROM flow._run_rows WHERE id = %s", blocked) == "running"
         holder.rollback()
     assert pg.await_run(blocked, "30s")[0] == "succeeded"
     assert root(pg, blocked)[1] == 1       # handed back uncharged, then run once

@@ -145,7 +145,7 @@ def test_the_previous_release_updates_in_place(pg):
     assert pg.await_run(new)[0] == "succeeded"
     assert pg.all("SELECT id, key FROM flow.commands WHERE run_id = %s", new) == [(new, "root")]
     assert pg.one("SELECT attempts FROM flow.runs WHERE id = %s", new) == 1
-    finished = pg.one("SELECT count(*) FROM flow._runs WHERE status <> 'running'")
+    finished = pg.one("SELECT count(*) FROM flow._run_rows WHERE status <> 'running'")
     assert pg.one("SELECT pruned FROM flow._prune('0 s', 1000, NULL)") == finished
     assert pg.one("SELECT count(*) FROM flow._runs WHERE id = ANY (%s)", [pending[0], ok_run, new]) == 0
     assert pg.one("SELECT count(*) FROM flow._commands c"

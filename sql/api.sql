@@ -243,7 +243,7 @@ SELECT r.id, r.key, r.name, r.version, r.queue, r.status, r.args, r.result, r.er
        r.error ->> 'message' AS last_error, r.deadline, r.created_at, r.finished_at,
        r.owner::regrole AS owner,
        (SELECT sum(c.attempts) FROM flow._commands_of(r.id) c)::integer AS attempts
-FROM flow._runs r
+FROM flow._run_rows r
 WHERE pg_has_role(current_user, r.owner, 'MEMBER');
 
 -- The attempts in-database workers are in now, of commands they hold (see

@@ -113,3 +113,21 @@ CREATE FUNCTION flow._commands_of(run_id uuid) RETURNS SETOF flow._commands
 LANGUAGE sql STABLE AS $$
     SELECT * FROM flow._command_rows c WHERE c.run_id = _commands_of.run_id
 $$;
+
+-- All runs as they stand, with _runs' columns in its order. A run whose root
+-- succeeded with no child ended with it, and its end is on the root's row
+-- alone: the settlement of such a root (the common run: one command) writes
+-- the command and not the run, whose row stays as enqueue wrote it, status
+-- 'running' (sql/settle.sql; one row version less per command). So what
+-- reads a run's status, result or end reads it here; _runs is for writers,
+-- and for what does not look at those three columns. (Roots made before
+-- 0.2.0 have ids of their own; their runs are still written when they end.)
+CREATE VIEW flow._run_rows AS
+SELECT r.id, r.key, r.owner, r.name, r.version, r.queue, r.args,
+       coalesce(alone.status, r.status) AS status, coalesce(alone.result, r.result) AS result, r.error,
+       r.deadline, r.created_at, coalesce(alone.finished_at, r.finished_at) AS finished_at
+FROM flow._runs r LEFT JOIN LATERAL (
+    SELECT 'succeeded'::flow.run_status AS status, c.result, c.finished_at
+    FROM flow._commands c
+    WHERE r.status = 'running' AND c.id = r.id AND c.status::text = 'succeeded'   -- by id (above)
+      AND NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = c.id)) alone ON true;

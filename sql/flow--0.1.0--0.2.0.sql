@@ -242,6 +242,24 @@ LANGUAGE sql STABLE AS $$
     SELECT * FROM flow._command_rows c WHERE c.run_id = _commands_of.run_id
 $$;
 
+-- All runs as they stand, with _runs' columns in its order. A run whose root
+-- succeeded with no child ended with it, and its end is on the root's row
+-- alone: the settlement of such a root (the common run: one command) writes
+-- the command and not the run, whose row stays as enqueue wrote it, status
+-- 'running' (sql/settle.sql; one row version less per command). So what
+-- reads a run's status, result or end reads it here; _runs is for writers,
+-- and for what does not look at those three columns. (Roots made before
+-- 0.2.0 have ids of their own; their runs are still written when they end.)
+CREATE OR REPLACE VIEW flow._run_rows AS
+SELECT r.id, r.key, r.owner, r.name, r.version, r.queue, r.args,
+       coalesce(alone.status, r.status) AS status, coalesce(alone.result, r.result) AS result, r.error,
+       r.deadline, r.created_at, coalesce(alone.finished_at, r.finished_at) AS finished_at
+FROM flow._runs r LEFT JOIN LATERAL (
+    SELECT 'succeeded'::flow.run_status AS status, c.result, c.finished_at
+    FROM flow._commands c
+    WHERE r.status = 'running' AND c.id = r.id AND c.status::text = 'succeeded'   -- by id (above)
+      AND NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = c.id)) alone ON true;
+
 -- src/lib.rs:27
 -- requires:
 --   common
@@ -628,7 +646,7 @@ CREATE OR REPLACE FUNCTION flow._owns_anything(role oid) RETURNS boolean
 LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
     SELECT EXISTS (SELECT 1 FROM flow._definition_names n WHERE n.owner = role)
         OR EXISTS (SELECT 1 FROM flow._queues q WHERE q.owner = role)
-        OR EXISTS (SELECT 1 FROM flow._runs r WHERE r.owner = role AND r.status = 'running')
+        OR EXISTS (SELECT 1 FROM flow._run_rows r WHERE r.owner = role AND r.status = 'running')
 $$;
 
 -- src/lib.rs:28
@@ -1235,14 +1253,23 @@ BEGIN
         OFFSET 0   -- (kept a subquery: pulled up, its probe ran once per aggregate below, three times a command)
     )
     SELECT count(*), array_agg(done.run_id) FILTER (WHERE NOT done.alone),
-           array_agg(done.run_id) FILTER (WHERE done.alone), array_agg(done.result) FILTER (WHERE done.alone)
-    INTO settled, other_runs, alone_runs, alone_results FROM done;
-    -- The runs whose last command this was: a run of one command at once,
-    -- others once none of their commands is unfinished.
-    UPDATE flow._runs r SET status = 'succeeded', finished_at = clock_timestamp(), result = t.result
-    FROM unnest(alone_runs, alone_results) AS t(id, result)
-    WHERE r.id = t.id AND r.status = 'running';
-    GET DIAGNOSTICS finished = ROW_COUNT;
+           count(*) FILTER (WHERE done.alone AND done.id = done.run_id),
+           array_agg(done.run_id) FILTER (WHERE done.alone AND done.id <> done.run_id),
+           array_agg(done.result) FILTER (WHERE done.alone AND done.id <> done.run_id)
+    INTO settled, other_runs, finished, alone_runs, alone_results FROM done;
+    -- The runs whose last command this was. A run of one command ended with
+    -- its root, and its row is left alone: its end is the root's row (see
+    -- flow._run_rows). Its run is locked all the same (the claim, or
+    -- _lock_runs_of): that is what keeps a cancel from ending it meanwhile.
+    -- A root made before 0.2.0 (its id is not its run's) still ends its run
+    -- here, and other runs end once none of their commands is unfinished.
+    IF alone_runs IS NOT NULL THEN
+        UPDATE flow._runs r SET status = 'succeeded', finished_at = clock_timestamp(), result = t.result
+        FROM unnest(alone_runs, alone_results) AS t(id, result)
+        WHERE r.id = t.id AND r.status = 'running';
+        GET DIAGNOSTICS more = ROW_COUNT;
+        finished := finished + more;
+    END IF;
     IF other_runs IS NOT NULL THEN
         UPDATE flow._runs r SET status = 'succeeded', finished_at = clock_timestamp(),
             result = (SELECT c.result FROM flow._commands_of(r.id) c WHERE c.parent_id IS NULL)
@@ -1427,7 +1454,8 @@ BEGIN
     last := window_ids[cardinality(window_ids)];
     WITH gone AS (
         DELETE FROM flow._runs r
-        WHERE r.id = ANY (window_ids) AND r.status <> 'running' AND r.finished_at < cut
+        WHERE r.id IN (SELECT v.id FROM flow._run_rows v             -- (a run may have ended with its root)
+                       WHERE v.id = ANY (window_ids) AND v.status <> 'running' AND v.finished_at < cut)
         RETURNING r.id
     ), commands AS (
         -- (each run's commands by a subquery on its id, not a lateral join:
@@ -1491,6 +1519,8 @@ BEGIN
         SELECT * INTO r FROM flow._runs x WHERE x.id = run_id FOR UPDATE;
     END;
     PERFORM set_config('lock_timeout', '0', true);
+    -- (as it stands now that it is locked: it may have ended with its root)
+    SELECT * INTO r FROM flow._run_rows x WHERE x.id = run_id;
     IF r.status <> 'running' THEN
         RETURN false;
     END IF;
@@ -1514,7 +1544,7 @@ BEGIN
     PERFORM flow._require_span('await timeout', timeout, zero_ok => true);
     give_up := clock_timestamp() + coalesce(timeout, interval '0');
     LOOP
-        SELECT * INTO r FROM flow._runs x WHERE x.id = run_id;
+        SELECT * INTO r FROM flow._run_rows x WHERE x.id = run_id;
         PERFORM flow._require_member(caller, r.owner, 'run', run_id);
         EXIT WHEN r.status <> 'running' OR clock_timestamp() >= give_up;
         PERFORM pg_sleep(least(pause, extract(epoch FROM give_up - clock_timestamp())));
@@ -1736,7 +1766,7 @@ BEGIN
     IF lower(coalesce(format, 'dot')) NOT IN ('dot', 'mermaid') THEN
         RAISE EXCEPTION 'flow: run_graph format must be dot or mermaid, got %', format USING ERRCODE = 'FL003';
     END IF;
-    SELECT * INTO r FROM flow._runs x WHERE x.id = run_id;
+    SELECT * INTO r FROM flow._run_rows x WHERE x.id = run_id;
     PERFORM flow._require_member(caller, r.owner, 'run', run_id);
     -- commands
     FOR item IN
@@ -2467,7 +2497,7 @@ SELECT r.id, r.key, r.name, r.version, r.queue, r.status, r.args, r.result, r.er
        r.error ->> 'message' AS last_error, r.deadline, r.created_at, r.finished_at,
        r.owner::regrole AS owner,
        (SELECT sum(c.attempts) FROM flow._commands_of(r.id) c)::integer AS attempts
-FROM flow._runs r
+FROM flow._run_rows r
 WHERE pg_has_role(current_user, r.owner, 'MEMBER');
 
 -- The attempts in-database workers are in now, of commands they hold (see

@@ -24,7 +24,8 @@ BEGIN
     last := window_ids[cardinality(window_ids)];
     WITH gone AS (
         DELETE FROM flow._runs r
-        WHERE r.id = ANY (window_ids) AND r.status <> 'running' AND r.finished_at < cut
+        WHERE r.id IN (SELECT v.id FROM flow._run_rows v             -- (a run may have ended with its root)
+                       WHERE v.id = ANY (window_ids) AND v.status <> 'running' AND v.finished_at < cut)
         RETURNING r.id
     ), commands AS (
         -- (each run's commands by a subquery on its id, not a lateral join:

@@ -136,7 +136,7 @@ CREATE TABLE flow._runs (
     version      integer NOT NULL,
     queue        text NOT NULL,
     args         jsonb NOT NULL,
-    status       flow.run_status NOT NULL DEFAULT 'running',
+    status       flow.run_status NOT NULL DEFAULT 'running',   -- as written: read runs through flow._run_rows
     result       jsonb,
     error        jsonb,                  -- {"command":..,"code":..,"message":..} when failed
     deadline     timestamptz,
@@ -144,7 +144,7 @@ CREATE TABLE flow._runs (
     finished_at  timestamptz,
     CHECK ((status = 'running') = (finished_at IS NULL)),
     CHECK (status = 'succeeded' OR result IS NULL)
-) WITH (fillfactor = 70);   -- room for the run's one HOT update when it finishes (no indexed column changes)
+) WITH (fillfactor = 70);   -- room for the one HOT update of a run that ends apart from its root (no indexed column changes)
 -- Run keys are unique per owner (flow.enqueue's idempotency). Only keyed runs
 -- have an entry: most runs have no key, and an entry per run was a fifth of
 -- the index work of an enqueue_many.

@@ -187,14 +187,23 @@ BEGIN
         OFFSET 0   -- (kept a subquery: pulled up, its probe ran once per aggregate below, three times a command)
     )
     SELECT count(*), array_agg(done.run_id) FILTER (WHERE NOT done.alone),
-           array_agg(done.run_id) FILTER (WHERE done.alone), array_agg(done.result) FILTER (WHERE done.alone)
-    INTO settled, other_runs, alone_runs, alone_results FROM done;
-    -- The runs whose last command this was: a run of one command at once,
-    -- others once none of their commands is unfinished.
-    UPDATE flow._runs r SET status = 'succeeded', finished_at = clock_timestamp(), result = t.result
-    FROM unnest(alone_runs, alone_results) AS t(id, result)
-    WHERE r.id = t.id AND r.status = 'running';
-    GET DIAGNOSTICS finished = ROW_COUNT;
+           count(*) FILTER (WHERE done.alone AND done.id = done.run_id),
+           array_agg(done.run_id) FILTER (WHERE done.alone AND done.id <> done.run_id),
+           array_agg(done.result) FILTER (WHERE done.alone AND done.id <> done.run_id)
+    INTO settled, other_runs, finished, alone_runs, alone_results FROM done;
+    -- The runs whose last command this was. A run of one command ended with
+    -- its root, and its row is left alone: its end is the root's row (see
+    -- flow._run_rows). Its run is locked all the same (the claim, or
+    -- _lock_runs_of): that is what keeps a cancel from ending it meanwhile.
+    -- A root made before 0.2.0 (its id is not its run's) still ends its run
+    -- here, and other runs end once none of their commands is unfinished.
+    IF alone_runs IS NOT NULL THEN
+        UPDATE flow._runs r SET status = 'succeeded', finished_at = clock_timestamp(), result = t.result
+        FROM unnest(alone_runs, alone_results) AS t(id, result)
+        WHERE r.id = t.id AND r.status = 'running';
+        GET DIAGNOSTICS more = ROW_COUNT;
+        finished := finished + more;
+    END IF;
     IF other_runs IS NOT NULL THEN
         UPDATE flow._runs r SET status = 'succeeded', finished_at = clock_timestamp(),
             result = (SELECT c.result FROM flow._commands_of(r.id) c WHERE c.parent_id IS NULL)

@@ -21,6 +21,8 @@ BEGIN
         SELECT * INTO r FROM flow._runs x WHERE x.id = run_id FOR UPDATE;
     END;
     PERFORM set_config('lock_timeout', '0', true);
+    -- (as it stands now that it is locked: it may have ended with its root)
+    SELECT * INTO r FROM flow._run_rows x WHERE x.id = run_id;
     IF r.status <> 'running' THEN
         RETURN false;
     END IF;
@@ -44,7 +46,7 @@ BEGIN
     PERFORM flow._require_span('await timeout', timeout, zero_ok => true);
     give_up := clock_timestamp() + coalesce(timeout, interval '0');
     LOOP
-        SELECT * INTO r FROM flow._runs x WHERE x.id = run_id;
+        SELECT * INTO r FROM flow._run_rows x WHERE x.id = run_id;
         PERFORM flow._require_member(caller, r.owner, 'run', run_id);
         EXIT WHEN r.status <> 'running' OR clock_timestamp() >= give_up;
         PERFORM pg_sleep(least(pause, extract(epoch FROM give_up - clock_timestamp())));
@@ -266,7 +268,7 @@ BEGIN
     IF lower(coalesce(format, 'dot')) NOT IN ('dot', 'mermaid') THEN
         RAISE EXCEPTION 'flow: run_graph format must be dot or mermaid, got %', format USING ERRCODE = 'FL003';
     END IF;
-    SELECT * INTO r FROM flow._runs x WHERE x.id = run_id;
+    SELECT * INTO r FROM flow._run_rows x WHERE x.id = run_id;
     PERFORM flow._require_member(caller, r.owner, 'run', run_id);
     -- commands
     FOR item IN
