@@ -16,16 +16,18 @@ DECLARE
     hex text := lpad(to_hex((extract(epoch FROM cut) * 1000)::bigint), 12, '0');
     bound uuid := (substr(hex, 1, 8) || '-' || substr(hex, 9, 4) || '-7000-8000-000000000000')::uuid;
     window_ids uuid[];
+    ended_ids uuid[];
 BEGIN
-    SELECT array_agg(x.id ORDER BY x.id) INTO window_ids FROM (
-        SELECT r.id FROM flow._runs r
-        WHERE r.id > coalesce(after, '00000000-0000-0000-0000-000000000000') AND r.id < bound
-        ORDER BY r.id LIMIT max_runs) x;
+    -- (the window and which of its runs ended, in one pass: a run of one
+    -- command ends with its root, found by one probe per run; finished runs
+    -- never change again, so what ended here is still ended below)
+    SELECT array_agg(x.id ORDER BY x.id), array_agg(x.id) FILTER (WHERE x.ended) INTO window_ids, ended_ids FROM (
+        SELECT v.id, v.status <> 'running' AND v.finished_at < cut AS ended FROM flow._run_rows v
+        WHERE v.id > coalesce(after, '00000000-0000-0000-0000-000000000000') AND v.id < bound
+        ORDER BY v.id LIMIT max_runs) x;
     last := window_ids[cardinality(window_ids)];
     WITH gone AS (
-        DELETE FROM flow._runs r
-        WHERE r.id IN (SELECT v.id FROM flow._run_rows v             -- (a run may have ended with its root)
-                       WHERE v.id = ANY (window_ids) AND v.status <> 'running' AND v.finished_at < cut)
+        DELETE FROM flow._runs r WHERE r.id = ANY (ended_ids)
         RETURNING r.id
     ), commands AS (
         -- (each run's commands by a subquery on its id, not a lateral join:
