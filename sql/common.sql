@@ -122,6 +122,8 @@ $$;
 -- reads a run's status, result or end reads it here; _runs is for writers,
 -- and for what does not look at those three columns. (Roots made before
 -- 0.2.0 have ids of their own; their runs are still written when they end.)
+-- "No child" is the settlement's own test (flow._settle_batch, `alone`):
+-- keep the two the same.
 CREATE VIEW flow._run_rows AS
 SELECT r.id, r.key, r.owner, r.name, r.version, r.queue, r.args,
        coalesce(alone.status, r.status) AS status, coalesce(alone.result, r.result) AS result, r.error,

@@ -146,8 +146,8 @@ LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off 
 DECLARE
     settled integer;
     other_runs uuid[];
-    alone_runs uuid[];
-    alone_results jsonb[];
+    old_root_runs uuid[];
+    old_root_results jsonb[];
     finished integer;
     more integer;
 BEGIN
@@ -181,7 +181,13 @@ BEGIN
         RETURNING c.id, c.run_id, c.result, c.parent_id
     ), done AS (
         SELECT d.*,
-               -- a root without children: the run's only command (spawned ones descend from it)
+               -- a root without children: the run's only command (spawned ones descend
+               -- from it). flow._run_rows recognizes such a run by the same test; the two
+               -- must agree, or a run whose row is not written here is never seen ended.
+               -- (Written twice, not as a function: inlined, its NOT EXISTS would become a
+               -- SubPlan in the view, which the planner may hash over all of
+               -- _commands_parent, and that partial index is counted empty after a quiet
+               -- spell: see sql/common.sql.)
                d.parent_id IS NULL AND NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = d.id) AS alone
         FROM (SELECT * FROM leased_done UNION ALL SELECT * FROM held_done) d
         OFFSET 0   -- (kept a subquery: pulled up, its probe ran once per aggregate below, three times a command)
@@ -190,16 +196,16 @@ BEGIN
            count(*) FILTER (WHERE done.alone AND done.id = done.run_id),
            array_agg(done.run_id) FILTER (WHERE done.alone AND done.id <> done.run_id),
            array_agg(done.result) FILTER (WHERE done.alone AND done.id <> done.run_id)
-    INTO settled, other_runs, finished, alone_runs, alone_results FROM done;
+    INTO settled, other_runs, finished, old_root_runs, old_root_results FROM done;
     -- The runs whose last command this was. A run of one command ended with
     -- its root, and its row is left alone: its end is the root's row (see
     -- flow._run_rows). Its run is locked all the same (the claim, or
     -- _lock_runs_of): that is what keeps a cancel from ending it meanwhile.
     -- A root made before 0.2.0 (its id is not its run's) still ends its run
     -- here, and other runs end once none of their commands is unfinished.
-    IF alone_runs IS NOT NULL THEN
+    IF old_root_runs IS NOT NULL THEN
         UPDATE flow._runs r SET status = 'succeeded', finished_at = clock_timestamp(), result = t.result
-        FROM unnest(alone_runs, alone_results) AS t(id, result)
+        FROM unnest(old_root_runs, old_root_results) AS t(id, result)
         WHERE r.id = t.id AND r.status = 'running';
         GET DIAGNOSTICS more = ROW_COUNT;
         finished := finished + more;
