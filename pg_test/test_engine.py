@@ -38,6 +38,11 @@ def app(pg):
                         IF ctx.attempt = 1 THEN PERFORM flow.retry_after('400 ms', 'rate limited'); END IF;
                     WHEN 'bad_retry' THEN PERFORM flow.retry_after('-1 s');
                     WHEN 'sleep' THEN PERFORM pg_sleep((args->>'seconds')::float);
+                    WHEN 'sleep_then_raise' THEN
+                        IF ctx.attempt = 1 THEN
+                            PERFORM pg_sleep((args->>'seconds')::float);
+                            RAISE EXCEPTION 'the first attempt fails';
+                        END IF;
                     WHEN 'sleep_first' THEN
                         IF ctx.attempt = 1 THEN PERFORM pg_sleep((args->>'seconds')::float); END IF;
                     WHEN 'big' THEN RETURN jsonb_build_object('big', repeat('x', 300000));
@@ -405,6 +410,34 @@ def test_a_held_attempt_shows_as_running_and_is_cancelled_like_a_leased_one(app)
     # before the cancel closed it, that claim is concluded as cancelled
     assert all(outcome == "cancelled" for (outcome,) in
                app.all("SELECT outcome FROM flow.attempts WHERE run_id = %s", run))
+
+
+def test_a_held_root_leaves_its_run_unlocked_and_its_failure_never_waits_for_the_run(app):
+    """A run's root with no child is held without its run's lock (the lock
+    would be the only write to the run's row). Its chunk never waits for that
+    lock: a failure while another session holds the run writes nothing and the
+    command is tried again; once the run is free, the failure is counted."""
+    name = define(app, "app.decides")
+    for _ in range(5):
+        for run in app.one(f"SELECT flow.enqueue_many('{name}', array_fill('{{}}'::jsonb, array[20]))"):
+            assert app.await_run(run, "10s")[0] == "succeeded"
+    run = enqueue(app, name, '{"do": "sleep_then_raise", "seconds": 0.5, "tag": "rootlock"}')
+    app.wait_for("SELECT status = 'running' FROM flow.commands WHERE run_id = %s", run)
+    assert app.one("SELECT status FROM flow._commands WHERE run_id = %s", run) == "pending"   # held
+    with app.connect(autocommit=False) as other:
+        # not locked by the chunk that holds its root
+        other.execute("SELECT 1 FROM flow._runs WHERE id = %s FOR UPDATE NOWAIT", (run,))
+        # then the root, as flow.cancel takes them: this waits for the chunk,
+        # whose failure must not wait for the run (a deadlock, one of the two
+        # aborted a second later)
+        other.execute("SELECT 1 FROM flow._commands WHERE id = %s FOR UPDATE", (run,))
+        time.sleep(1.0)   # attempts fail meanwhile, none concluded (the first
+        # held, then, the handler having failed, leased ones handed back)
+        assert app.one("SELECT count(*) FROM flow.attempts WHERE run_id = %s AND outcome <> 'running'", run) == 0
+        other.rollback()
+    assert app.await_run(run, "20s")[0] == "succeeded"
+    assert [(a, o) for a, o, *_ in attempts(app, run)] == [(1, "retryable"), (2, "succeeded")]
+    assert app.all("SELECT attempt FROM app.effects WHERE run_key = 'rootlock'") == [(2,)]
 
 
 def test_held_attempts_that_share_a_subtransaction_commit_once_when_one_fails(app):

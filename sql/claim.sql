@@ -160,7 +160,14 @@ BEGIN
         -- the attempt as a leased claim wrote it, or as the held attempt's
         -- settlement will write it; held commands were locked by `candidate`,
         -- here with their runs (a run locked elsewhere, by a cancel or another
-        -- chunk, leaves its command for a later claim)
+        -- chunk, leaves its command for a later claim). A run's root with no
+        -- child yet is held without its run's lock: only its own handler can
+        -- add to the run (spawn), and its chunk never waits for the run's lock
+        -- (a success of such a root writes no run; a failure takes the lock
+        -- only if it is free, see _settle_failure's wait_for_run), so a cancel
+        -- that holds the run and waits for the root (flow._cancel) cannot
+        -- deadlock with it. That lock would be the only write to the run's
+        -- row: its WAL, and a page dirtied, per command.
         SELECT * FROM claimed
         UNION ALL
         -- (a held attempt's token never leaves the worker: it names the
@@ -171,7 +178,11 @@ BEGIN
                flow._wait_timed_out(p.status, p.wait_timed_out)
         FROM picked p
         WHERE p.held
-          AND EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = p.run_id FOR UPDATE SKIP LOCKED)
+          -- (a CASE: the lock is taken only when the first test fails)
+          AND CASE WHEN p.id = p.run_id
+                        AND NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = p.id)  -- index _commands_parent
+                   THEN true
+                   ELSE EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = p.run_id FOR UPDATE SKIP LOCKED) END
     )
     SELECT h.id, h.run_id, h.name, h.version, h.queue, h.args,
            h.attempt, h.lease_token, h.lease_expires_at, h.attempt_deadline,

@@ -993,7 +993,14 @@ BEGIN
         -- the attempt as a leased claim wrote it, or as the held attempt's
         -- settlement will write it; held commands were locked by `candidate`,
         -- here with their runs (a run locked elsewhere, by a cancel or another
-        -- chunk, leaves its command for a later claim)
+        -- chunk, leaves its command for a later claim). A run's root with no
+        -- child yet is held without its run's lock: only its own handler can
+        -- add to the run (spawn), and its chunk never waits for the run's lock
+        -- (a success of such a root writes no run; a failure takes the lock
+        -- only if it is free, see _settle_failure's wait_for_run), so a cancel
+        -- that holds the run and waits for the root (flow._cancel) cannot
+        -- deadlock with it. That lock would be the only write to the run's
+        -- row: its WAL, and a page dirtied, per command.
         SELECT * FROM claimed
         UNION ALL
         -- (a held attempt's token never leaves the worker: it names the
@@ -1004,7 +1011,11 @@ BEGIN
                flow._wait_timed_out(p.status, p.wait_timed_out)
         FROM picked p
         WHERE p.held
-          AND EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = p.run_id FOR UPDATE SKIP LOCKED)
+          -- (a CASE: the lock is taken only when the first test fails)
+          AND CASE WHEN p.id = p.run_id
+                        AND NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = p.id)  -- index _commands_parent
+                   THEN true
+                   ELSE EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = p.run_id FOR UPDATE SKIP LOCKED) END
     )
     SELECT h.id, h.run_id, h.name, h.version, h.queue, h.args,
            h.attempt, h.lease_token, h.lease_expires_at, h.attempt_deadline,
@@ -1301,9 +1312,14 @@ END $$;
 -- by a worker that stopped in its attempt (src/attempt_record.rs): the
 -- attempt with this number is counted here, by `owner_name`, unless the
 -- command has moved on since.
+-- wait_for_run false: the caller's transaction holds the command (a worker's
+-- chunk) and must not wait for its run's lock, which a cancel may hold while
+-- it waits for the command (a root held without its run's lock, see _claim):
+-- with the run locked elsewhere nothing is written and 'locked' returned,
+-- the attempt left to that cancel.
 CREATE OR REPLACE FUNCTION flow._settle_failure(command_id uuid, lease_token uuid, outcome text, code text,
     message text, retry_delay interval DEFAULT NULL, handler_started timestamptz DEFAULT NULL,
-    held_attempt integer DEFAULT NULL, owner_name text DEFAULT NULL)
+    held_attempt integer DEFAULT NULL, owner_name text DEFAULT NULL, wait_for_run boolean DEFAULT true)
 RETURNS text
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
@@ -1313,7 +1329,11 @@ DECLARE
     stop text;
     cut text := flow._cut_message(coalesce(message, code));
 BEGIN
-    PERFORM flow._lock_runs_of(ARRAY[command_id]);
+    IF wait_for_run THEN
+        PERFORM flow._lock_runs_of(ARRAY[command_id]);
+    ELSIF NOT flow._try_lock_run_of(command_id) THEN
+        RETURN 'locked';
+    END IF;
     IF held_attempt IS NULL THEN
         SELECT * INTO c FROM flow._commands x
         WHERE x.id = _settle_failure.command_id AND x.status::text = 'running'   -- by id (sql/common.sql)
@@ -1508,6 +1528,20 @@ END $$;
 
 -- Workflows: run control (cancel, await), events, waits, children and the run graph.
 
+-- Lock a run, then its unfinished commands: a chunk holding a root that has
+-- no child yet holds the root and not the run (flow._claim); once the root
+-- is had too, whatever that chunk settled is seen by the next statement.
+-- (The run first: everyone else who locks a run's commands and then the run
+-- holds the run already, or takes it only if it is free.)
+CREATE OR REPLACE FUNCTION flow._lock_run_and_commands(run_id uuid) RETURNS void
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+BEGIN
+    PERFORM 1 FROM flow._runs x WHERE x.id = run_id FOR UPDATE;
+    PERFORM 1 FROM flow._commands c
+    WHERE c.id IN (SELECT k.id FROM flow._commands_of(_lock_run_and_commands.run_id) k WHERE k.finished_at IS NULL)
+    ORDER BY c.id FOR UPDATE OF c;
+END $$;
+
 CREATE OR REPLACE FUNCTION flow._cancel(caller oid, run_id uuid) RETURNS boolean
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
@@ -1515,18 +1549,19 @@ DECLARE
 BEGIN
     SELECT * INTO r FROM flow._runs x WHERE x.id = run_id;
     PERFORM flow._require_member(caller, r.owner, 'run', run_id);
-    -- A worker chunk running this run's commands holds its lock: interrupt
-    -- the handler so the lock comes free and nothing is settled as success
-    -- (the worker hands the command back, whatever attempt it was on).
+    -- A worker chunk running this run's commands holds its lock, or (a root
+    -- with no child yet, see flow._claim) its root's: interrupt the handler
+    -- so the lock comes free and nothing is settled as success (the worker
+    -- hands the command back, whatever attempt it was on).
     PERFORM flow._interrupt_run(run_id);
     BEGIN
         PERFORM set_config('lock_timeout', '3s', true);
-        SELECT * INTO r FROM flow._runs x WHERE x.id = run_id FOR UPDATE;
+        PERFORM flow._lock_run_and_commands(run_id);
     EXCEPTION WHEN lock_not_available THEN
         -- A handler of the run ignored the cancel: stop its worker (recovery
         -- concludes that attempt), then wait for whoever else holds the run.
         PERFORM flow._stop_workers_of(run_id);
-        SELECT * INTO r FROM flow._runs x WHERE x.id = run_id FOR UPDATE;
+        PERFORM flow._lock_run_and_commands(run_id);
     END;
     PERFORM set_config('lock_timeout', '0', true);
     -- (as it stands now that it is locked: it may have ended with its root)
@@ -2113,7 +2148,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_current_command_wrapper';
 
--- src/executor.rs:213
+-- src/executor.rs:214
 -- flow::executor::_decide
 CREATE OR REPLACE FUNCTION "_decide"(
 	"class" TEXT, /* & str */

@@ -233,9 +233,14 @@ END $$;
 -- by a worker that stopped in its attempt (src/attempt_record.rs): the
 -- attempt with this number is counted here, by `owner_name`, unless the
 -- command has moved on since.
+-- wait_for_run false: the caller's transaction holds the command (a worker's
+-- chunk) and must not wait for its run's lock, which a cancel may hold while
+-- it waits for the command (a root held without its run's lock, see _claim):
+-- with the run locked elsewhere nothing is written and 'locked' returned,
+-- the attempt left to that cancel.
 CREATE FUNCTION flow._settle_failure(command_id uuid, lease_token uuid, outcome text, code text,
     message text, retry_delay interval DEFAULT NULL, handler_started timestamptz DEFAULT NULL,
-    held_attempt integer DEFAULT NULL, owner_name text DEFAULT NULL)
+    held_attempt integer DEFAULT NULL, owner_name text DEFAULT NULL, wait_for_run boolean DEFAULT true)
 RETURNS text
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
@@ -245,7 +250,11 @@ DECLARE
     stop text;
     cut text := flow._cut_message(coalesce(message, code));
 BEGIN
-    PERFORM flow._lock_runs_of(ARRAY[command_id]);
+    IF wait_for_run THEN
+        PERFORM flow._lock_runs_of(ARRAY[command_id]);
+    ELSIF NOT flow._try_lock_run_of(command_id) THEN
+        RETURN 'locked';
+    END IF;
     IF held_attempt IS NULL THEN
         SELECT * INTO c FROM flow._commands x
         WHERE x.id = _settle_failure.command_id AND x.status::text = 'running'   -- by id (sql/common.sql)

@@ -1,5 +1,19 @@
 -- Workflows: run control (cancel, await), events, waits, children and the run graph.
 
+-- Lock a run, then its unfinished commands: a chunk holding a root that has
+-- no child yet holds the root and not the run (flow._claim); once the root
+-- is had too, whatever that chunk settled is seen by the next statement.
+-- (The run first: everyone else who locks a run's commands and then the run
+-- holds the run already, or takes it only if it is free.)
+CREATE FUNCTION flow._lock_run_and_commands(run_id uuid) RETURNS void
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+BEGIN
+    PERFORM 1 FROM flow._runs x WHERE x.id = run_id FOR UPDATE;
+    PERFORM 1 FROM flow._commands c
+    WHERE c.id IN (SELECT k.id FROM flow._commands_of(_lock_run_and_commands.run_id) k WHERE k.finished_at IS NULL)
+    ORDER BY c.id FOR UPDATE OF c;
+END $$;
+
 CREATE FUNCTION flow._cancel(caller oid, run_id uuid) RETURNS boolean
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
@@ -7,18 +21,19 @@ DECLARE
 BEGIN
     SELECT * INTO r FROM flow._runs x WHERE x.id = run_id;
     PERFORM flow._require_member(caller, r.owner, 'run', run_id);
-    -- A worker chunk running this run's commands holds its lock: interrupt
-    -- the handler so the lock comes free and nothing is settled as success
-    -- (the worker hands the command back, whatever attempt it was on).
+    -- A worker chunk running this run's commands holds its lock, or (a root
+    -- with no child yet, see flow._claim) its root's: interrupt the handler
+    -- so the lock comes free and nothing is settled as success (the worker
+    -- hands the command back, whatever attempt it was on).
     PERFORM flow._interrupt_run(run_id);
     BEGIN
         PERFORM set_config('lock_timeout', '3s', true);
-        SELECT * INTO r FROM flow._runs x WHERE x.id = run_id FOR UPDATE;
+        PERFORM flow._lock_run_and_commands(run_id);
     EXCEPTION WHEN lock_not_available THEN
         -- A handler of the run ignored the cancel: stop its worker (recovery
         -- concludes that attempt), then wait for whoever else holds the run.
         PERFORM flow._stop_workers_of(run_id);
-        SELECT * INTO r FROM flow._runs x WHERE x.id = run_id FOR UPDATE;
+        PERFORM flow._lock_run_and_commands(run_id);
     END;
     PERFORM set_config('lock_timeout', '0', true);
     -- (as it stands now that it is locked: it may have ended with its root)

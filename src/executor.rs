@@ -72,7 +72,8 @@ impl Claimed {
 /// How a failed attempt was settled.
 #[derive(Debug, PartialEq)]
 enum Settled {
-    /// The lease was no longer ours: nothing was written.
+    /// The lease was no longer ours (a held command: it moved on, or its run
+    /// is locked elsewhere): nothing was written.
     Expired,
     /// Settled as a failure; `retry` tells whether another attempt is scheduled.
     Failed { retry: bool },
@@ -290,6 +291,7 @@ const UUID: PgOid = PgOid::BuiltIn(PgBuiltInOids::UUIDOID);
 const TEXT: PgOid = PgOid::BuiltIn(PgBuiltInOids::TEXTOID);
 const INT8: PgOid = PgOid::BuiltIn(PgBuiltInOids::INT8OID);
 const INT4: PgOid = PgOid::BuiltIn(PgBuiltInOids::INT4OID);
+const BOOL: PgOid = PgOid::BuiltIn(PgBuiltInOids::BOOLOID);
 const TIMESTAMPTZ: PgOid = PgOid::BuiltIn(PgBuiltInOids::TIMESTAMPTZOID);
 const UUID_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::UUIDARRAYOID);
 const JSONB: PgOid = PgOid::BuiltIn(PgBuiltInOids::JSONBOID);
@@ -534,7 +536,11 @@ impl<'a> Chunk<'a> {
             Attempted::Failed(failure) | Attempted::FailedKeepingWrites(failure) => {
                 // Successes before this failure settle first: they happened first.
                 self.settle_successes();
-                if settle_failure(&command.id(), &failure, started, self.worker) == (Settled::Failed { retry: false }) {
+                // (this chunk holds the command: it must not wait for the run, see
+                // flow._settle_failure's wait_for_run; a run locked elsewhere leaves
+                // the attempt to whoever holds it, a cancel)
+                let settled = settle_failure(&command.id(), &failure, started, self.worker, false);
+                if settled == (Settled::Failed { retry: false }) {
                     self.failed_runs.insert(run);
                 }
             }
@@ -1158,13 +1164,19 @@ fn handler_call_sql(handler: pg_sys::Oid) -> (String, Option<pg_sys::Oid>) {
     }
 }
 
-fn settle_failure(command: &AttemptId, failure: &Failure, started: Option<TimestampWithTimeZone>, worker: &str) -> Settled {
+fn settle_failure(
+    command: &AttemptId,
+    failure: &Failure,
+    started: Option<TimestampWithTimeZone>,
+    worker: &str,
+    wait_for_run: bool,
+) -> Settled {
     let status: Option<String> = with_settlement_retries(|| {
     gucs::inject_fault("settle_failure");
     engine_query(
         "SELECT flow._settle_failure($1, $2, $3, $4, $5,
-                CASE WHEN $6 IS NULL THEN NULL ELSE pg_catalog.make_interval(secs => $6 / 1000000.0) END, $7, $8, $9)",
-        &[UUID, UUID, TEXT, TEXT, TEXT, INT8, TIMESTAMPTZ, INT4, TEXT],
+                CASE WHEN $6 IS NULL THEN NULL ELSE pg_catalog.make_interval(secs => $6 / 1000000.0) END, $7, $8, $9, $10)",
+        &[UUID, UUID, TEXT, TEXT, TEXT, INT8, TIMESTAMPTZ, INT4, TEXT, BOOL],
         &[
             command.command_id.into(),
             command.lease_token.into(),
@@ -1175,6 +1187,7 @@ fn settle_failure(command: &AttemptId, failure: &Failure, started: Option<Timest
             started.into(),
             command.held_attempt.into(),
             worker.into(),
+            wait_for_run.into(),
         ],
         |t| t.first().get_one().unwrap_or_else(|e| error!("flow: {e}")),
     )
@@ -1197,16 +1210,16 @@ pub fn settle_engine_error(command: &AttemptId, message: &str, sqlstate: &str, w
     let invalid = sqlstate.starts_with("FL") || sqlstate.starts_with("22") || sqlstate.starts_with("23");
     if invalid {
         let decision = Failure { class: "permanent", code: "invalid_decision".into(), message: message.into(), delay_us: None };
-        if in_subtransaction(|| Ok::<_, ()>(settle_failure(command, &decision, None, worker)), |_| ()).is_ok() {
+        if in_subtransaction(|| Ok::<_, ()>(settle_failure(command, &decision, None, worker, true)), |_| ()).is_ok() {
             return true;
         }
     }
     let retryable = Failure { class: "retryable", code: "engine_error".into(), message: message.into(), delay_us: None };
-    if in_subtransaction(|| Ok::<_, ()>(settle_failure(command, &retryable, None, worker)), |_| ()).is_ok() {
+    if in_subtransaction(|| Ok::<_, ()>(settle_failure(command, &retryable, None, worker, true)), |_| ()).is_ok() {
         return true;
     }
     let permanent = Failure { class: "permanent", ..retryable };
-    in_subtransaction(|| Ok::<_, ()>(settle_failure(command, &permanent, None, worker)), |_| ()).is_ok()
+    in_subtransaction(|| Ok::<_, ()>(settle_failure(command, &permanent, None, worker, true)), |_| ()).is_ok()
 }
 
 /// Conclude the held attempt a stopped worker recorded (see
@@ -1225,7 +1238,7 @@ pub fn conclude_held(command: [u8; 16], attempt: i32, worker: &str) -> bool {
         message: "the worker running this attempt exited before settling it".into(),
         delay_us: None,
     };
-    settle_failure(&held, &interrupted, None, worker) != Settled::Expired
+    settle_failure(&held, &interrupted, None, worker, true) != Settled::Expired
 }
 
 /// Hand claimed commands back to their queue with the attempt the claim
