@@ -84,6 +84,19 @@ def enqueue_paused(c, name, n, chunk=1000):
         c.execute("SELECT flow.enqueue_many(%s, array_fill('{}'::jsonb, array[%s]))", (name, min(chunk, n - i)))
 
 
+def clear_flow_tables(c):
+    """Empty flow's tables between measurements. The TRUNCATE's exclusive locks
+    can deadlock with a worker's claim that holds one of the tables and waits
+    for another (the server then aborts one of the two): retried."""
+    for _ in range(10):
+        try:
+            c.execute("TRUNCATE flow._runs, flow._commands, flow._attempts, flow._waits")
+            return
+        except psycopg.errors.DeadlockDetected:
+            time.sleep(0.1)
+    raise RuntimeError("flow's tables could not be emptied")
+
+
 def finished_count(c):
     """Runs finished since the server started (a shared-memory counter: polling
     it costs the drain nothing)."""
@@ -111,7 +124,7 @@ def drain(pg, name, n=None, watch=None):
             stop.set()
             watcher.join()
         assert c.execute("SELECT count(*) FROM flow._run_rows WHERE status = 'succeeded'").fetchone()[0] == n
-        c.execute("TRUNCATE flow._runs, flow._commands, flow._attempts, flow._waits")
+        clear_flow_tables(c)
         c.execute("TRUNCATE bench.sink")
         c.execute("VACUUM ANALYZE flow._commands")
         c.execute("CHECKPOINT")   # the next measurement does not pay for this one's dirty pages
@@ -234,7 +247,7 @@ def external_clients(pg, clients, n):
     elapsed = time.perf_counter() - t0
     assert sum(done) == n, done
     with pg.connect() as c:
-        c.execute("TRUNCATE flow._runs, flow._commands, flow._attempts, flow._waits")
+        clear_flow_tables(c)
     return n / elapsed
 
 
@@ -252,7 +265,7 @@ def enqueue_many_rate(pg, n, chunk=1000):
             c.execute("SELECT flow.enqueue_many('rust_noop', ARRAY(SELECT jsonb_array_elements(%s::jsonb)))",
                       (args,))
         rate = n / (time.perf_counter() - t0)
-        c.execute("TRUNCATE flow._runs, flow._commands, flow._attempts, flow._waits")
+        clear_flow_tables(c)
     return rate
 
 
@@ -306,7 +319,7 @@ def churn(pg, seconds, rate, every, retention):
         # tables in another order, so a deadlock is retried
         for _ in range(20):
             try:
-                c.execute("TRUNCATE flow._runs, flow._commands, flow._attempts, flow._waits")
+                clear_flow_tables(c)
                 break
             except psycopg.errors.DeadlockDetected:
                 time.sleep(0.5)
@@ -452,7 +465,7 @@ def pickup(pg):
             time.sleep(0.05)
         ms = sorted(1000 * (s - t) for t, s in c.execute("SELECT sent, started FROM bench.pickup").fetchall())
         c.execute("TRUNCATE bench.pickup")
-        c.execute("TRUNCATE flow._runs, flow._commands, flow._attempts, flow._waits")
+        clear_flow_tables(c)
     pct = lambda p: ms[min(len(ms) - 1, max(0, int(-(-p * len(ms) // 100)) - 1))]   # nearest rank
     return pct(50), pct(99), pct(99.9)
 
