@@ -48,6 +48,35 @@ def test_in_database_workers_never_run_external_definitions(pg):
     assert pg.one("SELECT status FROM flow.commands WHERE run_id = %s", run) == "pending"
 
 
+def test_completing_a_root_with_no_child_takes_no_run_lock_and_a_cancel_waits_for_it(pg):
+    """complete_many of a run's only command writes that command alone and does
+    not lock the run; a cancel that comes meanwhile takes the run, then waits
+    for the command, and finds the run ended (false), not cancelled."""
+    name = external(pg)
+    run = pg.one(f"SELECT flow.enqueue('{name}')")
+    with pg.connect(autocommit=False) as c, pg.connect() as canceller:
+        [(cmd, token, *_)] = claim(c, name)
+        c.commit()
+        with pg.connect(autocommit=False) as other:
+            other.execute("SELECT 1 FROM flow._runs WHERE id = %s FOR UPDATE", (run,))
+            c.execute("SET LOCAL lock_timeout = '2s'")
+            assert c.execute("SELECT status FROM flow.complete_many(%s, %s)", ([cmd], [token])).fetchall() \
+                == [("succeeded",)]
+            other.rollback()
+        # the completion is not committed yet: the cancel waits for it
+        outcome = []
+        waiter = threading.Thread(target=lambda: outcome.append(
+            canceller.execute("SELECT flow.cancel(%s)", (run,)).fetchone()[0]))
+        waiter.start()
+        time.sleep(0.5)
+        assert outcome == []
+        c.commit()
+        waiter.join(10)
+    assert outcome == [False]
+    assert pg.one("SELECT status FROM flow.runs WHERE id = %s", run) == "succeeded"
+    assert pg.all("SELECT outcome FROM flow.attempts WHERE run_id = %s", run) == [("succeeded",)]
+
+
 def test_claim_complete_round_trip(pg):
     name = external(pg)
     run = pg.one(f"SELECT flow.enqueue('{name}', '{{\"x\": 1}}')")

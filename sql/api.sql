@@ -179,17 +179,26 @@ END $$;
 -- server. Its owner's role (and members of it) may claim and settle it.
 
 -- Take up to `max` due commands of these definitions under a lease.
+-- (Not a thin SQL wrapper like the others: every layer of set-returning
+-- function copies each claimed row, with its context, once more, and an SQL
+-- function's statement is planned at every call. This is an external
+-- worker's hot path, so flow._claim's rows are handed on here directly, by a
+-- plan kept for the session.)
 CREATE FUNCTION flow.claim(names text[], worker text, max integer DEFAULT 1, lease interval DEFAULT NULL,
     caller_ticket bigint DEFAULT flow._ticket())
 RETURNS TABLE (command_id uuid, run_id uuid, name text, version integer, queue text, args jsonb,
                attempt integer, lease_token uuid, lease_expires_at timestamptz, deadline timestamptz,
                context flow.context)
-LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
-    SELECT c.command_id, c.run_id, c.name, c.version, c.queue, c.args, c.attempt, c.lease_token,
-           c.lease_expires_at, c.deadline, c.context
-    FROM flow._claim_external(flow._redeem(caller_ticket), names, worker, max,
-                              coalesce(lease, make_interval(secs => flow._lease_duration_s()))) c
-$$;
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    lease_for interval := coalesce(lease, make_interval(secs => flow._lease_duration_s()));
+BEGIN
+    PERFORM flow._prepare_external_claim(flow._redeem(caller_ticket), names, worker, max, lease_for);
+    RETURN QUERY
+        SELECT c.command_id, c.run_id, c.name, c.version, c.queue, c.args, c.attempt, c.lease_token,
+               c.lease_expires_at, c.deadline, c.context
+        FROM flow._claim(worker, NULL, NULL, max, lease_for, names, (random() * 1000)::integer) c;
+END $$;
 
 -- Extend a lease (by `extend`, default: its original length); cancelled = true means stop.
 CREATE FUNCTION flow.heartbeat(command_id uuid, lease_token uuid, extend interval DEFAULT NULL,

@@ -82,8 +82,11 @@ BEGIN
     RAISE EXCEPTION 'flow: lease token % never held command %', lease_token, command_id USING ERRCODE = 'FL013';
 END $$;
 
-CREATE FUNCTION flow._claim_external(caller oid, names text[], worker text, max_count integer, lease interval)
-RETURNS SETOF flow.claimed_command
+-- What an external claim does before flow._claim takes its commands (see
+-- flow.claim): checks its arguments and the caller's right to the
+-- definitions, and concludes their expired leases.
+CREATE FUNCTION flow._prepare_external_claim(caller oid, names text[], worker text, max_count integer, lease interval)
+RETURNS void
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
     wanted text;
@@ -120,8 +123,6 @@ BEGIN
         PERFORM flow._settle_failure(expired.id, expired.lease_token, 'lease_lost', 'lease_lost',
                                      'the lease expired before the command was settled');
     END LOOP;
-    RETURN QUERY SELECT * FROM flow._claim(worker, NULL, NULL, max_count, lease, names,
-                                           (random() * 1000)::integer);
 END $$;
 
 CREATE FUNCTION flow._heartbeat(caller oid, command_id uuid, lease_token uuid, extend interval)
@@ -204,7 +205,14 @@ BEGIN
     IF FOUND THEN
         RAISE EXCEPTION 'flow: no command with id %', bad.id USING ERRCODE = 'FL014';
     END IF;
-    PERFORM flow._lock_runs_of(command_ids);
+    -- Their runs, in id order (_lock_runs_of), but for a root with no child:
+    -- its success writes no run (_settle_batch), and the lock taken on its own
+    -- row by the settlement is what a cancel waits for (_lock_run_and_commands).
+    PERFORM 1 FROM flow._runs r
+    WHERE r.id IN (SELECT c.run_id FROM flow._commands c
+                   WHERE c.id = ANY (command_ids)
+                     AND (c.id <> c.run_id OR EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = c.id)))
+    ORDER BY r.id FOR UPDATE;
     RETURN QUERY
     WITH item AS (
         SELECT t.id, t.token, t.result,

@@ -42,6 +42,8 @@ SELECT pg_catalog.pg_extension_config_dump('flow._definition_names', '');
 DROP FUNCTION flow._lock_event_key(text, text);
 -- Events satisfy waits of their own run too (sql/workflows.sql, _may_satisfy).
 DROP FUNCTION flow._may_satisfy(oid, uuid);
+-- flow.claim calls flow._claim itself, after these checks (sql/api.sql).
+DROP FUNCTION flow._claim_external(oid, text[], text, integer, interval);
 -- Functions whose signature or result changed.
 DROP FUNCTION flow.fail(text);
 DROP FUNCTION flow._decide(text, text, text, bigint);
@@ -1094,7 +1096,9 @@ END $$;
 
 -- Lock the runs of these commands, in id order (so two lockers never
 -- deadlock). Every settlement of a run takes this lock first, so exactly one
--- of them sees the run's last command finish (rule 7).
+-- of them sees the run's last command finish (rule 7); but the success of a
+-- root with no child, the only command its run has (flow._claim,
+-- flow._complete_many).
 -- (plpgsql, not sql: its plan is cached per session; an sql function called
 -- from plpgsql is planned again on every call, ~70 µs.)
 CREATE OR REPLACE FUNCTION flow._lock_runs_of(command_ids uuid[]) RETURNS void
@@ -1207,7 +1211,8 @@ END $$;
 -- Settle successful attempts in three set-based statements: a worker chunk's,
 -- or one external completion. A succeeded command is the record of its
 -- successful attempt (see sql/schema.sql, _attempts). The caller holds their runs' locks
--- (_lock_runs_of). Returns how many settled.
+-- (_lock_runs_of, the claim), but a root's with no child, whose success writes
+-- no run (below). Returns how many settled.
 -- handler_started: when each handler started (in-database workers; NULL:
 -- the attempt started at its claim), so an attempt's duration is its own.
 -- held_attempts: for commands an in-database worker holds (see _claim), the
@@ -1278,8 +1283,10 @@ BEGIN
     INTO settled, other_runs, finished, old_root_runs, old_root_results FROM done;
     -- The runs whose last command this was. A run of one command ended with
     -- its root, and its row is left alone: its end is the root's row (see
-    -- flow._run_rows). Its run is locked all the same (the claim, or
-    -- _lock_runs_of): that is what keeps a cancel from ending it meanwhile.
+    -- flow._run_rows). What keeps a cancel from ending it meanwhile is the
+    -- root's row lock (the claim's, or this settlement's): a cancel takes the
+    -- run's unfinished commands before it reads whether the run ended
+    -- (flow._lock_run_and_commands).
     -- A root made before 0.2.0 (its id is not its run's) still ends its run
     -- here, and other runs end once none of their commands is unfinished.
     IF old_root_runs IS NOT NULL THEN
@@ -1962,8 +1969,11 @@ BEGIN
     RAISE EXCEPTION 'flow: lease token % never held command %', lease_token, command_id USING ERRCODE = 'FL013';
 END $$;
 
-CREATE OR REPLACE FUNCTION flow._claim_external(caller oid, names text[], worker text, max_count integer, lease interval)
-RETURNS SETOF flow.claimed_command
+-- What an external claim does before flow._claim takes its commands (see
+-- flow.claim): checks its arguments and the caller's right to the
+-- definitions, and concludes their expired leases.
+CREATE OR REPLACE FUNCTION flow._prepare_external_claim(caller oid, names text[], worker text, max_count integer, lease interval)
+RETURNS void
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
     wanted text;
@@ -2000,8 +2010,6 @@ BEGIN
         PERFORM flow._settle_failure(expired.id, expired.lease_token, 'lease_lost', 'lease_lost',
                                      'the lease expired before the command was settled');
     END LOOP;
-    RETURN QUERY SELECT * FROM flow._claim(worker, NULL, NULL, max_count, lease, names,
-                                           (random() * 1000)::integer);
 END $$;
 
 CREATE OR REPLACE FUNCTION flow._heartbeat(caller oid, command_id uuid, lease_token uuid, extend interval)
@@ -2084,7 +2092,14 @@ BEGIN
     IF FOUND THEN
         RAISE EXCEPTION 'flow: no command with id %', bad.id USING ERRCODE = 'FL014';
     END IF;
-    PERFORM flow._lock_runs_of(command_ids);
+    -- Their runs, in id order (_lock_runs_of), but for a root with no child:
+    -- its success writes no run (_settle_batch), and the lock taken on its own
+    -- row by the settlement is what a cancel waits for (_lock_run_and_commands).
+    PERFORM 1 FROM flow._runs r
+    WHERE r.id IN (SELECT c.run_id FROM flow._commands c
+                   WHERE c.id = ANY (command_ids)
+                     AND (c.id <> c.run_id OR EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = c.id)))
+    ORDER BY r.id FOR UPDATE;
     RETURN QUERY
     WITH item AS (
         SELECT t.id, t.token, t.result,
@@ -2478,17 +2493,26 @@ END $$;
 -- server. Its owner's role (and members of it) may claim and settle it.
 
 -- Take up to `max` due commands of these definitions under a lease.
+-- (Not a thin SQL wrapper like the others: every layer of set-returning
+-- function copies each claimed row, with its context, once more, and an SQL
+-- function's statement is planned at every call. This is an external
+-- worker's hot path, so flow._claim's rows are handed on here directly, by a
+-- plan kept for the session.)
 CREATE OR REPLACE FUNCTION flow.claim(names text[], worker text, max integer DEFAULT 1, lease interval DEFAULT NULL,
     caller_ticket bigint DEFAULT flow._ticket())
 RETURNS TABLE (command_id uuid, run_id uuid, name text, version integer, queue text, args jsonb,
                attempt integer, lease_token uuid, lease_expires_at timestamptz, deadline timestamptz,
                context flow.context)
-LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
-    SELECT c.command_id, c.run_id, c.name, c.version, c.queue, c.args, c.attempt, c.lease_token,
-           c.lease_expires_at, c.deadline, c.context
-    FROM flow._claim_external(flow._redeem(caller_ticket), names, worker, max,
-                              coalesce(lease, make_interval(secs => flow._lease_duration_s()))) c
-$$;
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    lease_for interval := coalesce(lease, make_interval(secs => flow._lease_duration_s()));
+BEGIN
+    PERFORM flow._prepare_external_claim(flow._redeem(caller_ticket), names, worker, max, lease_for);
+    RETURN QUERY
+        SELECT c.command_id, c.run_id, c.name, c.version, c.queue, c.args, c.attempt, c.lease_token,
+               c.lease_expires_at, c.deadline, c.context
+        FROM flow._claim(worker, NULL, NULL, max, lease_for, names, (random() * 1000)::integer) c;
+END $$;
 
 -- Extend a lease (by `extend`, default: its original length); cancelled = true means stop.
 CREATE OR REPLACE FUNCTION flow.heartbeat(command_id uuid, lease_token uuid, extend interval DEFAULT NULL,

@@ -15,7 +15,9 @@ END $$;
 
 -- Lock the runs of these commands, in id order (so two lockers never
 -- deadlock). Every settlement of a run takes this lock first, so exactly one
--- of them sees the run's last command finish (rule 7).
+-- of them sees the run's last command finish (rule 7); but the success of a
+-- root with no child, the only command its run has (flow._claim,
+-- flow._complete_many).
 -- (plpgsql, not sql: its plan is cached per session; an sql function called
 -- from plpgsql is planned again on every call, ~70 µs.)
 CREATE FUNCTION flow._lock_runs_of(command_ids uuid[]) RETURNS void
@@ -128,7 +130,8 @@ END $$;
 -- Settle successful attempts in three set-based statements: a worker chunk's,
 -- or one external completion. A succeeded command is the record of its
 -- successful attempt (see sql/schema.sql, _attempts). The caller holds their runs' locks
--- (_lock_runs_of). Returns how many settled.
+-- (_lock_runs_of, the claim), but a root's with no child, whose success writes
+-- no run (below). Returns how many settled.
 -- handler_started: when each handler started (in-database workers; NULL:
 -- the attempt started at its claim), so an attempt's duration is its own.
 -- held_attempts: for commands an in-database worker holds (see _claim), the
@@ -199,8 +202,10 @@ BEGIN
     INTO settled, other_runs, finished, old_root_runs, old_root_results FROM done;
     -- The runs whose last command this was. A run of one command ended with
     -- its root, and its row is left alone: its end is the root's row (see
-    -- flow._run_rows). Its run is locked all the same (the claim, or
-    -- _lock_runs_of): that is what keeps a cancel from ending it meanwhile.
+    -- flow._run_rows). What keeps a cancel from ending it meanwhile is the
+    -- root's row lock (the claim's, or this settlement's): a cancel takes the
+    -- run's unfinished commands before it reads whether the run ended
+    -- (flow._lock_run_and_commands).
     -- A root made before 0.2.0 (its id is not its run's) still ends its run
     -- here, and other runs end once none of their commands is unfinished.
     IF old_root_runs IS NOT NULL THEN

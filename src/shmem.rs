@@ -25,6 +25,9 @@ pub struct WorkerSlot {
     pub pid: i32,
     /// true while running a batch, false while idle on its latch.
     pub busy: bool,
+    /// Waiting on its latch right now (an idle worker is awake between its
+    /// waits, for upkeep: pruning, recovery, the next due time).
+    pub sleeping: bool,
     /// The command whose handler runs right now, and its run (all zero when none).
     pub command: [u8; 16],
     pub run: [u8; 16],
@@ -44,6 +47,7 @@ impl Default for WorkerSlot {
             procno: -1,
             pid: 0,
             busy: false,
+            sleeping: false,
             command: [0; 16],
             run: [0; 16],
             cancel_runs: [[0; 16]; CANCEL_SLOTS],
@@ -209,13 +213,13 @@ unsafe extern "C-unwind" fn on_xact_event(event: pg_sys::XactEvent::Type, _arg: 
     }
 }
 
-/// Wake one idle worker (post-commit: must not raise): enough for the work of one commit, and a worker
+/// Wake one sleeping worker (post-commit: must not raise): enough for the work of one commit, and a worker
 /// whose claim comes back full wakes the next (Worker::claim), so a burst
 /// brings in every worker while a single enqueue costs one claim, not one per
-/// worker. With no worker idle, every busy worker's latch is set: a commit
-/// that lands while a worker finishes its batch (after its last claim found
-/// nothing, before it waits) then makes that wait return at once, instead of
-/// the worker sleeping a whole poll interval.
+/// worker. With no worker sleeping, every worker's latch is set: a commit
+/// that lands while a worker finishes its batch or its upkeep (after its last
+/// claim found nothing, before it waits) then makes that wait return at once,
+/// instead of the worker sleeping a whole poll interval.
 pub fn wake_workers() {
     let table = WORKERS.share();
     let me = unsafe { pg_sys::MyProcPid };
@@ -224,12 +228,19 @@ pub fn wake_workers() {
         let proc_ = (*pg_sys::ProcGlobal).allProcs.add(slot.procno as usize);
         pg_sys::SetLatch(&mut (*proc_).procLatch);
     };
-    // The first idle one: under light load the same worker keeps serving,
-    // with its caches warm (a quarter of a millisecond of pickup here).
-    match live().find(|s| !s.busy) {
+    // The first one waiting on its latch: under light load the same worker
+    // keeps serving, with its caches warm (a quarter of a millisecond of
+    // pickup here). Not merely idle: an idle worker that is pruning or
+    // recovering would claim only once that is done, while another sleeps.
+    match live().find(|s| s.sleeping) {
         Some(idle) => set_latch(idle),
         None => live().for_each(set_latch),
     }
+}
+
+/// Worker `index` starts (true) or stops (false) waiting on its latch.
+pub fn set_sleeping(index: usize, sleeping: bool) {
+    WORKERS.exclusive().slots[index].sleeping = sleeping;
 }
 
 /// Claim the slot for worker number `index` in this process.

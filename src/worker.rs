@@ -116,7 +116,9 @@ pub extern "C-unwind" fn flow_worker_main(arg: pg_sys::Datum) {
         if !sleep.is_zero() {
             shmem::set_worker_state(index, false, None, 0);
             report_activity("flow: idle");
+            shmem::set_sleeping(index, true);
             wait_on_latch(sleep);
+            shmem::set_sleeping(index, false);
         }
     }
 }

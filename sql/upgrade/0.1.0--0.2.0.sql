@@ -38,6 +38,8 @@ SELECT pg_catalog.pg_extension_config_dump('flow._definition_names', '');
 DROP FUNCTION flow._lock_event_key(text, text);
 -- Events satisfy waits of their own run too (sql/workflows.sql, _may_satisfy).
 DROP FUNCTION flow._may_satisfy(oid, uuid);
+-- flow.claim calls flow._claim itself, after these checks (sql/api.sql).
+DROP FUNCTION flow._claim_external(oid, text[], text, integer, interval);
 -- Functions whose signature or result changed.
 DROP FUNCTION flow.fail(text);
 DROP FUNCTION flow._decide(text, text, text, bigint);
