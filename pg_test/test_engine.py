@@ -658,7 +658,11 @@ def test_finished_runs_are_pruned_after_the_retention(app):
         app.all("ALTER SYSTEM RESET flow.retention")
         app.all("SELECT pg_reload_conf()")
     assert app.one("SELECT count(*) FROM flow._commands c WHERE c.run_id = %s", done) == 0
+    # every run of this module ended by now went (runs retried before they
+    # succeeded, failed ones, cancelled ones), and nothing of theirs stayed
     assert app.one("SELECT count(*) FROM flow._attempts a WHERE a.command_id NOT IN"
+                   " (SELECT id FROM flow._commands)") == 0
+    assert app.one("SELECT count(*) FROM flow._waits w WHERE w.command_id NOT IN"
                    " (SELECT id FROM flow._commands)") == 0
     assert app.one("SELECT status FROM flow.runs WHERE id = %s", waiting) == "running"
 

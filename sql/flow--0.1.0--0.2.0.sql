@@ -1499,11 +1499,17 @@ BEGIN
         -- see flow._commands_of)
         DELETE FROM flow._commands c
         WHERE c.id IN (SELECT unnest(ARRAY(SELECT k.id FROM flow._commands_of(gone.id) k)) FROM gone)
-        RETURNING c.id
+        RETURNING c.id,
+                  -- (a success at its first attempt, settled by 0.2.0 on, has no
+                  -- row in _attempts: see sql/schema.sql; 0.1.0 left the command
+                  -- no lease token)
+                  NOT (c.status = 'succeeded' AND c.attempts = 1 AND c.lease_token IS NOT NULL) AS attempted_before,
+                  c.id <> c.run_id AS may_wait   -- (a run's root waits for nothing)
     ), attempts AS (
-        DELETE FROM flow._attempts a USING commands WHERE a.command_id = commands.id
+        -- (the common run, one command that succeeded at once, probes neither)
+        DELETE FROM flow._attempts a USING commands WHERE commands.attempted_before AND a.command_id = commands.id
     ), waits AS (
-        DELETE FROM flow._waits w USING commands WHERE w.command_id = commands.id
+        DELETE FROM flow._waits w USING commands WHERE commands.may_wait AND w.command_id = commands.id
     )
     SELECT count(*) INTO pruned FROM gone;
 END $$;
