@@ -373,7 +373,8 @@ def main():
             add("flow pickup p99 (ms)", p99)
             add("flow pickup p99.9 (ms)", p999)
             print(f"    (the slowest pickup: {commit_ms:.1f} ms until the enqueue returned, its commit included;"
-                  f" {worker_ms:.1f} ms more until its handler started)", flush=True)
+                  f" its handler started {worker_ms:+.1f} ms from that return, the worker woken at the commit)",
+                  flush=True)
         print("-- once", flush=True)
         add("flow drain, 1,000 pending (jobs/s)", statistics.median(drain(pg, "rust_noop", 1000) for _ in range(3)))
         # the large drain has run at a fifth of the 20,000-pending drains in some full runs and
