@@ -82,6 +82,14 @@ def attempts(pg, run):
                   " WHERE run_id = %s ORDER BY attempt", run)
 
 
+def seen_fast(pg, name):
+    """Let the workers see the handler of `name` finish fast (100 runs of
+    '{}' args): from then on its commands are held (see flow._claim)."""
+    for _ in range(5):
+        for run in pg.one(f"SELECT flow.enqueue_many('{name}', array_fill('{{}}'::jsonb, array[20]))"):
+            assert pg.await_run(run, "10s")[0] == "succeeded"
+
+
 def command(pg, run):
     return pg.all("SELECT status, attempts, stop_reason, last_error_code, last_error_message"
                   " FROM flow.commands WHERE run_id = %s AND key = 'root'", run)[0]
@@ -390,9 +398,7 @@ def test_a_held_attempt_shows_as_running_and_is_cancelled_like_a_leased_one(app)
     (run in the claim's transaction, nothing written before): the views still
     show the attempt running, and a cancel still discards its writes."""
     name = define(app, "app.decides")
-    for _ in range(5):
-        for run in app.one(f"SELECT flow.enqueue_many('{name}', array_fill('{{}}'::jsonb, array[20]))"):
-            assert app.await_run(run, "10s")[0] == "succeeded"
+    seen_fast(app, name)
     run = enqueue(app, name, '{"do": "sleep", "seconds": 1.5, "tag": "held"}')
     app.wait_for("SELECT status = 'running' FROM flow.commands WHERE run_id = %s", run)
     # held: the table still says pending, the views say what happens
@@ -418,9 +424,7 @@ def test_a_held_root_leaves_its_run_unlocked_and_its_failure_never_waits_for_the
     lock: a failure while another session holds the run writes nothing and the
     command is tried again; once the run is free, the failure is counted."""
     name = define(app, "app.decides")
-    for _ in range(5):
-        for run in app.one(f"SELECT flow.enqueue_many('{name}', array_fill('{{}}'::jsonb, array[20]))"):
-            assert app.await_run(run, "10s")[0] == "succeeded"
+    seen_fast(app, name)
     run = enqueue(app, name, '{"do": "sleep_then_raise", "seconds": 0.5, "tag": "rootlock"}')
     app.wait_for("SELECT status = 'running' FROM flow.commands WHERE run_id = %s", run)
     assert app.one("SELECT status FROM flow._commands WHERE run_id = %s", run) == "pending"   # held
@@ -460,10 +464,7 @@ def test_held_attempts_that_share_a_subtransaction_commit_once_when_one_fails(ap
     """)
     queue = unique("grouped")
     name = define(app, "app.grouped", max_attempts=1, queue=f"'{queue}'")
-    # the workers see it finish fast: from then on its commands are held
-    for _ in range(5):
-        for run in app.one(f"SELECT flow.enqueue_many('{name}', array_fill('{{}}'::jsonb, array[20]))"):
-            assert app.await_run(run, "10s")[0] == "succeeded"
+    seen_fast(app, name)
     reruns = app.one("SELECT value FROM flow.stats WHERE name = 'group_reruns'")
     app.one("SELECT flow.set_queue(%s, paused => true)", queue)
     # (not at multiples of 20: claims and chunks, sized after the rounds of
