@@ -178,7 +178,8 @@ BEGIN
                flow._wait_timed_out(p.status, p.wait_timed_out)
         FROM picked p
         WHERE p.held
-          -- (a CASE: the lock is taken only when the first test fails)
+          -- (a CASE: the lock is taken only when the first test fails; a root
+          -- with no child: see flow._run_rows)
           AND CASE WHEN p.id = p.run_id
                         AND NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = p.id)  -- index _commands_parent
                    THEN true

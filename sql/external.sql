@@ -205,14 +205,7 @@ BEGIN
     IF FOUND THEN
         RAISE EXCEPTION 'flow: no command with id %', bad.id USING ERRCODE = 'FL014';
     END IF;
-    -- Their runs, in id order (_lock_runs_of), but for a root with no child:
-    -- its success writes no run (_settle_batch), and the lock taken on its own
-    -- row by the settlement is what a cancel waits for (_lock_run_and_commands).
-    PERFORM 1 FROM flow._runs r
-    WHERE r.id IN (SELECT c.run_id FROM flow._commands c
-                   WHERE c.id = ANY (command_ids)
-                     AND (c.id <> c.run_id OR EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = c.id)))
-    ORDER BY r.id FOR UPDATE;
+    PERFORM flow._lock_runs_of(command_ids, successes => true);
     RETURN QUERY
     WITH item AS (
         SELECT t.id, t.token, t.result,

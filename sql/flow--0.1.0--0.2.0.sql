@@ -45,6 +45,7 @@ DROP FUNCTION flow._may_satisfy(oid, uuid);
 -- flow.claim calls flow._claim itself, after these checks (sql/api.sql).
 DROP FUNCTION flow._claim_external(oid, text[], text, integer, interval);
 -- Functions whose signature or result changed.
+DROP FUNCTION flow._lock_runs_of(uuid[]);
 DROP FUNCTION flow.fail(text);
 DROP FUNCTION flow._decide(text, text, text, bigint);
 DROP FUNCTION flow._begin_batch(uuid[], uuid[]);
@@ -252,8 +253,12 @@ $$;
 -- reads a run's status, result or end reads it here; _runs is for writers,
 -- and for what does not look at those three columns. (Roots made before
 -- 0.2.0 have ids of their own; their runs are still written when they end.)
--- "No child" is the settlement's own test (flow._settle_batch, `alone`):
--- keep the two the same.
+-- "A root with no child" is the settlement's own test (flow._settle_batch,
+-- `alone`): keep the two the same. The claim of a held command
+-- (flow._claim) and the locks of a completion (flow._lock_runs_of with
+-- successes) leave such a root's run unlocked by the same test. It is
+-- written out in each place: an SQL function whose body has a subquery is
+-- not inlined, and would run as a call of its own for every row.
 CREATE OR REPLACE VIEW flow._run_rows AS
 SELECT r.id, r.key, r.owner, r.name, r.version, r.queue, r.args,
        coalesce(alone.status, r.status) AS status, coalesce(alone.result, r.result) AS result, r.error,
@@ -1013,7 +1018,8 @@ BEGIN
                flow._wait_timed_out(p.status, p.wait_timed_out)
         FROM picked p
         WHERE p.held
-          -- (a CASE: the lock is taken only when the first test fails)
+          -- (a CASE: the lock is taken only when the first test fails; a root
+          -- with no child: see flow._run_rows)
           AND CASE WHEN p.id = p.run_id
                         AND NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = p.id)  -- index _commands_parent
                    THEN true
@@ -1096,16 +1102,23 @@ END $$;
 
 -- Lock the runs of these commands, in id order (so two lockers never
 -- deadlock). Every settlement of a run takes this lock first, so exactly one
--- of them sees the run's last command finish (rule 7); but the success of a
--- root with no child, the only command its run has (flow._claim,
--- flow._complete_many).
+-- of them sees the run's last command finish (rule 7). successes: the
+-- commands settle as successes, and the run of a root with no child is left
+-- unlocked: it is that root's only command, its success writes no run
+-- (_settle_batch), and a cancel waits for the root's own row instead
+-- (_lock_run_and_commands). The claim of a held command makes the same
+-- exception (flow._claim).
 -- (plpgsql, not sql: its plan is cached per session; an sql function called
 -- from plpgsql is planned again on every call, ~70 µs.)
-CREATE OR REPLACE FUNCTION flow._lock_runs_of(command_ids uuid[]) RETURNS void
+CREATE OR REPLACE FUNCTION flow._lock_runs_of(command_ids uuid[], successes boolean DEFAULT false) RETURNS void
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 BEGIN
     PERFORM 1 FROM flow._runs r
-    WHERE r.id IN (SELECT c.run_id FROM flow._commands c WHERE c.id = ANY (command_ids))
+    WHERE r.id IN (SELECT c.run_id FROM flow._commands c
+                   WHERE c.id = ANY (command_ids)
+                     -- (a root with no child: see flow._run_rows)
+                     AND NOT (successes AND c.id = c.run_id
+                              AND NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = c.id)))
     ORDER BY r.id FOR UPDATE;
 END $$;
 
@@ -1267,11 +1280,8 @@ BEGIN
         SELECT d.*,
                -- a root without children: the run's only command (spawned ones descend
                -- from it). flow._run_rows recognizes such a run by the same test; the two
-               -- must agree, or a run whose row is not written here is never seen ended.
-               -- (Written twice, not as a function: inlined, its NOT EXISTS would become a
-               -- SubPlan in the view, which the planner may hash over all of
-               -- _commands_parent, and that partial index is counted empty after a quiet
-               -- spell: see sql/common.sql.)
+               -- must agree, or a run whose row is not written here is never seen ended
+               -- (the places that make this test are listed there).
                d.parent_id IS NULL AND NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = d.id) AS alone
         FROM (SELECT * FROM leased_done UNION ALL SELECT * FROM held_done) d
         OFFSET 0   -- (kept a subquery: pulled up, its probe ran once per aggregate below, three times a command)
@@ -2098,14 +2108,7 @@ BEGIN
     IF FOUND THEN
         RAISE EXCEPTION 'flow: no command with id %', bad.id USING ERRCODE = 'FL014';
     END IF;
-    -- Their runs, in id order (_lock_runs_of), but for a root with no child:
-    -- its success writes no run (_settle_batch), and the lock taken on its own
-    -- row by the settlement is what a cancel waits for (_lock_run_and_commands).
-    PERFORM 1 FROM flow._runs r
-    WHERE r.id IN (SELECT c.run_id FROM flow._commands c
-                   WHERE c.id = ANY (command_ids)
-                     AND (c.id <> c.run_id OR EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = c.id)))
-    ORDER BY r.id FOR UPDATE;
+    PERFORM flow._lock_runs_of(command_ids, successes => true);
     RETURN QUERY
     WITH item AS (
         SELECT t.id, t.token, t.result,

@@ -15,16 +15,23 @@ END $$;
 
 -- Lock the runs of these commands, in id order (so two lockers never
 -- deadlock). Every settlement of a run takes this lock first, so exactly one
--- of them sees the run's last command finish (rule 7); but the success of a
--- root with no child, the only command its run has (flow._claim,
--- flow._complete_many).
+-- of them sees the run's last command finish (rule 7). successes: the
+-- commands settle as successes, and the run of a root with no child is left
+-- unlocked: it is that root's only command, its success writes no run
+-- (_settle_batch), and a cancel waits for the root's own row instead
+-- (_lock_run_and_commands). The claim of a held command makes the same
+-- exception (flow._claim).
 -- (plpgsql, not sql: its plan is cached per session; an sql function called
 -- from plpgsql is planned again on every call, ~70 µs.)
-CREATE FUNCTION flow._lock_runs_of(command_ids uuid[]) RETURNS void
+CREATE FUNCTION flow._lock_runs_of(command_ids uuid[], successes boolean DEFAULT false) RETURNS void
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 BEGIN
     PERFORM 1 FROM flow._runs r
-    WHERE r.id IN (SELECT c.run_id FROM flow._commands c WHERE c.id = ANY (command_ids))
+    WHERE r.id IN (SELECT c.run_id FROM flow._commands c
+                   WHERE c.id = ANY (command_ids)
+                     -- (a root with no child: see flow._run_rows)
+                     AND NOT (successes AND c.id = c.run_id
+                              AND NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = c.id)))
     ORDER BY r.id FOR UPDATE;
 END $$;
 
@@ -186,11 +193,8 @@ BEGIN
         SELECT d.*,
                -- a root without children: the run's only command (spawned ones descend
                -- from it). flow._run_rows recognizes such a run by the same test; the two
-               -- must agree, or a run whose row is not written here is never seen ended.
-               -- (Written twice, not as a function: inlined, its NOT EXISTS would become a
-               -- SubPlan in the view, which the planner may hash over all of
-               -- _commands_parent, and that partial index is counted empty after a quiet
-               -- spell: see sql/common.sql.)
+               -- must agree, or a run whose row is not written here is never seen ended
+               -- (the places that make this test are listed there).
                d.parent_id IS NULL AND NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = d.id) AS alone
         FROM (SELECT * FROM leased_done UNION ALL SELECT * FROM held_done) d
         OFFSET 0   -- (kept a subquery: pulled up, its probe ran once per aggregate below, three times a command)

@@ -41,6 +41,7 @@ DROP FUNCTION flow._may_satisfy(oid, uuid);
 -- flow.claim calls flow._claim itself, after these checks (sql/api.sql).
 DROP FUNCTION flow._claim_external(oid, text[], text, integer, interval);
 -- Functions whose signature or result changed.
+DROP FUNCTION flow._lock_runs_of(uuid[]);
 DROP FUNCTION flow.fail(text);
 DROP FUNCTION flow._decide(text, text, text, bigint);
 DROP FUNCTION flow._begin_batch(uuid[], uuid[]);
