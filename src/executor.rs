@@ -318,6 +318,21 @@ impl ClaimCursor {
         }
     }
 
+    /// Start after these ends too (queue, due time as TimestampTz µs, id),
+    /// where they are further on.
+    pub fn take_up(&mut self, ends: Vec<(String, i64, [u8; 16])>) {
+        for (queue, due_at, id) in ends {
+            if let Ok(due_at) = TimestampWithTimeZone::try_from(due_at) {
+                self.advance(queue, due_at, pgrx::Uuid::from_bytes(id));
+            }
+        }
+    }
+
+    /// Its ends, as `take_up` takes them.
+    pub fn ends(&self) -> Vec<(String, i64, [u8; 16])> {
+        self.0.iter().map(|(queue, at, id)| (queue.clone(), at.into_inner(), *id.as_bytes())).collect()
+    }
+
     /// As flow._claim takes it: queues, due times and ids, one array each.
     fn columns(&self) -> (Vec<String>, Vec<TimestampWithTimeZone>, Vec<pgrx::Uuid>) {
         let mut columns = (Vec::new(), Vec::new(), Vec::new());

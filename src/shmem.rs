@@ -16,6 +16,25 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// How many cancels a worker remembers at once (more concurrent cancels of
 /// runs it holds than this are served when its chunk commits).
 pub const CANCEL_SLOTS: usize = 16;
+/// How many queues of a worker's claim cursor the other workers see, and the
+/// longest queue name shared (a longer one is simply not shared).
+pub const CURSOR_QUEUES: usize = 8;
+const CURSOR_NAME_BYTES: usize = 64;
+
+/// Where a worker's last full claim ended in one queue (see `publish_cursor`).
+#[derive(Copy, Clone)]
+pub struct CursorEnd {
+    queue: [u8; CURSOR_NAME_BYTES],
+    queue_len: usize,
+    due_at: i64,
+    id: [u8; 16],
+}
+
+impl Default for CursorEnd {
+    fn default() -> Self {
+        CursorEnd { queue: [0; CURSOR_NAME_BYTES], queue_len: 0, due_at: 0, id: [0; 16] }
+    }
+}
 
 /// What one worker process is doing, for the `flow.workers` view and wake-ups.
 #[derive(Copy, Clone)]
@@ -39,6 +58,11 @@ pub struct WorkerSlot {
     pub since: i64,
     /// Handlers this process has run since it started.
     pub handled: u64,
+    /// Where its last full claim ended, per queue, until `cursor_until`
+    /// (TimestampTz, µs; see `publish_cursor`).
+    pub cursor: [CursorEnd; CURSOR_QUEUES],
+    pub cursor_len: usize,
+    pub cursor_until: i64,
 }
 
 impl Default for WorkerSlot {
@@ -54,6 +78,9 @@ impl Default for WorkerSlot {
             next_cancel: 0,
             since: 0,
             handled: 0,
+            cursor: [CursorEnd::default(); CURSOR_QUEUES],
+            cursor_len: 0,
+            cursor_until: 0,
         }
     }
 }
@@ -241,6 +268,43 @@ pub fn wake_workers() {
 /// Worker `index` starts (true) or stops (false) waiting on its latch.
 pub fn set_sleeping(index: usize, sleeping: bool) {
     WORKERS.exclusive().slots[index].sleeping = sleeping;
+}
+
+/// Share where worker `index`'s last full claim ended in each queue (queue,
+/// due time, id), good until `until` (TimestampTz, µs); no ends: nothing.
+/// The commands up to there are held by its open chunk, so another worker's
+/// claim that walked them would try and skip a locked row for each (SKIP
+/// LOCKED): with N workers, each claim would walk the batches of the N - 1
+/// others. A claim that takes up from its own cursor starts after theirs
+/// too (`cursors_of_others`). What a skipped stretch leaves behind (a
+/// command handed back, a chunk rolled back) waits for the next claim from
+/// the queues' heads, as what became due behind a worker's own cursor does.
+pub fn publish_cursor(index: usize, ends: &[(String, i64, [u8; 16])], until: i64) {
+    let mut shared = [CursorEnd::default(); CURSOR_QUEUES];
+    let mut len = 0;
+    for (queue, due_at, id) in ends.iter().filter(|(q, _, _)| q.len() <= CURSOR_NAME_BYTES).take(CURSOR_QUEUES) {
+        let end = &mut shared[len];
+        end.queue[..queue.len()].copy_from_slice(queue.as_bytes());
+        (end.queue_len, end.due_at, end.id) = (queue.len(), *due_at, *id);
+        len += 1;
+    }
+    let mut table = WORKERS.exclusive();
+    let slot = &mut table.slots[index];
+    (slot.cursor, slot.cursor_len, slot.cursor_until) = (shared, len, until);
+}
+
+/// The ends the other live workers shared (see `publish_cursor`) that are still good.
+pub fn cursors_of_others(index: usize) -> Vec<(String, i64, [u8; 16])> {
+    let now = unsafe { pg_sys::GetCurrentTimestamp() };
+    let table = WORKERS.share();
+    table
+        .slots
+        .iter()
+        .enumerate()
+        .filter(|(i, s)| *i != index && s.procno >= 0 && s.cursor_until > now)
+        .flat_map(|(_, s)| s.cursor[..s.cursor_len].iter())
+        .filter_map(|e| Some((String::from_utf8(e.queue[..e.queue_len].to_vec()).ok()?, e.due_at, e.id)))
+        .collect()
 }
 
 /// Claim the slot for worker number `index` in this process.

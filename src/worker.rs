@@ -560,7 +560,9 @@ impl Worker {
 
     /// The next claim starts at the queues' heads.
     fn forget_cursor(&self) {
-        self.cursor.take();
+        if self.cursor.take().is_some() {
+            shmem::publish_cursor(self.index, &[], 0);
+        }
     }
 
     fn claim(&self) -> Vec<Claimed> {
@@ -572,7 +574,11 @@ impl Worker {
         let size = self.claim_size().min(self.chunk_window.min(i32::MAX as usize) as i32).max(1);
         let excluded = attempt_record::held_elsewhere(self.index);
         // where the last full claim ended, for at most CURSOR_SPAN
-        let kept = self.cursor.take().filter(|(since, _)| since.elapsed() < CURSOR_SPAN);
+        let mut kept = self.cursor.take().filter(|(since, _)| since.elapsed() < CURSOR_SPAN);
+        if let Some((_, cursor)) = kept.as_mut() {
+            // and after the commands the other workers hold (see shmem::publish_cursor)
+            cursor.take_up(shmem::cursors_of_others(self.index));
+        }
         let (claimed, ended_at) =
             executor::claim(&self.name, self.backend_start, size, turn, excluded, kept.as_ref().map(|(_, at)| at));
         let full = claimed.len() >= size as usize;
@@ -581,6 +587,8 @@ impl Worker {
             shmem::wake_workers();
             // and the next claim takes up from here, while a backlog drains
             let since = kept.map_or_else(Instant::now, |(since, _)| since);
+            let left = CURSOR_SPAN.saturating_sub(since.elapsed()).as_micros() as i64;
+            shmem::publish_cursor(self.index, &ended_at.ends(), unsafe { pg_sys::GetCurrentTimestamp() } + left);
             self.cursor.replace(Some((since, ended_at)));
         }
         self.took_all_due.set(!full);
