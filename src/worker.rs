@@ -558,11 +558,12 @@ impl Worker {
         gucs::poll_interval()
     }
 
-    /// The next claim starts at the queues' heads.
+    /// The next claim starts at the queues' heads, and the other workers'
+    /// claims no longer start after where this one's ended (what goes back
+    /// to its queue may be behind it; see shmem::publish_cursor).
     fn forget_cursor(&self) {
-        if self.cursor.take().is_some() {
-            shmem::publish_cursor(self.index, &[], 0);
-        }
+        self.cursor.take();
+        shmem::publish_cursor(self.index, &[], 0);
     }
 
     fn claim(&self) -> Vec<Claimed> {
