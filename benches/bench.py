@@ -368,13 +368,15 @@ def main():
             g = graphile("latency", r)
             add("graphile pickup p50 (ms)", g["p50_ms"])
             add("graphile pickup p99 (ms)", g["p99_ms"])
-            p50, p99, p999, (commit_ms, worker_ms) = pickup(pg)
+            p50, p99, p999, (commit_ms, worker_ms), worker_pct = pickup(pg)
             add("flow pickup p50 (ms)", p50)
             add("flow pickup p99 (ms)", p99)
             add("flow pickup p99.9 (ms)", p999)
             print(f"    (the slowest pickup: {commit_ms:.1f} ms until the enqueue returned, its commit included;"
                   f" its handler started {worker_ms:+.1f} ms from that return, the worker woken at the commit)",
                   flush=True)
+            print("    (the workers' share, from the enqueue's return to the handler's start, p50/p99/p99.9: "
+                  + " / ".join(f"{v:.2f}" for v in worker_pct) + " ms)", flush=True)
         print("-- once", flush=True)
         add("flow drain, 1,000 pending (jobs/s)", statistics.median(drain(pg, "rust_noop", 1000) for _ in range(3)))
         # the large drain has run at a fifth of the 20,000-pending drains in some full runs and
@@ -453,8 +455,9 @@ def floor(pg, sessions):
 def pickup(pg):
     """Percentiles 50, 99, 99.9 of the time from before an enqueue (its commit
     included, as graphile-worker's pickup includes its add_job's) to the
-    handler's start, in ms; and for the slowest, how it split: until the
-    enqueue returned, and from then to the handler's start."""
+    handler's start, in ms; for the slowest, how it split: until the
+    enqueue returned, and from then to the handler's start; and percentiles
+    50, 99, 99.9 of that second part, the workers' share."""
     time.sleep(1.5)
     returned = {}
     with pg.connect() as c:
@@ -470,10 +473,13 @@ def pickup(pg):
         c.execute("TRUNCATE bench.pickup")
         clear_flow_tables(c)
     ms = [1000 * d for d, _ in rows]
-    pct = lambda p: ms[min(len(ms) - 1, max(0, int(-(-p * len(ms) // 100)) - 1))]   # nearest rank
+    pct = lambda v, p: v[min(len(v) - 1, max(0, int(-(-p * len(v) // 100)) - 1))]   # nearest rank
     slowest, sent = rows[-1]
     commit = returned.get(sent, sent) - sent
-    return pct(50), pct(99), pct(99.9), (1000 * commit, 1000 * (slowest - commit))
+    # the worker's share of each pickup: from the enqueue's return to the handler's start
+    worker = sorted(1000 * (d - (returned.get(t, t) - t)) for d, t in rows)
+    return (pct(ms, 50), pct(ms, 99), pct(ms, 99.9), (1000 * commit, 1000 * (slowest - commit)),
+            (pct(worker, 50), pct(worker, 99), pct(worker, 99.9)))
 
 
 if __name__ == "__main__":
