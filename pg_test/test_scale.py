@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from conftest import fresh_cluster
+from conftest import Cluster, fresh_cluster
 
 BURST = 30_000
 
@@ -170,7 +170,7 @@ def test_a_runs_commands_are_found_by_index_among_many(pg):
     assert pg.one("SELECT count(*) FROM flow._commands WHERE run_id = %s", done) == 0
 
 
-def test_workers_draining_one_queue_claim_after_what_the_others_hold(pg):
+def test_workers_draining_one_queue_claim_after_what_the_others_hold():
     """Commands a worker's chunk holds are locked until it commits, and a
     claim skips locked rows (SKIP LOCKED) only after reading each one: a claim
     that started at the head of its queue would read the batches all the
@@ -178,9 +178,12 @@ def test_workers_draining_one_queue_claim_after_what_the_others_hold(pg):
     with the number of workers (11.5-12.2 with six on a 2-core machine). While
     a backlog drains, the workers share where their claims ended (src/shmem.rs,
     publish_cursor) and each takes up after the others (7.4-8.4 with six).
-    The backlog still drains completely."""
-    cluster = fresh_cluster("flow.workers = 6")
+    The backlog still drains completely. (A cluster of its own, beside the
+    module's: fresh_cluster would replace that one.)"""
+    cluster = Cluster("/tmp/flow-it-six", 5494)
+    cluster.start("flow.workers = 6")
     try:
+        cluster.wait_ready()
         backlog = 60_000
         cluster.one("SELECT flow.define('shared', 'flow.noop'::regproc, queue => 'shared')")
         cluster.one("SELECT flow.set_queue('shared', paused => true)")
