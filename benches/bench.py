@@ -277,11 +277,15 @@ def claim_plan(pg):
         c.execute("""PREPARE heads(text[], timestamptz[], uuid[]) AS
             SELECT q.name FROM flow._queues q LEFT JOIN unnest($1, $2, $3) AS a(queue, at, id) ON a.queue = q.name
             CROSS JOIN LATERAL (
-                SELECT c.next_run_at FROM flow._commands c
-                WHERE c.queue = q.name AND NOT c.external AND c.status IN ('pending', 'waiting')
-                  AND (c.next_run_at, c.id) > (coalesce(a.at, '-infinity'),
-                                               coalesce(a.id, '00000000-0000-0000-0000-000000000000'::uuid))
-                ORDER BY c.next_run_at LIMIT 1) h
+                SELECT min(x.next_run_at) AS next_run_at
+                FROM unnest('{""}'::text[]) AS w(claimant) CROSS JOIN LATERAL (
+                    SELECT c.next_run_at FROM flow._commands c
+                    WHERE c.queue = q.name AND NOT c.external
+                      AND (CASE WHEN c.external THEN c.name ELSE '' END) = w.claimant
+                      AND c.status IN ('pending', 'waiting')
+                      AND (c.next_run_at, c.id) > (coalesce(a.at, '-infinity'),
+                                                   coalesce(a.id, '00000000-0000-0000-0000-000000000000'::uuid))
+                    ORDER BY c.next_run_at LIMIT 1) x) h
             WHERE NOT q.paused AND h.next_run_at <= now()""")
         return [r[0] for r in c.execute("EXPLAIN EXECUTE heads('{}', '{}', '{}')").fetchall()]
 

@@ -49,6 +49,40 @@ def test_claims_read_only_the_head_of_a_large_analyzed_backlog(pg):
     assert read < 3000, f"5 claims of 100 read {read} entries of _commands_due"
 
 
+def test_an_external_claim_reads_only_its_own_definitions_due_commands(pg):
+    """A claim names its definitions: the due commands of other external
+    definitions, in its queue or in another, are not in its way. Counted in
+    index entries read by claims of 100 of one definition while another has
+    a backlog of 20,000 in the same queue and one of 20,000 in another queue
+    (a claim that walked them would read 40,000 entries or more)."""
+    pg.one("SELECT flow.define('lone', NULL, queue => 'shared')")
+    pg.one("SELECT flow.define('crowd', NULL, queue => 'shared')")
+    pg.one("SELECT flow.define('crowd_elsewhere', NULL, queue => 'elsewhere')")
+    for name in ("crowd", "crowd_elsewhere"):
+        for _ in range(20):
+            pg.one(f"SELECT cardinality(flow.enqueue_many('{name}', array_fill('{{}}'::jsonb, array[1000])))")
+    # due before the crowd's, and after: a claim of 'lone' meets the crowd either way
+    pg.one("SELECT cardinality(flow.enqueue_many('lone', array_fill('{}'::jsonb, array[300])))")
+    with pg.connect() as c:
+        def entries_read():
+            c.execute("SELECT pg_stat_force_next_flush()")
+            c.execute("SELECT pg_stat_clear_snapshot()")
+            return c.execute("SELECT idx_tup_read FROM pg_stat_user_indexes"
+                             " WHERE indexrelname = '_commands_due'").fetchone()[0]
+        before = entries_read()
+        for _ in range(3):
+            claimed = c.execute("SELECT name FROM flow.claim(array['lone'], 'test', 100)").fetchall()
+            assert claimed == [("lone",)] * 100
+        assert c.execute("SELECT count(*) FROM flow.claim(array['lone'], 'test', 100)").fetchone()[0] == 0
+        read = entries_read() - before
+    assert read < 2000, f"4 claims of 'lone' read {read} entries of _commands_due"
+    # the crowd is still all there, for claims that name it (both queues at once)
+    with pg.connect() as c:
+        claimed = c.execute("SELECT queue, count(*) FROM flow.claim(array['crowd', 'crowd_elsewhere'], 'test', 1000)"
+                            " GROUP BY queue ORDER BY queue").fetchall()
+    assert claimed == [("elsewhere", 500), ("shared", 500)]
+
+
 def test_plans_cached_on_an_empty_table_stay_index_driven_through_a_burst(pg):
     pg.one("SELECT flow.define('burst', 'flow.noop'::regproc, queue => 'burst')")
     pg.one("SELECT flow.define('probe', 'flow.noop'::regproc, queue => 'probe')")

@@ -52,13 +52,19 @@ DECLARE
     lanes text[];
     limited text[];
     locked text[];
+    -- whose commands the due index is read for: the definitions an external
+    -- claim names (each once), or '' for an in-database worker's claim
+    claimants text[] := CASE WHEN names IS NULL THEN '{""}' ELSE ARRAY(SELECT DISTINCT n FROM unnest(names) AS n) END;
 BEGIN
     -- Which queues offer due work: each unpaused queue's head in the due index
     -- (an ORDER BY ... LIMIT 1 probe of _commands_due per queue: an index
     -- probe whatever the table's size or statistics, never a scan of the
     -- pending commands; see pg_test/test_scale.py).
     -- An external claim only takes part in the limited queues of the
-    -- definitions it names.
+    -- definitions it names, and looks at the heads of those definitions'
+    -- commands only (per definition: the due index is ordered by the name of
+    -- an external command's definition before its due time, see
+    -- sql/schema.sql), so another definition's backlog is never read.
     SELECT array_agg(q.name) FILTER (WHERE q.concurrency IS NULL),
            array_agg(q.name) FILTER (WHERE q.concurrency IS NOT NULL
                                      AND (names IS NULL OR EXISTS (SELECT 1 FROM flow._definitions d
@@ -66,10 +72,14 @@ BEGIN
     INTO lanes, limited
     FROM flow._queues q LEFT JOIN unnest(after_queues, after_at, after_ids) AS a(queue, at, id) ON a.queue = q.name
     CROSS JOIN LATERAL (
-        SELECT c.next_run_at FROM flow._commands c                  -- index _commands_due
-        WHERE c.queue = q.name AND c.external = (names IS NOT NULL) AND c.status IN ('pending', 'waiting')
-          AND (c.next_run_at, c.id) > (coalesce(a.at, '-infinity'), coalesce(a.id, '00000000-0000-0000-0000-000000000000'::uuid))
-        ORDER BY c.next_run_at LIMIT 1) h
+        SELECT min(x.next_run_at) AS next_run_at
+        FROM unnest(claimants) AS w(claimant) CROSS JOIN LATERAL (
+            SELECT c.next_run_at FROM flow._commands c              -- index _commands_due
+            WHERE c.queue = q.name AND c.external = (names IS NOT NULL)
+              AND (CASE WHEN c.external THEN c.name ELSE '' END) = w.claimant
+              AND c.status IN ('pending', 'waiting')
+              AND (c.next_run_at, c.id) > (coalesce(a.at, '-infinity'), coalesce(a.id, '00000000-0000-0000-0000-000000000000'::uuid))
+            ORDER BY c.next_run_at LIMIT 1) x) h
     WHERE NOT q.paused AND h.next_run_at <= now();
     -- Limited queues are locked before their running commands are counted
     -- (by the next statement, with a fresh snapshot), so the counts are exact
@@ -108,8 +118,11 @@ BEGIN
                h.deadline, h.wait_timed_out, h.created_at, h.budget_start, l.ord,
                coalesce(l.unlimited AND h.handler = ANY (fast_handlers), false) AS held,
                h.handler, h.owner, h.takes_context, h.timeout, h.max_elapsed, h.args_type,
-               row_number() OVER (PARTITION BY l.ord ORDER BY h.next_run_at, h.id) AS rank
-        FROM lane l CROSS JOIN LATERAL (
+               row_number() OVER (PARTITION BY l.ord ORDER BY h.next_run_at, h.id) AS rank, l.room
+        -- (an external claim naming several definitions reads and locks up to
+        -- the lane's room of each and keeps the lane's earliest, below: the
+        -- others are left to other claims once its transaction ends)
+        FROM lane l CROSS JOIN unnest(claimants) AS w(claimant) CROSS JOIN LATERAL (
             SELECT c.id, c.run_id, c.key, c.name, c.version, c.queue, c.args, c.status, c.attempts, c.next_run_at,
                    c.deadline, c.wait_timed_out, c.created_at,
                    d.handler::oid AS handler, d.owner::oid AS owner, d.takes_context,
@@ -118,9 +131,9 @@ BEGIN
             FROM flow._commands c                                   -- index _commands_due
             JOIN flow._definitions d ON d.name = c.name AND d.version = c.version
             WHERE c.queue = l.name AND c.external = (names IS NOT NULL)
+              AND (CASE WHEN c.external THEN c.name ELSE '' END) = w.claimant
               AND c.status IN ('pending', 'waiting') AND c.next_run_at <= now()
               AND (c.next_run_at, c.id) > (l.after_at, l.after_id)
-              AND (names IS NULL OR d.name = ANY (names))
               AND (excluded IS NULL OR c.id <> ALL (excluded))
             ORDER BY c.next_run_at, c.id
             LIMIT least(l.room, max_count)
@@ -134,6 +147,7 @@ BEGIN
                                   ((p.ord - turn) % cardinality(lanes) + cardinality(lanes)) % cardinality(lanes))::integer
                    AS claim_order
         FROM candidate p
+        WHERE p.rank <= p.room
         ORDER BY p.rank, ((p.ord - turn) % cardinality(lanes) + cardinality(lanes)) % cardinality(lanes)
         LIMIT max_count
     ), claimed AS (
@@ -232,8 +246,8 @@ BEGIN
     RETURN (SELECT (extract(epoch FROM min(h.next_run_at) - clock_timestamp()) * 1000)::bigint
     FROM flow._queues q CROSS JOIN LATERAL (
         SELECT c.next_run_at FROM flow._commands c                  -- index _commands_due
-        WHERE c.queue = q.name AND NOT c.external AND c.status IN ('pending', 'waiting')
-          AND c.next_run_at < 'infinity'
+        WHERE c.queue = q.name AND NOT c.external AND (CASE WHEN c.external THEN c.name ELSE '' END) = ''
+          AND c.status IN ('pending', 'waiting') AND c.next_run_at < 'infinity'
         ORDER BY c.next_run_at LIMIT 1) h
     WHERE NOT q.paused
       AND (q.concurrency IS NULL

@@ -204,9 +204,14 @@ CREATE TABLE flow._commands (
 -- indexes) inserts one, not two. flow._commands_of finds a run's commands.
 CREATE UNIQUE INDEX _commands_run_key ON flow._commands (run_id, key) WHERE id <> run_id;
 -- The claim path: due commands of one queue in (next_run_at, id) order,
--- those for in-database workers apart from those for external workers, so
--- neither kind's backlog is in the other's way.
-CREATE INDEX _commands_due ON flow._commands (queue, external, next_run_at, id)
+-- those for in-database workers apart from those for external workers, and
+-- external ones apart per definition (external workers claim by definition
+-- name), so no kind's or definition's backlog is in another's way. The
+-- expression is written out the same in each statement that reads the index
+-- in this order (flow._claim, flow._next_due_ms): '' for in-database
+-- workers' commands (a definition's name is never empty).
+CREATE INDEX _commands_due ON flow._commands
+    (queue, external, (CASE WHEN external THEN name ELSE '' END), next_run_at, id)
     WHERE status IN ('pending', 'waiting');
 -- Concurrency accounting and recovery of dead owners.
 -- (lease_expires_at: an external claim finds the expired leases it must
