@@ -77,6 +77,21 @@ def test_completing_a_root_with_no_child_takes_no_run_lock_and_a_cancel_waits_fo
     assert pg.all("SELECT outcome FROM flow.attempts WHERE run_id = %s", run) == [("succeeded",)]
 
 
+def test_a_claim_of_no_command_takes_nothing_from_a_due_backlog(pg):
+    """flow._claim with max_count 0 runs its statements and takes nothing:
+    an idle worker claims so to plan them again after an ANALYZE or a
+    TRUNCATE (executor::warm_plans), while commands may be due."""
+    name = unique("warm")
+    pg.one(f"SELECT flow.define('{name}', NULL)")
+    pg.one(f"SELECT cardinality(flow.enqueue_many('{name}', array_fill('{{}}'::jsonb, array[3])))")
+    pg.all("ANALYZE flow._commands")
+    assert pg.one(f"SELECT count(*) FROM flow._claim('test', NULL, NULL, 0, '1 min', array['{name}'], 0)") == 0
+    assert pg.one(f"SELECT count(*) FROM flow._commands WHERE name = '{name}'"
+                  " AND status = 'pending' AND attempts = 0 AND lease_token IS NULL") == 3
+    with pg.connect() as c:
+        assert len(c.execute(f"SELECT 1 FROM flow.claim(array['{name}'], 'test', 10)").fetchall()) == 3
+
+
 def test_claim_complete_round_trip(pg):
     name = external(pg)
     run = pg.one(f"SELECT flow.enqueue('{name}', '{{\"x\": 1}}')")

@@ -93,7 +93,9 @@ BEGIN
             ORDER BY q.name FOR NO KEY UPDATE SKIP LOCKED) l;
         lanes := coalesce(lanes, '{}') || locked;
     END IF;
-    IF coalesce(cardinality(lanes), 0) = 0 THEN
+    -- (a claim of no command runs the statement below anyway, and takes
+    -- nothing: an idle worker plans it so, see executor::warm_plans)
+    IF coalesce(cardinality(lanes), 0) = 0 AND max_count > 0 THEN
         RETURN;
     END IF;
 

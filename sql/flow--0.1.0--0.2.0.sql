@@ -934,7 +934,9 @@ BEGIN
             ORDER BY q.name FOR NO KEY UPDATE SKIP LOCKED) l;
         lanes := coalesce(lanes, '{}') || locked;
     END IF;
-    IF coalesce(cardinality(lanes), 0) = 0 THEN
+    -- (a claim of no command runs the statement below anyway, and takes
+    -- nothing: an idle worker plans it so, see executor::warm_plans)
+    IF coalesce(cardinality(lanes), 0) = 0 AND max_count > 0 THEN
         RETURN;
     END IF;
 
@@ -2187,7 +2189,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_current_command_wrapper';
 
--- src/executor.rs:214
+-- src/executor.rs:217
 -- flow::executor::_decide
 CREATE OR REPLACE FUNCTION "_decide"(
 	"class" TEXT, /* & str */

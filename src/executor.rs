@@ -112,6 +112,9 @@ thread_local! {
     /// Per (handler, owner): the kept plan of its call, and whether it takes a context.
     static HANDLER_PLANS: RefCell<HashMap<(u32, u32), (OwnedPreparedStatement, bool)>> = RefCell::new(HashMap::new());
     static ENGINE_PLANS: RefCell<HashMap<&'static str, OwnedPreparedStatement>> = RefCell::new(HashMap::new());
+    /// A relation's description changed since the engine's plans were last
+    /// warmed (see `warm_plans`).
+    static PLANS_MAY_BE_STALE: Cell<bool> = const { Cell::new(false) };
     /// Handlers whose last attempt in this worker took under FAST_HANDLER:
     /// their commands are held, not leased (see flow._claim).
     static FAST_HANDLERS: RefCell<HashSet<u32>> = RefCell::new(HashSet::new());
@@ -250,6 +253,45 @@ pub fn forget_plans() {
     ENGINE_PLANS.with(|p| p.borrow_mut().clear());
 }
 
+/// Watch for changes to relations' descriptions (ANALYZE, TRUNCATE, DDL, an
+/// overflowed invalidation queue): each drops the kept plans that read the
+/// relation, to be planned again at their next use. Called once when a worker starts.
+pub fn watch_plans() {
+    unsafe { pg_sys::CacheRegisterRelcacheCallback(Some(relation_changed), pg_sys::Datum::from(0)) };
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn relation_changed(_arg: pg_sys::Datum, _relation: pg_sys::Oid) {
+    PLANS_MAY_BE_STALE.with(|s| s.set(true));
+}
+
+/// Whether a relation changed since the plans were last warmed.
+pub fn plans_may_be_stale() -> bool {
+    PLANS_MAY_BE_STALE.with(|s| s.get())
+}
+
+/// For an idle worker: plan again, now, the statements of the pickup path
+/// (the claim and the settlement) if a relation changed since the last time,
+/// so that the first command enqueued after an ANALYZE or a TRUNCATE does not
+/// wait for them to be planned (one to a few milliseconds). A claim of no
+/// command and a settlement of none run every statement and change nothing.
+/// A handler's own statements are planned again at its next call.
+pub fn warm_plans(owner: &str, backend_start: Option<TimestampWithTimeZone>) {
+    if !PLANS_MAY_BE_STALE.with(|s| s.replace(false)) {
+        return;
+    }
+    claim(owner, backend_start, 0, 0, Vec::new(), None);
+    let none: [DatumWithOid; 6] = [
+        Vec::<pgrx::Uuid>::new().into(),
+        Vec::<pgrx::Uuid>::new().into(),
+        Vec::<Option<Jsonb>>::new().into(),
+        Vec::<Option<TimestampWithTimeZone>>::new().into(),
+        Vec::<Option<i32>>::new().into(),
+        owner.into(),
+    ];
+    settle_batch(&none);
+}
+
 /// Run one of the engine's own statements through a plan kept across calls.
 pub fn engine_query<R>(
     sql: &'static str,
@@ -357,7 +399,6 @@ pub fn claim(
     excluded: Vec<pgrx::Uuid>,
     after: Option<&ClaimCursor>,
 ) -> (Vec<Claimed>, ClaimCursor) {
-    gucs::inject_fault("claim");
     let (after_queues, after_at, after_ids) = after.map(ClaimCursor::columns).unwrap_or_default();
     let fast: Vec<pg_sys::Oid> = FAST_HANDLERS.with(|f| f.borrow().iter().map(|oid| pg_sys::Oid::from(*oid)).collect());
     engine_query(
@@ -605,12 +646,7 @@ impl<'a> Chunk<'a> {
         let args = [ids.into(), tokens.into(), results.into(), starts.into(), held.into(), self.worker.into()];
         let settle = || {
             gucs::inject_fault("settle_success");
-            engine_query(
-                "SELECT flow._settle_batch($1, $2, $3, $4, $5, $6)",
-                &[UUID_ARRAY, UUID_ARRAY, JSONB_ARRAY, TIMESTAMPTZ_ARRAY, INT4_ARRAY, TEXT],
-                &args,
-                |_| (),
-            )
+            settle_batch(&args)
         };
         if self.held {
             // Not in a subtransaction: this transaction locked the rows it
@@ -626,6 +662,16 @@ impl<'a> Chunk<'a> {
             with_settlement_retries(settle)
         }
     }
+}
+
+/// Settle successes: (ids, lease tokens, results, handler starts, held attempts, worker).
+fn settle_batch(args: &[DatumWithOid; 6]) {
+    engine_query(
+        "SELECT flow._settle_batch($1, $2, $3, $4, $5, $6)",
+        &[UUID_ARRAY, UUID_ARRAY, JSONB_ARRAY, TIMESTAMPTZ_ARRAY, INT4_ARRAY, TEXT],
+        args,
+        |_| (),
+    )
 }
 
 /// A settlement that failed on a transient error (deadlock, serialization

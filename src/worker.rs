@@ -99,6 +99,7 @@ pub extern "C-unwind" fn flow_worker_main(arg: pg_sys::Datum) {
     BackgroundWorker::connect_worker_to_spi(Some(&gucs::database_name()), None);
     isolation::pin_worker_session();
     executor::register_hard_stop();
+    executor::watch_plans();
     shmem::register_worker(index);
     attempt_record::open(index);
     unsafe { pg_sys::before_shmem_exit(Some(on_exit), pg_sys::Datum::from(index)) };
@@ -231,7 +232,7 @@ impl Worker {
             Some(true) => return Duration::ZERO,
             Some(false) => {}
         }
-        match transaction(next_due_ms) {
+        let sleep = match transaction(next_due_ms) {
             Some(Some(ms)) if ms > 0 => idle.min(Duration::from_millis(ms as u64)),
             // Due now in a queue with room: it came due after the claim (or the
             // claim was skipped), so claim again, after a breath in case what
@@ -239,8 +240,13 @@ impl Worker {
             Some(Some(_)) if skip_claim => Duration::ZERO,
             Some(Some(_)) => DUE_AGAIN_PAUSE,
             Some(None) => idle,
-            None => self.failed_turn(),
+            None => return self.failed_turn(),
+        };
+        if !sleep.is_zero() && executor::plans_may_be_stale() {
+            // (a failure is logged; the plans are then made at the next claim, as before)
+            let _ = transaction(|| executor::warm_plans(&self.name, self.backend_start));
         }
+        sleep
     }
 
     /// Recovery (every RECOVERY_INTERVAL) and pruning (worker 0) when due.
@@ -580,6 +586,7 @@ impl Worker {
             // and after the commands the other workers hold (see shmem::publish_cursor)
             cursor.take_up(shmem::cursors_of_others(self.index));
         }
+        gucs::inject_fault("claim");
         let (claimed, ended_at) =
             executor::claim(&self.name, self.backend_start, size, turn, excluded, kept.as_ref().map(|(_, at)| at));
         let full = claimed.len() >= size as usize;
