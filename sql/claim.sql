@@ -169,7 +169,7 @@ BEGIN
             lease_interval = CASE WHEN owner_pid IS NULL THEN lease END,
             wait_timed_out = flow._wait_timed_out(c.status, c.wait_timed_out)
         FROM picked p
-        WHERE c.id = p.id AND NOT p.held
+        WHERE c.id = ANY (ARRAY[p.id]) AND NOT p.held   -- (a probe per command: sql/common.sql)
         RETURNING p.*, c.attempts AS attempt, c.lease_token, c.lease_expires_at, c.attempt_deadline,
                   c.attempt_started_at AS started, c.wait_timed_out AS timed_out
     ), handed AS (

@@ -214,7 +214,7 @@ BEGIN
                c.status = 'succeeded' AS succeeded, c.lease_token AS kept_token
         FROM unnest(command_ids, lease_tokens, coalesce(results, array_fill(NULL::jsonb,
                     ARRAY[cardinality(command_ids)]))) AS t(id, token, result)
-        JOIN flow._commands c ON c.id = t.id
+        JOIN flow._commands c ON c.id = ANY (ARRAY[t.id])   -- (a probe per command: sql/common.sql)
     ), settled AS (
         SELECT flow._settle_batch(array_agg(i.id), array_agg(i.token), array_agg(i.result)) AS n
         FROM item i WHERE i.held

@@ -160,6 +160,15 @@ CREATE UNIQUE INDEX _commands_run_key ON flow._commands (run_id, key) WHERE id <
 -- plan looks free: met with a burst of a million, each settlement read every
 -- due command (pg_test/test_scale.py). The claim's own probes keep the
 -- predicates: they are meant to read those indexes, from their heads.
+-- A statement that joins a list of commands (or runs, or their ids) to
+-- _commands, _runs, _attempts or _waits writes the join as
+-- `c.id = ANY (ARRAY[t.id])`, and `IN (subquery)` as `= ANY (ARRAY(subquery))`:
+-- an equality would let the planner scan the whole table, the list inside,
+-- which is what it plans when the table is counted empty (a quiet spell's
+-- VACUUM ANALYZE, then an idle worker plans its statements again, see
+-- executor::warm_plans): met with a burst, that plan reads the table once per
+-- command (each settlement of 500 took 2.3 s). Neither form is an equality,
+-- so the only plan is a probe of the index per listed id.
 
 CREATE OR REPLACE FUNCTION flow._require_name(what text, value text) RETURNS text
 LANGUAGE plpgsql IMMUTABLE SET search_path = pg_catalog, pg_temp AS $$
@@ -1010,7 +1019,7 @@ BEGIN
             lease_interval = CASE WHEN owner_pid IS NULL THEN lease END,
             wait_timed_out = flow._wait_timed_out(c.status, c.wait_timed_out)
         FROM picked p
-        WHERE c.id = p.id AND NOT p.held
+        WHERE c.id = ANY (ARRAY[p.id]) AND NOT p.held   -- (a probe per command: sql/common.sql)
         RETURNING p.*, c.attempts AS attempt, c.lease_token, c.lease_expires_at, c.attempt_deadline,
                   c.attempt_started_at AS started, c.wait_timed_out AS timed_out
     ), handed AS (
@@ -1131,11 +1140,11 @@ CREATE OR REPLACE FUNCTION flow._lock_runs_of(command_ids uuid[], successes bool
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 BEGIN
     PERFORM 1 FROM flow._runs r
-    WHERE r.id IN (SELECT c.run_id FROM flow._commands c
+    WHERE r.id = ANY (ARRAY(SELECT c.run_id FROM flow._commands c
                    WHERE c.id = ANY (command_ids)
                      -- (a root with no child: see flow._run_rows)
                      AND NOT (successes AND c.id = c.run_id
-                              AND NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = c.id)))
+                              AND NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = c.id))))
     ORDER BY r.id FOR UPDATE;
 END $$;
 
@@ -1179,7 +1188,7 @@ BEGIN
             attempts = coalesce((SELECT k.attempt FROM counted k WHERE k.command_id = c.id), c.attempts),
             lease_token = NULL, lease_owner = NULL, lease_pid = NULL, lease_backend_start = NULL,
             lease_expires_at = NULL, lease_interval = NULL, attempt_started_at = NULL, attempt_deadline = NULL
-        WHERE c.id IN (SELECT k.id FROM flow._commands_of(_close_open_commands.run_id) k) AND c.finished_at IS NULL
+        WHERE c.id = ANY (ARRAY(SELECT k.id FROM flow._commands_of(_close_open_commands.run_id) k)) AND c.finished_at IS NULL
     )
     SELECT count(*) INTO interrupted FROM counted;
     PERFORM flow._observe('attempts_cancelled', interrupted);
@@ -1201,11 +1210,11 @@ DECLARE
 BEGIN
     SELECT array_agg(r.id) INTO locked FROM (
         SELECT x.id FROM flow._runs x
-        WHERE x.id IN (SELECT c.run_id FROM flow._commands c WHERE c.id = ANY (command_ids))
+        WHERE x.id = ANY (ARRAY(SELECT c.run_id FROM flow._commands c WHERE c.id = ANY (command_ids)))
         ORDER BY x.id FOR UPDATE SKIP LOCKED) r;
     RETURN QUERY
         SELECT c.id, c.run_id = ANY (coalesce(locked, '{}'))
-        FROM flow._commands c JOIN unnest(command_ids, lease_tokens) AS t(id, token) ON c.id = t.id
+        FROM flow._commands c JOIN unnest(command_ids, lease_tokens) AS t(id, token) ON c.id = ANY (ARRAY[t.id])
         WHERE c.status::text = 'running' AND c.lease_token = t.token;   -- by id (sql/common.sql)
 END $$;
 
@@ -1220,22 +1229,22 @@ DECLARE
     released uuid[];
 BEGIN
     WITH mine AS (
-        SELECT c.id FROM flow._commands c JOIN unnest(command_ids, lease_tokens) AS t(id, token) ON c.id = t.id
+        SELECT c.id FROM flow._commands c JOIN unnest(command_ids, lease_tokens) AS t(id, token) ON c.id = ANY (ARRAY[t.id])
         WHERE c.status::text = 'running' AND c.lease_token = t.token   -- by id (sql/common.sql)
         FOR UPDATE OF c SKIP LOCKED
     ), done AS (
         UPDATE flow._commands c SET status = 'pending', attempts = c.attempts - 1,
             lease_token = NULL, lease_owner = NULL, lease_pid = NULL, lease_backend_start = NULL,
             lease_expires_at = NULL, lease_interval = NULL, attempt_started_at = NULL, attempt_deadline = NULL
-        FROM mine WHERE c.id = mine.id
+        FROM mine WHERE c.id = ANY (ARRAY[mine.id])
         RETURNING c.id
     )
     SELECT coalesce(array_agg(done.id), '{}') INTO released FROM done;
     PERFORM flow._observe('handed_back', cardinality(released));
     PERFORM flow._wake();
     RETURN QUERY
-        SELECT c.id FROM flow._commands c JOIN unnest(command_ids, lease_tokens) AS t(id, token) ON c.id = t.id
-        WHERE c.status = 'running' AND c.lease_token = t.token AND c.id <> ALL (released);
+        SELECT c.id FROM flow._commands c JOIN unnest(command_ids, lease_tokens) AS t(id, token) ON c.id = ANY (ARRAY[t.id])
+        WHERE c.status::text = 'running' AND c.lease_token = t.token AND c.id <> ALL (released);
 END $$;
 
 -- Settle successful attempts in three set-based statements: a worker chunk's,
@@ -1279,7 +1288,7 @@ BEGIN
             lease_pid = NULL, lease_backend_start = NULL, lease_expires_at = NULL, lease_interval = NULL,
             attempt_deadline = NULL
         FROM item t
-        WHERE c.id = t.id AND t.held IS NULL AND c.status::text = 'running' AND c.lease_token = t.token
+        WHERE c.id = ANY (ARRAY[t.id]) AND t.held IS NULL AND c.status::text = 'running' AND c.lease_token = t.token
         RETURNING c.id, c.run_id, c.result, c.parent_id
     ), held_done AS (
         -- held (locked by this transaction's claim): the command must not have
@@ -1290,7 +1299,7 @@ BEGIN
             budget_started_at = flow._budget_start(c.status, c.attempts, c.next_run_at, c.budget_started_at),
             wait_timed_out = flow._wait_timed_out(c.status, c.wait_timed_out)
         FROM item t
-        WHERE c.id = t.id AND t.held IS NOT NULL AND c.status::text IN ('pending', 'waiting')
+        WHERE c.id = ANY (ARRAY[t.id]) AND t.held IS NOT NULL AND c.status::text IN ('pending', 'waiting')
           AND c.attempts = t.held - 1
         RETURNING c.id, c.run_id, c.result, c.parent_id
     ), done AS (
@@ -1319,7 +1328,7 @@ BEGIN
     IF old_root_runs IS NOT NULL THEN
         UPDATE flow._runs r SET status = 'succeeded', finished_at = clock_timestamp(), result = t.result
         FROM unnest(old_root_runs, old_root_results) AS t(id, result)
-        WHERE r.id = t.id AND r.status = 'running';
+        WHERE r.id = ANY (ARRAY[t.id]) AND r.status = 'running';
         GET DIAGNOSTICS more = ROW_COUNT;
         finished := finished + more;
     END IF;
@@ -1525,7 +1534,7 @@ BEGIN
         -- (each run's commands by a subquery on its id, not a lateral join:
         -- see flow._commands_of)
         DELETE FROM flow._commands c
-        WHERE c.id IN (SELECT unnest(ARRAY(SELECT k.id FROM flow._commands_of(gone.id) k)) FROM gone)
+        WHERE c.id = ANY (ARRAY(SELECT unnest(ARRAY(SELECT k.id FROM flow._commands_of(gone.id) k)) FROM gone))
         RETURNING c.id,
                   -- (a success at its first attempt, settled by 0.2.0 on, has no
                   -- row in _attempts: see sql/schema.sql; 0.1.0 left the command
@@ -1534,9 +1543,9 @@ BEGIN
                   c.id <> c.run_id AS may_wait   -- (a run's root waits for nothing)
     ), attempts AS (
         -- (the common run, one command that succeeded at once, probes neither)
-        DELETE FROM flow._attempts a USING commands WHERE commands.attempted_before AND a.command_id = commands.id
+        DELETE FROM flow._attempts a USING commands WHERE commands.attempted_before AND a.command_id = ANY (ARRAY[commands.id])
     ), waits AS (
-        DELETE FROM flow._waits w USING commands WHERE commands.may_wait AND w.command_id = commands.id
+        DELETE FROM flow._waits w USING commands WHERE commands.may_wait AND w.command_id = ANY (ARRAY[commands.id])
     )
     SELECT count(*) INTO pruned FROM gone;
 END $$;
@@ -1578,7 +1587,7 @@ LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off 
 BEGIN
     PERFORM 1 FROM flow._runs x WHERE x.id = run_id FOR UPDATE;
     PERFORM 1 FROM flow._commands c
-    WHERE c.id IN (SELECT k.id FROM flow._commands_of(_lock_run_and_commands.run_id) k WHERE k.finished_at IS NULL)
+    WHERE c.id = ANY (ARRAY(SELECT k.id FROM flow._commands_of(_lock_run_and_commands.run_id) k WHERE k.finished_at IS NULL))
     ORDER BY c.id FOR UPDATE OF c;
 END $$;
 
@@ -2134,7 +2143,7 @@ BEGIN
                c.status = 'succeeded' AS succeeded, c.lease_token AS kept_token
         FROM unnest(command_ids, lease_tokens, coalesce(results, array_fill(NULL::jsonb,
                     ARRAY[cardinality(command_ids)]))) AS t(id, token, result)
-        JOIN flow._commands c ON c.id = t.id
+        JOIN flow._commands c ON c.id = ANY (ARRAY[t.id])   -- (a probe per command: sql/common.sql)
     ), settled AS (
         SELECT flow._settle_batch(array_agg(i.id), array_agg(i.token), array_agg(i.result)) AS n
         FROM item i WHERE i.held

@@ -33,7 +33,7 @@ BEGIN
         -- (each run's commands by a subquery on its id, not a lateral join:
         -- see flow._commands_of)
         DELETE FROM flow._commands c
-        WHERE c.id IN (SELECT unnest(ARRAY(SELECT k.id FROM flow._commands_of(gone.id) k)) FROM gone)
+        WHERE c.id = ANY (ARRAY(SELECT unnest(ARRAY(SELECT k.id FROM flow._commands_of(gone.id) k)) FROM gone))
         RETURNING c.id,
                   -- (a success at its first attempt, settled by 0.2.0 on, has no
                   -- row in _attempts: see sql/schema.sql; 0.1.0 left the command
@@ -42,9 +42,9 @@ BEGIN
                   c.id <> c.run_id AS may_wait   -- (a run's root waits for nothing)
     ), attempts AS (
         -- (the common run, one command that succeeded at once, probes neither)
-        DELETE FROM flow._attempts a USING commands WHERE commands.attempted_before AND a.command_id = commands.id
+        DELETE FROM flow._attempts a USING commands WHERE commands.attempted_before AND a.command_id = ANY (ARRAY[commands.id])
     ), waits AS (
-        DELETE FROM flow._waits w USING commands WHERE commands.may_wait AND w.command_id = commands.id
+        DELETE FROM flow._waits w USING commands WHERE commands.may_wait AND w.command_id = ANY (ARRAY[commands.id])
     )
     SELECT count(*) INTO pruned FROM gone;
 END $$;

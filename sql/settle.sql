@@ -27,11 +27,11 @@ CREATE FUNCTION flow._lock_runs_of(command_ids uuid[], successes boolean DEFAULT
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 BEGIN
     PERFORM 1 FROM flow._runs r
-    WHERE r.id IN (SELECT c.run_id FROM flow._commands c
+    WHERE r.id = ANY (ARRAY(SELECT c.run_id FROM flow._commands c
                    WHERE c.id = ANY (command_ids)
                      -- (a root with no child: see flow._run_rows)
                      AND NOT (successes AND c.id = c.run_id
-                              AND NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = c.id)))
+                              AND NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = c.id))))
     ORDER BY r.id FOR UPDATE;
 END $$;
 
@@ -75,7 +75,7 @@ BEGIN
             attempts = coalesce((SELECT k.attempt FROM counted k WHERE k.command_id = c.id), c.attempts),
             lease_token = NULL, lease_owner = NULL, lease_pid = NULL, lease_backend_start = NULL,
             lease_expires_at = NULL, lease_interval = NULL, attempt_started_at = NULL, attempt_deadline = NULL
-        WHERE c.id IN (SELECT k.id FROM flow._commands_of(_close_open_commands.run_id) k) AND c.finished_at IS NULL
+        WHERE c.id = ANY (ARRAY(SELECT k.id FROM flow._commands_of(_close_open_commands.run_id) k)) AND c.finished_at IS NULL
     )
     SELECT count(*) INTO interrupted FROM counted;
     PERFORM flow._observe('attempts_cancelled', interrupted);
@@ -97,11 +97,11 @@ DECLARE
 BEGIN
     SELECT array_agg(r.id) INTO locked FROM (
         SELECT x.id FROM flow._runs x
-        WHERE x.id IN (SELECT c.run_id FROM flow._commands c WHERE c.id = ANY (command_ids))
+        WHERE x.id = ANY (ARRAY(SELECT c.run_id FROM flow._commands c WHERE c.id = ANY (command_ids)))
         ORDER BY x.id FOR UPDATE SKIP LOCKED) r;
     RETURN QUERY
         SELECT c.id, c.run_id = ANY (coalesce(locked, '{}'))
-        FROM flow._commands c JOIN unnest(command_ids, lease_tokens) AS t(id, token) ON c.id = t.id
+        FROM flow._commands c JOIN unnest(command_ids, lease_tokens) AS t(id, token) ON c.id = ANY (ARRAY[t.id])
         WHERE c.status::text = 'running' AND c.lease_token = t.token;   -- by id (sql/common.sql)
 END $$;
 
@@ -116,22 +116,22 @@ DECLARE
     released uuid[];
 BEGIN
     WITH mine AS (
-        SELECT c.id FROM flow._commands c JOIN unnest(command_ids, lease_tokens) AS t(id, token) ON c.id = t.id
+        SELECT c.id FROM flow._commands c JOIN unnest(command_ids, lease_tokens) AS t(id, token) ON c.id = ANY (ARRAY[t.id])
         WHERE c.status::text = 'running' AND c.lease_token = t.token   -- by id (sql/common.sql)
         FOR UPDATE OF c SKIP LOCKED
     ), done AS (
         UPDATE flow._commands c SET status = 'pending', attempts = c.attempts - 1,
             lease_token = NULL, lease_owner = NULL, lease_pid = NULL, lease_backend_start = NULL,
             lease_expires_at = NULL, lease_interval = NULL, attempt_started_at = NULL, attempt_deadline = NULL
-        FROM mine WHERE c.id = mine.id
+        FROM mine WHERE c.id = ANY (ARRAY[mine.id])
         RETURNING c.id
     )
     SELECT coalesce(array_agg(done.id), '{}') INTO released FROM done;
     PERFORM flow._observe('handed_back', cardinality(released));
     PERFORM flow._wake();
     RETURN QUERY
-        SELECT c.id FROM flow._commands c JOIN unnest(command_ids, lease_tokens) AS t(id, token) ON c.id = t.id
-        WHERE c.status = 'running' AND c.lease_token = t.token AND c.id <> ALL (released);
+        SELECT c.id FROM flow._commands c JOIN unnest(command_ids, lease_tokens) AS t(id, token) ON c.id = ANY (ARRAY[t.id])
+        WHERE c.status::text = 'running' AND c.lease_token = t.token AND c.id <> ALL (released);
 END $$;
 
 -- Settle successful attempts in three set-based statements: a worker chunk's,
@@ -175,7 +175,7 @@ BEGIN
             lease_pid = NULL, lease_backend_start = NULL, lease_expires_at = NULL, lease_interval = NULL,
             attempt_deadline = NULL
         FROM item t
-        WHERE c.id = t.id AND t.held IS NULL AND c.status::text = 'running' AND c.lease_token = t.token
+        WHERE c.id = ANY (ARRAY[t.id]) AND t.held IS NULL AND c.status::text = 'running' AND c.lease_token = t.token
         RETURNING c.id, c.run_id, c.result, c.parent_id
     ), held_done AS (
         -- held (locked by this transaction's claim): the command must not have
@@ -186,7 +186,7 @@ BEGIN
             budget_started_at = flow._budget_start(c.status, c.attempts, c.next_run_at, c.budget_started_at),
             wait_timed_out = flow._wait_timed_out(c.status, c.wait_timed_out)
         FROM item t
-        WHERE c.id = t.id AND t.held IS NOT NULL AND c.status::text IN ('pending', 'waiting')
+        WHERE c.id = ANY (ARRAY[t.id]) AND t.held IS NOT NULL AND c.status::text IN ('pending', 'waiting')
           AND c.attempts = t.held - 1
         RETURNING c.id, c.run_id, c.result, c.parent_id
     ), done AS (
@@ -215,7 +215,7 @@ BEGIN
     IF old_root_runs IS NOT NULL THEN
         UPDATE flow._runs r SET status = 'succeeded', finished_at = clock_timestamp(), result = t.result
         FROM unnest(old_root_runs, old_root_results) AS t(id, result)
-        WHERE r.id = t.id AND r.status = 'running';
+        WHERE r.id = ANY (ARRAY[t.id]) AND r.status = 'running';
         GET DIAGNOSTICS more = ROW_COUNT;
         finished := finished + more;
     END IF;

@@ -10,7 +10,7 @@ LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off 
 BEGIN
     PERFORM 1 FROM flow._runs x WHERE x.id = run_id FOR UPDATE;
     PERFORM 1 FROM flow._commands c
-    WHERE c.id IN (SELECT k.id FROM flow._commands_of(_lock_run_and_commands.run_id) k WHERE k.finished_at IS NULL)
+    WHERE c.id = ANY (ARRAY(SELECT k.id FROM flow._commands_of(_lock_run_and_commands.run_id) k WHERE k.finished_at IS NULL))
     ORDER BY c.id FOR UPDATE OF c;
 END $$;
 
