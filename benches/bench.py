@@ -273,7 +273,10 @@ def claim_plan(pg):
     """The generic plan (as a worker caches it) of the claim's queue-head probe
     (the statement of flow._claim in sql/claim.sql, as an in-database worker runs it)."""
     with pg.connect() as c:
+        # (the settings flow._claim runs with: sql/common.sql)
         c.execute("SET plan_cache_mode = force_generic_plan")
+        for setting in ("enable_seqscan", "enable_bitmapscan", "enable_hashjoin", "enable_mergejoin", "jit"):
+            c.execute(f"SET {setting} = off")
         c.execute("""PREPARE heads(text[], timestamptz[], uuid[]) AS
             SELECT q.name FROM flow._queues q LEFT JOIN unnest($1, $2, $3) AS a(queue, at, id) ON a.queue = q.name
             CROSS JOIN LATERAL (
