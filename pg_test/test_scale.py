@@ -22,6 +22,20 @@ def seq_scans(pg):
     return pg.one("SELECT seq_scan FROM pg_stat_user_tables WHERE relid = 'flow._commands'::regclass")
 
 
+def entries_read(cluster, *tables):
+    """Index entries of these tables (default: _runs and _commands) read so far."""
+    cluster.all("SELECT pg_stat_force_next_flush()")
+    return cluster.one("SELECT sum(idx_tup_read) FROM pg_stat_user_indexes WHERE relid = ANY (%s::regclass[])",
+                       list(tables or ("flow._runs", "flow._commands")))
+
+
+def due_entries_read(c):
+    """Entries of _commands_due read so far, as the statistics have them now."""
+    c.execute("SELECT pg_stat_force_next_flush()")
+    c.execute("SELECT pg_stat_clear_snapshot()")
+    return c.execute("SELECT idx_tup_read FROM pg_stat_user_indexes WHERE indexrelname = '_commands_due'").fetchone()[0]
+
+
 def test_claims_read_only_the_head_of_a_large_analyzed_backlog(pg):
     """(First in this module: the backlog is the whole table.) With the
     statistics of a large backlog, the generic plan of a claim (its
@@ -35,16 +49,11 @@ def test_claims_read_only_the_head_of_a_large_analyzed_backlog(pg):
         pg.one("SELECT cardinality(flow.enqueue_many('far', array_fill('{}'::jsonb, array[1000])))")
     pg.all("ANALYZE flow._commands")
     with pg.connect() as c:
-        def entries_read():
-            c.execute("SELECT pg_stat_force_next_flush()")
-            c.execute("SELECT pg_stat_clear_snapshot()")
-            return c.execute("SELECT idx_tup_read FROM pg_stat_user_indexes"
-                             " WHERE indexrelname = '_commands_due'").fetchone()[0]
-        before = entries_read()
+        before = due_entries_read(c)
         for _ in range(5):
             claimed = c.execute("SELECT command_id FROM flow.claim(array['far'], 'test', 100)").fetchall()
             assert len(claimed) == 100
-        read = entries_read() - before
+        read = due_entries_read(c) - before
     # the head: each claim's 100, and the entries of those claimed before it
     assert read < 3000, f"5 claims of 100 read {read} entries of _commands_due"
 
@@ -64,17 +73,12 @@ def test_an_external_claim_reads_only_its_own_definitions_due_commands(pg):
     # due before the crowd's, and after: a claim of 'lone' meets the crowd either way
     pg.one("SELECT cardinality(flow.enqueue_many('lone', array_fill('{}'::jsonb, array[300])))")
     with pg.connect() as c:
-        def entries_read():
-            c.execute("SELECT pg_stat_force_next_flush()")
-            c.execute("SELECT pg_stat_clear_snapshot()")
-            return c.execute("SELECT idx_tup_read FROM pg_stat_user_indexes"
-                             " WHERE indexrelname = '_commands_due'").fetchone()[0]
-        before = entries_read()
+        before = due_entries_read(c)
         for _ in range(3):
             claimed = c.execute("SELECT name FROM flow.claim(array['lone'], 'test', 100)").fetchall()
             assert claimed == [("lone",)] * 100
         assert c.execute("SELECT count(*) FROM flow.claim(array['lone'], 'test', 100)").fetchone()[0] == 0
-        read = entries_read() - before
+        read = due_entries_read(c) - before
     assert read < 2000, f"4 claims of 'lone' read {read} entries of _commands_due"
     # the crowd is still all there, for claims that name it (both queues at once)
     with pg.connect() as c:
@@ -132,18 +136,13 @@ def test_settlements_planned_when_nothing_ran_stay_driven_by_their_commands_thro
     for _ in range(wave // 1000):
         pg.one("SELECT cardinality(flow.enqueue_many('wave', array_fill('{}'::jsonb, array[1000])))")
 
-    def entries_read():
-        pg.all("SELECT pg_stat_force_next_flush()")
-        return pg.one("SELECT sum(idx_tup_read) FROM pg_stat_user_indexes"
-                      " WHERE relid IN ('flow._runs'::regclass, 'flow._commands'::regclass)")
-
-    before = entries_read()
+    before = entries_read(pg)
     pg.one("SELECT flow.set_queue('wave', paused => false)")
     # (polled by a scan of the commands: flow.runs reads an index entry per
     # run at each poll, which this test would count)
     pg.wait_for("SELECT count(*) = 0 FROM flow._commands WHERE name = 'wave' AND finished_at IS NULL", timeout=300)
     time.sleep(2.5)   # the workers report their table statistics at most once a second
-    read = entries_read() - before
+    read = entries_read(pg) - before
     # each run: its claim, its settlement, a few lookups; a scan per chunk would be tens of millions
     assert read < 10 * wave, f"draining {wave} runs read {read:,} index entries of _runs and _commands"
 
@@ -224,17 +223,13 @@ def test_workers_draining_one_queue_claim_after_what_the_others_hold():
         for _ in range(backlog // 1000):
             cluster.one("SELECT cardinality(flow.enqueue_many('shared', array_fill('{}'::jsonb, array[1000])))")
 
-        def entries_read():
-            cluster.all("SELECT pg_stat_force_next_flush()")
-            return cluster.one("SELECT sum(idx_tup_read) FROM pg_stat_user_indexes WHERE relid = 'flow._commands'::regclass")
-
         time.sleep(1.5)   # what the workers read while idle is reported first
-        before = entries_read()
+        before = entries_read(cluster, "flow._commands")
         cluster.one("SELECT flow.set_queue('shared', paused => false)")
         cluster.wait_for("SELECT count(*) = 0 FROM flow._commands WHERE name = 'shared' AND finished_at IS NULL",
                          timeout=300)
         time.sleep(2.5)   # the workers report their table statistics at most once a second
-        per_run = (entries_read() - before) / backlog
+        per_run = (entries_read(cluster, "flow._commands") - before) / backlog
         assert cluster.one("SELECT count(*) FROM flow._commands WHERE name = 'shared' AND status = 'succeeded'") == backlog
         assert per_run < 10, f"{per_run:.2f} index entries of _commands read per run drained by six workers"
     finally:
@@ -275,13 +270,8 @@ def test_plans_made_while_the_tables_are_counted_empty_stay_driven_by_their_comm
             for _ in range(burst // 1000):
                 cluster.one(f"SELECT cardinality(flow.enqueue_many('{name}', array_fill('{{}}'::jsonb, array[1000])))")
 
-        def entries_read():
-            cluster.all("SELECT pg_stat_force_next_flush()")
-            return cluster.one("SELECT sum(idx_tup_read) FROM pg_stat_user_indexes"
-                               " WHERE relid IN ('flow._runs'::regclass, 'flow._commands'::regclass)")
-
         time.sleep(1.5)   # what the workers read while idle is reported first
-        before = entries_read()
+        before = entries_read(cluster)
         cluster.one("SELECT flow.set_queue('quiet', paused => false)")
         with cluster.connect() as c:
             completed = 0
@@ -294,7 +284,7 @@ def test_plans_made_while_the_tables_are_counted_empty_stay_driven_by_their_comm
         assert completed == burst
         cluster.wait_for("SELECT count(*) = 0 FROM flow._commands WHERE finished_at IS NULL", timeout=300)
         time.sleep(2.5)   # the workers report their table statistics at most once a second
-        per_run = (entries_read() - before) / (3 * burst)
+        per_run = (entries_read(cluster) - before) / (3 * burst)
         assert cluster.one("SELECT count(*) FROM flow._commands WHERE status = 'succeeded'") == 3 * burst
         assert per_run < 20, f"{per_run:.2f} index entries of _runs and _commands read per run"
     finally:
