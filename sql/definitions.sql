@@ -6,7 +6,7 @@
 CREATE FUNCTION flow._require_span(what text, value interval, zero_ok boolean DEFAULT false,
     code text DEFAULT 'FL005')
 RETURNS interval
-LANGUAGE plpgsql IMMUTABLE SET search_path = pg_catalog, pg_temp AS $$
+LANGUAGE plpgsql IMMUTABLE AS $$
 BEGIN
     IF value < interval '0' OR (value = interval '0' AND NOT zero_ok) OR value > interval '100 years' THEN
         RAISE EXCEPTION 'flow: % must be %positive and at most 100 years, got %',
@@ -151,13 +151,13 @@ EXCEPTION WHEN data_exception OR integrity_constraint_violation OR check_violati
     RETURN SQLERRM;
 END $$;
 
-CREATE FUNCTION flow._require_args_fit(d flow._definitions, args jsonb) RETURNS void
-LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
+CREATE FUNCTION flow._require_args_fit(name text, owner oid, args_type regtype, args jsonb) RETURNS void
+LANGUAGE plpgsql STABLE AS $$
 DECLARE
-    misfit text := CASE WHEN d.args_type IS NOT NULL THEN flow._args_misfit_as(d.owner, d.args_type, args::text) END;
+    misfit text := CASE WHEN args_type IS NOT NULL THEN flow._args_misfit_as(owner, args_type, args::text) END;
 BEGIN
     IF misfit IS NOT NULL THEN
-        RAISE EXCEPTION 'flow: args do not fit % of definition %: %', d.args_type, d.name, misfit
+        RAISE EXCEPTION 'flow: args do not fit % of definition %: %', args_type, name, misfit
             USING ERRCODE = 'FL019';
     END IF;
 END $$;

@@ -50,6 +50,14 @@ DROP FUNCTION flow.fail(text);
 DROP FUNCTION flow._decide(text, text, text, bigint);
 DROP FUNCTION flow._begin_batch(uuid[], uuid[]);
 DROP FUNCTION flow._prune(interval, integer);
+-- Enqueue resolves and checks in one function (flow._plan_enqueue, which
+-- returns scalars), and its helpers take scalars, not a flow._definitions row.
+DROP FUNCTION flow._plan_enqueue(oid, text, integer, text, interval, timestamptz, interval);
+DROP FUNCTION flow._definition(text, integer);
+DROP FUNCTION flow._require_use(oid, flow._definitions);
+DROP FUNCTION flow._first_due(interval, timestamptz);
+DROP FUNCTION flow._deadline(interval);
+DROP FUNCTION flow._insert_roots(flow._definitions, text, timestamptz, timestamptz, uuid[], jsonb[]);
 -- Claims keep their interleaving; external leases remember their length.
 ALTER TYPE flow.claimed_command ADD ATTRIBUTE claim_order integer;
 ALTER TABLE flow._commands ADD COLUMN lease_interval interval;
@@ -141,6 +149,15 @@ CREATE UNIQUE INDEX _commands_run_key ON flow._commands (run_id, key) WHERE id <
 -- src/api.rs): inside a SECURITY DEFINER function current_user is the owner,
 -- so this is the one way to know the real caller.
 --
+-- Every function a role can call pins its search_path (SET search_path =
+-- pg_catalog, pg_temp). Enqueue's internal functions (sql/enqueue.sql) and
+-- the argument checks (_require_name, _require_short, _require_payload,
+-- _require_span, _require_args_fit) do not set it again: they are called
+-- only from functions that pinned it, and inherit it. A SET
+-- clause makes each call switch the path in and out (and every plan inside
+-- revalidate against it), a few microseconds a call: a single flow.enqueue
+-- spent a third of its time so.
+--
 -- Plans are pinned by construction: a worker keeps its plans for its
 -- lifetime, often from when _commands was empty, so the functions of the
 -- claim, settle and recovery paths run with `enable_seqscan = off` and query
@@ -171,7 +188,7 @@ CREATE UNIQUE INDEX _commands_run_key ON flow._commands (run_id, key) WHERE id <
 -- so the only plan is a probe of the index per listed id.
 
 CREATE OR REPLACE FUNCTION flow._require_name(what text, value text) RETURNS text
-LANGUAGE plpgsql IMMUTABLE SET search_path = pg_catalog, pg_temp AS $$
+LANGUAGE plpgsql IMMUTABLE AS $$
 BEGIN
     IF value IS NULL OR btrim(value) = '' THEN
         RAISE EXCEPTION 'flow: % must not be NULL or empty', what USING ERRCODE = 'FL002';
@@ -181,7 +198,7 @@ END $$;
 
 -- Names and keys are indexed: at most 1 KiB of UTF-8 each (two fit in one index entry).
 CREATE OR REPLACE FUNCTION flow._require_short(what text, value text) RETURNS text
-LANGUAGE plpgsql IMMUTABLE SET search_path = pg_catalog, pg_temp AS $$
+LANGUAGE plpgsql IMMUTABLE AS $$
 BEGIN
     IF octet_length(value) > 1024 THEN
         RAISE EXCEPTION 'flow: % is % bytes, over 1024', what, octet_length(value) USING ERRCODE = 'FL002';
@@ -192,7 +209,7 @@ END $$;
 -- args and payloads: a JSON object within flow.max_result_bytes.
 CREATE OR REPLACE FUNCTION flow._require_payload(what text, value jsonb, must_be_object boolean DEFAULT true)
 RETURNS jsonb
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+LANGUAGE plpgsql AS $$
 DECLARE
     size integer;
 BEGIN
@@ -291,7 +308,7 @@ FROM flow._runs r LEFT JOIN LATERAL (
 CREATE OR REPLACE FUNCTION flow._require_span(what text, value interval, zero_ok boolean DEFAULT false,
     code text DEFAULT 'FL005')
 RETURNS interval
-LANGUAGE plpgsql IMMUTABLE SET search_path = pg_catalog, pg_temp AS $$
+LANGUAGE plpgsql IMMUTABLE AS $$
 BEGIN
     IF value < interval '0' OR (value = interval '0' AND NOT zero_ok) OR value > interval '100 years' THEN
         RAISE EXCEPTION 'flow: % must be %positive and at most 100 years, got %',
@@ -436,13 +453,13 @@ EXCEPTION WHEN data_exception OR integrity_constraint_violation OR check_violati
     RETURN SQLERRM;
 END $$;
 
-CREATE OR REPLACE FUNCTION flow._require_args_fit(d flow._definitions, args jsonb) RETURNS void
-LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
+CREATE OR REPLACE FUNCTION flow._require_args_fit(name text, owner oid, args_type regtype, args jsonb) RETURNS void
+LANGUAGE plpgsql STABLE AS $$
 DECLARE
-    misfit text := CASE WHEN d.args_type IS NOT NULL THEN flow._args_misfit_as(d.owner, d.args_type, args::text) END;
+    misfit text := CASE WHEN args_type IS NOT NULL THEN flow._args_misfit_as(owner, args_type, args::text) END;
 BEGIN
     IF misfit IS NOT NULL THEN
-        RAISE EXCEPTION 'flow: args do not fit % of definition %: %', d.args_type, d.name, misfit
+        RAISE EXCEPTION 'flow: args do not fit % of definition %: %', args_type, name, misfit
             USING ERRCODE = 'FL019';
     END IF;
 END $$;
@@ -674,15 +691,25 @@ $$;
 
 -- Enqueue: starting runs (one, or many in one statement).
 
--- Resolve a definition: newest version unless one is named.
-CREATE OR REPLACE FUNCTION flow._definition(name text, version integer) RETURNS flow._definitions
-LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
+-- What enqueue, enqueue_many and spawn share: resolve the definition (its
+-- newest version unless one is named), check that the caller may start it,
+-- the schedule and the queue. The checks are inline, and the definition
+-- comes back as scalars: each nested PL/pgSQL call, and a composite passed
+-- or returned above all, costs microseconds, and a single flow.enqueue was
+-- half such calls.
+CREATE OR REPLACE FUNCTION flow._plan_enqueue(caller oid, name text, version integer, queue text, start_after interval,
+    run_at timestamptz, deadline interval,
+    OUT def_version integer, OUT def_owner oid, OUT def_external boolean, OUT def_args_type regtype,
+    OUT lane text, OUT due timestamptz, OUT ends timestamptz)
+LANGUAGE plpgsql AS $$
 DECLARE
-    d flow._definitions;
+    home text;   -- the definition's own queue
 BEGIN
     PERFORM flow._require_name('name', name);
-    SELECT * INTO d FROM flow._definitions x
-    WHERE x.name = _definition.name AND (_definition.version IS NULL OR x.version = _definition.version)
+    SELECT x.version, x.owner, x.handler IS NULL, x.args_type, x.queue
+    INTO def_version, def_owner, def_external, def_args_type, home
+    FROM flow._definitions x
+    WHERE x.name = _plan_enqueue.name AND (_plan_enqueue.version IS NULL OR x.version = _plan_enqueue.version)
     ORDER BY x.version DESC LIMIT 1;
     IF NOT FOUND THEN
         IF version IS NULL THEN
@@ -690,76 +717,51 @@ BEGIN
         END IF;
         RAISE EXCEPTION 'flow: definition % has no version %', name, version USING ERRCODE = 'FL001';
     END IF;
-    RETURN d;
-END $$;
-
--- Who may start commands of a definition: its owner's members, and the
--- roles its owner opened it to (flow.grant_definition). To anyone else it does
--- not exist: the same FL001 as an unknown name, so names cannot be probed.
-CREATE OR REPLACE FUNCTION flow._require_use(caller oid, d flow._definitions) RETURNS void
-LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
-BEGIN
-    IF NOT (pg_has_role(caller, d.owner, 'MEMBER')
+    -- Who may start commands of a definition: its owner's members, and the
+    -- roles its owner opened it to (flow.grant_definition). To anyone else it
+    -- does not exist: the same FL001 as an unknown name, so names cannot be probed.
+    IF NOT (pg_has_role(caller, def_owner, 'MEMBER')
             OR EXISTS (SELECT 1 FROM flow._definition_names n
-                       WHERE n.name = d.name AND flow._among(caller, n.starters))) THEN
-        RAISE EXCEPTION 'flow: no definition named %', d.name USING ERRCODE = 'FL001';
+                       WHERE n.name = _plan_enqueue.name AND flow._among(caller, n.starters))) THEN
+        RAISE EXCEPTION 'flow: no definition named %', name USING ERRCODE = 'FL001';
     END IF;
-END $$;
-
--- When a new command is first due, from start_after or run_at.
-CREATE OR REPLACE FUNCTION flow._first_due(start_after interval, run_at timestamptz) RETURNS timestamptz
-LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
-BEGIN
-    IF start_after IS NOT NULL AND run_at IS NOT NULL THEN
-        RAISE EXCEPTION 'flow: give start_after or run_at, not both' USING ERRCODE = 'FL006';
+    -- When the new command is first due: from start_after or run_at, not both.
+    IF start_after IS NOT NULL THEN
+        IF run_at IS NOT NULL THEN
+            RAISE EXCEPTION 'flow: give start_after or run_at, not both' USING ERRCODE = 'FL006';
+        END IF;
+        PERFORM flow._require_span('start_after', start_after, zero_ok => true);
     END IF;
-    PERFORM flow._require_span('start_after', start_after, zero_ok => true);
     IF NOT isfinite(run_at) OR run_at > now() + interval '100 years' THEN
         RAISE EXCEPTION 'flow: run_at must be a finite time within 100 years, got %', run_at USING ERRCODE = 'FL005';
     END IF;
-    RETURN greatest(now(), coalesce(run_at, now() + coalesce(start_after, interval '0')));
-END $$;
-
-CREATE OR REPLACE FUNCTION flow._deadline(deadline interval) RETURNS timestamptz
-LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
-BEGIN
-    IF deadline <= interval '0' THEN
-        RAISE EXCEPTION 'flow: deadline % is already past', deadline USING ERRCODE = 'FL007';
+    due := greatest(now(), coalesce(run_at, now() + coalesce(start_after, interval '0')));
+    IF deadline IS NOT NULL THEN
+        IF deadline <= interval '0' THEN
+            RAISE EXCEPTION 'flow: deadline % is already past', deadline USING ERRCODE = 'FL007';
+        END IF;
+        PERFORM flow._require_span('deadline', deadline);
+        ends := now() + deadline;
     END IF;
-    PERFORM flow._require_span('deadline', deadline);
-    RETURN now() + deadline;
-END $$;
-
--- What enqueue and enqueue_many share: resolve and check the definition, the
--- queue and the schedule.
-CREATE OR REPLACE FUNCTION flow._plan_enqueue(caller oid, name text, version integer, queue text, start_after interval,
-    run_at timestamptz, deadline interval,
-    OUT d flow._definitions, OUT lane text, OUT due timestamptz, OUT ends timestamptz)
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
-BEGIN
-    d := flow._definition(name, version);
-    PERFORM flow._require_use(caller, d);
-    due := flow._first_due(start_after, run_at);
-    ends := flow._deadline(deadline);
     -- the definition's own queue was its owner's choice; another one must be the caller's to use
-    lane := CASE WHEN queue IS NULL THEN d.queue ELSE flow._use_queue(caller, queue) END;
-    IF ends IS NOT NULL AND ends <= due THEN
+    lane := CASE WHEN queue IS NULL THEN home ELSE flow._use_queue(caller, queue) END;
+    IF ends <= due THEN
         RAISE EXCEPTION 'flow: deadline % passes before the run is due at %', ends, due USING ERRCODE = 'FL007';
     END IF;
 END $$;
 
 -- The root commands of new runs (run_ids[i] gets args[i]), and the wake-up.
-CREATE OR REPLACE FUNCTION flow._insert_roots(d flow._definitions, lane text, due timestamptz, ends timestamptz,
-    run_ids uuid[], args jsonb[])
+CREATE OR REPLACE FUNCTION flow._insert_roots(name text, version integer, external boolean, lane text, due timestamptz,
+    ends timestamptz, run_ids uuid[], args jsonb[])
 RETURNS void
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+LANGUAGE plpgsql AS $$
 BEGIN
     INSERT INTO flow._commands (id, run_id, key, name, version, queue, args, declaration, status,
         next_run_at, not_before, budget_started_at, deadline, external)
     -- (a root is never spawned again, so it has no declaration to match:
     -- its args are not stored twice; its id is its run's, see _commands_run_key)
-    SELECT t.run_id, t.run_id, 'root', d.name, d.version, lane, t.args, '{}',
-        'pending', due, due, due, ends, d.handler IS NULL
+    SELECT t.run_id, t.run_id, 'root', _insert_roots.name, _insert_roots.version, lane, t.args, '{}',
+        'pending', due, due, due, ends, _insert_roots.external
     FROM unnest(run_ids, args) AS t(run_id, args);
     PERFORM flow._wake();
 END $$;
@@ -767,7 +769,7 @@ END $$;
 CREATE OR REPLACE FUNCTION flow._enqueue(caller oid, name text, args jsonb, key text, version integer, queue text,
     start_after interval, run_at timestamptz, deadline interval)
 RETURNS uuid
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+LANGUAGE plpgsql AS $$
 #variable_conflict use_column
 -- (the ON CONFLICT below names columns key and owner, which cannot be qualified)
 DECLARE
@@ -776,7 +778,7 @@ DECLARE
     existing flow._runs;
 BEGIN
     PERFORM flow._require_payload('args', args);
-    PERFORM flow._require_args_fit(p.d, args);
+    PERFORM flow._require_args_fit(name, p.def_owner, p.def_args_type, args);
     PERFORM flow._require_short('key', key);
     IF key IS NOT NULL AND btrim(key) = '' THEN
         RAISE EXCEPTION 'flow: key must not be empty (NULL for none)' USING ERRCODE = 'FL002';
@@ -784,11 +786,11 @@ BEGIN
     -- The run key makes enqueue idempotent: a concurrent insert of the same key
     -- waits for the first to commit, then finds its row.
     INSERT INTO flow._runs (id, key, owner, name, version, queue, args, deadline)
-    VALUES (run_id, key, caller, (p.d).name, (p.d).version, p.lane, args, p.ends)
+    VALUES (run_id, key, caller, _enqueue.name, p.def_version, p.lane, args, p.ends)
     ON CONFLICT (owner, key) WHERE key IS NOT NULL DO NOTHING;      -- index _runs_owner_key
     IF NOT FOUND THEN
         SELECT * INTO existing FROM flow._runs r WHERE r.owner = caller AND r.key = _enqueue.key;
-        IF existing.name IS DISTINCT FROM (p.d).name OR existing.version IS DISTINCT FROM (p.d).version
+        IF existing.name IS DISTINCT FROM _enqueue.name OR existing.version IS DISTINCT FROM p.def_version
            OR existing.args IS DISTINCT FROM args OR existing.queue IS DISTINCT FROM p.lane THEN
             RAISE EXCEPTION 'flow: run key % was already used for another declaration', key
                 USING ERRCODE = 'FL010',
@@ -797,7 +799,8 @@ BEGIN
         END IF;
         RETURN existing.id;
     END IF;
-    PERFORM flow._insert_roots(p.d, p.lane, p.due, p.ends, ARRAY[run_id], ARRAY[args]);
+    PERFORM flow._insert_roots(name, p.def_version, p.def_external, p.lane, p.due, p.ends,
+                               ARRAY[run_id], ARRAY[args]);
     RETURN run_id;
 END $$;
 
@@ -805,7 +808,7 @@ END $$;
 CREATE OR REPLACE FUNCTION flow._enqueue_many(caller oid, name text, args_array jsonb[], version integer, queue text,
     start_after interval, run_at timestamptz, deadline interval)
 RETURNS uuid[]
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+LANGUAGE plpgsql AS $$
 DECLARE
     p record := flow._plan_enqueue(caller, name, version, queue, start_after, run_at, deadline);
     limit_bytes integer := flow._max_payload_bytes();
@@ -825,22 +828,23 @@ BEGIN
         RAISE EXCEPTION 'flow: args_array[%] is over flow.max_result_bytes (% bytes)', bad.i, limit_bytes
             USING ERRCODE = 'FL004';
     END IF;
-    IF (p.d).args_type IS NOT NULL THEN
+    IF p.def_args_type IS NOT NULL THEN
         SELECT t.i, t.why INTO bad FROM (
-            SELECT i, flow._args_misfit_as((p.d).owner, (p.d).args_type, a::text) AS why
+            SELECT i, flow._args_misfit_as(p.def_owner, p.def_args_type, a::text) AS why
             FROM unnest(args_array) WITH ORDINALITY AS u(a, i)) t
         WHERE t.why IS NOT NULL
         LIMIT 1;
         IF FOUND THEN
-            RAISE EXCEPTION 'flow: args_array[%] does not fit %: %', bad.i, (p.d).args_type, bad.why
+            RAISE EXCEPTION 'flow: args_array[%] does not fit %: %', bad.i, p.def_args_type, bad.why
                 USING ERRCODE = 'FL019';
         END IF;
     END IF;
     SELECT coalesce(array_agg(flow._new_id()), '{}') INTO ids FROM unnest(args_array);
     INSERT INTO flow._runs (id, owner, name, version, queue, args, deadline)
-    SELECT t.id, caller, (p.d).name, (p.d).version, p.lane, t.args, p.ends
+    SELECT t.id, caller, _enqueue_many.name, p.def_version, p.lane, t.args, p.ends
     FROM unnest(ids, args_array) AS t(id, args);
-    PERFORM flow._insert_roots(p.d, p.lane, p.due, p.ends, ids, args_array);
+    PERFORM flow._insert_roots(name, p.def_version, p.def_external, p.lane, p.due, p.ends,
+                               ids, args_array);
     RETURN ids;
 END $$;
 
@@ -1768,9 +1772,7 @@ LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 -- has no column of that name in scope)
 DECLARE
     parent flow._commands;
-    d flow._definitions;
-    due timestamptz;
-    lane text;
+    p record;   -- flow._plan_enqueue's
     spec flow.wait_spec;
     declared jsonb;
     child uuid := flow._new_id();
@@ -1783,10 +1785,7 @@ BEGIN
             HINT = 'Use flow.enqueue to start a new run.';
     END IF;
     waits := coalesce(waits, '{}');
-    due := flow._first_due(start_after, NULL);
-    d := flow._definition(name, version);
-    PERFORM flow._require_use(caller, d);
-    lane := CASE WHEN queue IS NULL THEN d.queue ELSE flow._use_queue(caller, queue) END;
+    p := flow._plan_enqueue(caller, name, version, queue, start_after, NULL, NULL);
     PERFORM flow._require_name('key', key);
     IF key = 'root' THEN
         -- (the root's key, though not in _commands_run_key: spawning it is
@@ -1794,7 +1793,7 @@ BEGIN
         RAISE EXCEPTION 'flow: child key root is the run''s root command' USING ERRCODE = 'FL016';
     END IF;
     PERFORM flow._require_payload('args', args);
-    PERFORM flow._require_args_fit(d, args);
+    PERFORM flow._require_args_fit(_spawn.name, p.def_owner, p.def_args_type, args);
     PERFORM flow._require_span('within', within);
     FOREACH spec IN ARRAY coalesce(waits, '{}') LOOP
         PERFORM flow._require_name('wait name', spec.name);
@@ -1803,19 +1802,19 @@ BEGIN
         END IF;
         PERFORM flow._require_short('wait key', spec.key);
     END LOOP;
-    declared := jsonb_build_object('name', d.name, 'version', d.version, 'args', args, 'queue', lane,
+    declared := jsonb_build_object('name', _spawn.name, 'version', p.def_version, 'args', args, 'queue', p.lane,
         'start_after', start_after, 'within', within,
         'waits', (SELECT coalesce(jsonb_agg(DISTINCT jsonb_build_object('name', w.name, 'key', w.key)), '[]')
                   FROM unnest(waits) w));
     INSERT INTO flow._commands (id, run_id, parent_id, key, name, version, queue, args, declaration, status,
         next_run_at, not_before, budget_started_at, deadline, external)
-    VALUES (child, parent.run_id, parent.id, key, d.name, d.version, lane, args, declared,
+    VALUES (child, parent.run_id, parent.id, key, _spawn.name, p.def_version, p.lane, args, declared,
         CASE WHEN cardinality(waits) > 0 THEN 'waiting' ELSE 'pending' END::flow.command_status,
         -- a wait ends at `within`, and at the run's deadline at the latest
-        CASE WHEN cardinality(waits) = 0 THEN due
-             ELSE least(CASE WHEN within IS NULL THEN 'infinity' ELSE greatest(now() + within, due) END,
+        CASE WHEN cardinality(waits) = 0 THEN p.due
+             ELSE least(CASE WHEN within IS NULL THEN 'infinity' ELSE greatest(now() + within, p.due) END,
                         coalesce(parent.deadline, 'infinity')) END,
-        due, due, parent.deadline, d.handler IS NULL)
+        p.due, p.due, parent.deadline, p.def_external)
     ON CONFLICT (run_id, key) WHERE id <> run_id DO NOTHING;          -- index _commands_run_key
     IF NOT FOUND THEN
         -- Keys are unique within a run: the same declaration again is a no-op

@@ -191,9 +191,7 @@ LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 -- has no column of that name in scope)
 DECLARE
     parent flow._commands;
-    d flow._definitions;
-    due timestamptz;
-    lane text;
+    p record;   -- flow._plan_enqueue's
     spec flow.wait_spec;
     declared jsonb;
     child uuid := flow._new_id();
@@ -206,10 +204,7 @@ BEGIN
             HINT = 'Use flow.enqueue to start a new run.';
     END IF;
     waits := coalesce(waits, '{}');
-    due := flow._first_due(start_after, NULL);
-    d := flow._definition(name, version);
-    PERFORM flow._require_use(caller, d);
-    lane := CASE WHEN queue IS NULL THEN d.queue ELSE flow._use_queue(caller, queue) END;
+    p := flow._plan_enqueue(caller, name, version, queue, start_after, NULL, NULL);
     PERFORM flow._require_name('key', key);
     IF key = 'root' THEN
         -- (the root's key, though not in _commands_run_key: spawning it is
@@ -217,7 +212,7 @@ BEGIN
         RAISE EXCEPTION 'flow: child key root is the run''s root command' USING ERRCODE = 'FL016';
     END IF;
     PERFORM flow._require_payload('args', args);
-    PERFORM flow._require_args_fit(d, args);
+    PERFORM flow._require_args_fit(_spawn.name, p.def_owner, p.def_args_type, args);
     PERFORM flow._require_span('within', within);
     FOREACH spec IN ARRAY coalesce(waits, '{}') LOOP
         PERFORM flow._require_name('wait name', spec.name);
@@ -226,19 +221,19 @@ BEGIN
         END IF;
         PERFORM flow._require_short('wait key', spec.key);
     END LOOP;
-    declared := jsonb_build_object('name', d.name, 'version', d.version, 'args', args, 'queue', lane,
+    declared := jsonb_build_object('name', _spawn.name, 'version', p.def_version, 'args', args, 'queue', p.lane,
         'start_after', start_after, 'within', within,
         'waits', (SELECT coalesce(jsonb_agg(DISTINCT jsonb_build_object('name', w.name, 'key', w.key)), '[]')
                   FROM unnest(waits) w));
     INSERT INTO flow._commands (id, run_id, parent_id, key, name, version, queue, args, declaration, status,
         next_run_at, not_before, budget_started_at, deadline, external)
-    VALUES (child, parent.run_id, parent.id, key, d.name, d.version, lane, args, declared,
+    VALUES (child, parent.run_id, parent.id, key, _spawn.name, p.def_version, p.lane, args, declared,
         CASE WHEN cardinality(waits) > 0 THEN 'waiting' ELSE 'pending' END::flow.command_status,
         -- a wait ends at `within`, and at the run's deadline at the latest
-        CASE WHEN cardinality(waits) = 0 THEN due
-             ELSE least(CASE WHEN within IS NULL THEN 'infinity' ELSE greatest(now() + within, due) END,
+        CASE WHEN cardinality(waits) = 0 THEN p.due
+             ELSE least(CASE WHEN within IS NULL THEN 'infinity' ELSE greatest(now() + within, p.due) END,
                         coalesce(parent.deadline, 'infinity')) END,
-        due, due, parent.deadline, d.handler IS NULL)
+        p.due, p.due, parent.deadline, p.def_external)
     ON CONFLICT (run_id, key) WHERE id <> run_id DO NOTHING;          -- index _commands_run_key
     IF NOT FOUND THEN
         -- Keys are unique within a run: the same declaration again is a no-op

@@ -46,6 +46,14 @@ DROP FUNCTION flow.fail(text);
 DROP FUNCTION flow._decide(text, text, text, bigint);
 DROP FUNCTION flow._begin_batch(uuid[], uuid[]);
 DROP FUNCTION flow._prune(interval, integer);
+-- Enqueue resolves and checks in one function (flow._plan_enqueue, which
+-- returns scalars), and its helpers take scalars, not a flow._definitions row.
+DROP FUNCTION flow._plan_enqueue(oid, text, integer, text, interval, timestamptz, interval);
+DROP FUNCTION flow._definition(text, integer);
+DROP FUNCTION flow._require_use(oid, flow._definitions);
+DROP FUNCTION flow._first_due(interval, timestamptz);
+DROP FUNCTION flow._deadline(interval);
+DROP FUNCTION flow._insert_roots(flow._definitions, text, timestamptz, timestamptz, uuid[], jsonb[]);
 -- Claims keep their interleaving; external leases remember their length.
 ALTER TYPE flow.claimed_command ADD ATTRIBUTE claim_order integer;
 ALTER TABLE flow._commands ADD COLUMN lease_interval interval;
