@@ -711,6 +711,34 @@ def test_a_run_of_one_command_ends_with_it(app):
     assert app.one("SELECT count(*) FROM flow._runs WHERE id = %s", run) == 0
 
 
+def test_a_command_row_that_breaks_an_invariant_is_refused(app):
+    """The invariants of a command row (state, lease, attempt, outcome) are one
+    CHECK constraint calling flow._command_row_is_consistent (src/invariants.rs):
+    a row that breaks any of them is refused with check_violation, and a row
+    in each state the engine writes is accepted."""
+    queue = unique("q")
+    app.one("SELECT flow.set_queue(%s, paused => true)", queue)
+    run = enqueue(app, define(app, "app.hello", queue=f"'{queue}'"))
+    lease = "lease_token = gen_random_uuid(), lease_expires_at = now(), attempt_started_at = now()"
+    breaks = ["attempts = -1", f"status = 'running', {lease}", "finished_at = now()", "stop_reason = 'tired'",
+              "lease_token = gen_random_uuid()", "lease_expires_at = now()", "attempt_started_at = now()",
+              "lease_pid = 1", "result = '{}'", "status = 'failed'",
+              f"status = 'failed', finished_at = now(), attempts = 1, {lease}",
+              "status = 'succeeded', finished_at = now(), lease_expires_at = now()"]
+    for change in breaks:
+        assert app.sqlstate(f"UPDATE flow._commands SET {change} WHERE id = %s", run) == "23514", change
+    kept = [f"status = 'running', attempts = 1, lease_pid = 1, {lease}",
+            "status = 'succeeded', attempts = 1, finished_at = now(), result = '{}', lease_token = gen_random_uuid(),"
+            " attempt_started_at = now()",
+            "status = 'failed', attempts = 1, finished_at = now(), stop_reason = 'attempt_limit'",
+            "status = 'waiting'"]
+    for change in kept:
+        with app.connect(autocommit=False) as c:
+            assert c.execute(f"UPDATE flow._commands SET {change} WHERE id = %s", (run,)).rowcount == 1, change
+            c.rollback()
+    assert app.one("SELECT status FROM flow._commands WHERE id = %s", run) == "pending"
+
+
 def test_workers_wait_calmly_without_the_extension(app):
     app.all("DROP EXTENSION flow CASCADE")
     time.sleep(2.5)

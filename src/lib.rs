@@ -2,7 +2,7 @@
 //!
 //! Layout: `gucs` (settings), `shmem` (worker table, counters, wake-ups),
 //! `api` (internal SQL functions the public SQL API in `sql/` stands on),
-//! `handlers` (built-in Rust handlers), `isolation` (what keeps a handler to
+//! `handlers` (built-in Rust handlers), `invariants` (a command row's CHECK), `isolation` (what keeps a handler to
 //! its owner's rights), `roles` (ownership and the role commands), `hooks`
 //! (the utility hook), `executor` (run and settle one claimed command), `worker` (the background worker loop).
 
@@ -14,6 +14,7 @@ mod executor;
 mod gucs;
 mod handlers;
 mod hooks;
+mod invariants;
 mod isolation;
 mod payload;
 mod roles;

@@ -89,14 +89,21 @@ ALTER TABLE flow._attempts DROP CONSTRAINT _attempts_command_id_fkey;
 ALTER TABLE flow._waits DROP CONSTRAINT _waits_command_id_fkey;
 -- Commands say whether external workers run them; the claim index keeps the
 -- two kinds apart (see sql/schema.sql).
--- A succeeded command keeps its successful attempt on its row (see
--- sql/schema.sql, _attempts): the two checks that only a running command has
--- a lease token and an attempt start are widened, under their old names.
-ALTER TABLE flow._commands DROP CONSTRAINT _commands_check, DROP CONSTRAINT _commands_check2,
-    ADD CONSTRAINT _commands_check CHECK (CASE status WHEN 'running' THEN lease_token IS NOT NULL
-                                                      WHEN 'succeeded' THEN true ELSE lease_token IS NULL END),
-    ADD CONSTRAINT _commands_check2 CHECK (CASE status WHEN 'running' THEN attempt_started_at IS NOT NULL
-                                                       WHEN 'succeeded' THEN true ELSE attempt_started_at IS NULL END);
+-- A command row's invariants are one CHECK calling a C function (see
+-- sql/schema.sql and src/invariants.rs), not nine SQL ones; with them, a
+-- succeeded command may keep its successful attempt on its row (see
+-- sql/schema.sql, _attempts).
+CREATE FUNCTION flow._command_row_is_consistent(status text, attempts integer, stop_reason text,
+    finished boolean, lease_token boolean, lease_expires boolean, attempt_started boolean, lease_pid boolean,
+    result boolean)
+RETURNS boolean LANGUAGE c IMMUTABLE PARALLEL SAFE AS 'MODULE_PATHNAME', '_command_row_is_consistent_wrapper';
+ALTER TABLE flow._commands DROP CONSTRAINT _commands_attempts_check, DROP CONSTRAINT _commands_stop_reason_check,
+    DROP CONSTRAINT _commands_check, DROP CONSTRAINT _commands_check1, DROP CONSTRAINT _commands_check2,
+    DROP CONSTRAINT _commands_check3, DROP CONSTRAINT _commands_check4, DROP CONSTRAINT _commands_check5,
+    DROP CONSTRAINT _commands_check6,
+    ADD CONSTRAINT _commands_state CHECK (flow._command_row_is_consistent(status::text, attempts, stop_reason,
+        finished_at IS NOT NULL, lease_token IS NOT NULL, lease_expires_at IS NOT NULL,
+        attempt_started_at IS NOT NULL, lease_pid IS NOT NULL, result IS NOT NULL));
 ALTER TABLE flow._commands ADD COLUMN external boolean NOT NULL DEFAULT false;
 UPDATE flow._commands c SET external = true
 FROM flow._definitions d WHERE d.name = c.name AND d.version = c.version AND d.handler IS NULL;
