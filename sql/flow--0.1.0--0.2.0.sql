@@ -2364,6 +2364,9 @@ AS 'MODULE_PATHNAME', 'run_sql_wrapper';
 -- search_path and ends in `caller_ticket bigint DEFAULT flow._ticket()`: the
 -- default is evaluated in the caller's security context, before the switch to
 -- the definer, so flow._redeem() learns the real calling role. Never pass it.
+-- They are PL/pgSQL, however short: PostgreSQL parses and plans the body of an
+-- SQL function at every call from a client (and, inside a handler, in every
+-- subtransaction), where PL/pgSQL plans each statement once per session.
 
 -- ---------------------------------------------------------------- definitions and queues
 
@@ -2375,53 +2378,60 @@ CREATE OR REPLACE FUNCTION flow.define(name text, handler regprocedure, version 
     backoff_max interval DEFAULT '1 hour', max_elapsed interval DEFAULT NULL, timeout interval DEFAULT NULL,
     args_type regtype DEFAULT NULL, caller_ticket bigint DEFAULT flow._ticket())
 RETURNS void
-LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
-    SELECT flow._define(flow._redeem(caller_ticket), name, handler, version, queue, max_attempts, backoff,
-                        backoff_max, max_elapsed, timeout, args_type)
-$$;
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    PERFORM flow._define(flow._redeem(caller_ticket), name, handler, version, queue, max_attempts, backoff,
+                         backoff_max, max_elapsed, timeout, args_type);
+END $$;
 
 -- Set a queue's concurrency limit (NULL: none) and paused flag (NULL: unchanged).
 CREATE OR REPLACE FUNCTION flow.set_queue(name text, concurrency integer DEFAULT NULL, paused boolean DEFAULT NULL,
     caller_ticket bigint DEFAULT flow._ticket())
 RETURNS void
-LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
-    SELECT flow._set_queue(flow._redeem(caller_ticket), name, concurrency, paused)
-$$;
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    PERFORM flow._set_queue(flow._redeem(caller_ticket), name, concurrency, paused);
+END $$;
 
 -- Drop a queue you manage that no definition and no unfinished command uses
 -- (2BP01 otherwise); false if there is no such queue.
 CREATE OR REPLACE FUNCTION flow.drop_queue(name text, caller_ticket bigint DEFAULT flow._ticket())
 RETURNS boolean
-LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
-    SELECT flow._drop_queue(flow._redeem(caller_ticket), name)
-$$;
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    RETURN flow._drop_queue(flow._redeem(caller_ticket), name);
+END $$;
 
 -- Let `role` ('PUBLIC' for everyone) start commands of a definition you own,
 -- every version of it; by default only the owner's role and its members can.
 CREATE OR REPLACE FUNCTION flow.grant_definition(name text, role text, caller_ticket bigint DEFAULT flow._ticket())
 RETURNS void
-LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
-    SELECT flow._grant_definition(flow._redeem(caller_ticket), name, role, true)
-$$;
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    PERFORM flow._grant_definition(flow._redeem(caller_ticket), name, role, true);
+END $$;
 
 CREATE OR REPLACE FUNCTION flow.revoke_definition(name text, role text, caller_ticket bigint DEFAULT flow._ticket())
 RETURNS void
-LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
-    SELECT flow._grant_definition(flow._redeem(caller_ticket), name, role, false)
-$$;
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    PERFORM flow._grant_definition(flow._redeem(caller_ticket), name, role, false);
+END $$;
 
 -- Let `role` ('PUBLIC' for everyone) define on, and enqueue into, a queue you own.
 CREATE OR REPLACE FUNCTION flow.grant_queue(name text, role text, caller_ticket bigint DEFAULT flow._ticket())
 RETURNS void
-LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
-    SELECT flow._grant_queue(flow._redeem(caller_ticket), name, role, true)
-$$;
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    PERFORM flow._grant_queue(flow._redeem(caller_ticket), name, role, true);
+END $$;
 
 CREATE OR REPLACE FUNCTION flow.revoke_queue(name text, role text, caller_ticket bigint DEFAULT flow._ticket())
 RETURNS void
-LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
-    SELECT flow._grant_queue(flow._redeem(caller_ticket), name, role, false)
-$$;
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    PERFORM flow._grant_queue(flow._redeem(caller_ticket), name, role, false);
+END $$;
 
 -- ---------------------------------------------------------------- starting runs
 
@@ -2431,37 +2441,41 @@ CREATE OR REPLACE FUNCTION flow.enqueue(name text, args jsonb DEFAULT '{}', key 
     run_at timestamptz DEFAULT NULL, deadline interval DEFAULT NULL,
     caller_ticket bigint DEFAULT flow._ticket())
 RETURNS uuid
-LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
-    SELECT flow._enqueue(flow._redeem(caller_ticket), name, args, key, version, queue, start_after,
-                         run_at, deadline)
-$$;
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    RETURN flow._enqueue(flow._redeem(caller_ticket), name, args, key, version, queue, start_after,
+                         run_at, deadline);
+END $$;
 
 -- Start one run per element of args_array in one statement; returns their ids in order.
 CREATE OR REPLACE FUNCTION flow.enqueue_many(name text, args_array jsonb[], version integer DEFAULT NULL,
     queue text DEFAULT NULL, start_after interval DEFAULT NULL, run_at timestamptz DEFAULT NULL,
     deadline interval DEFAULT NULL, caller_ticket bigint DEFAULT flow._ticket())
 RETURNS uuid[]
-LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
-    SELECT flow._enqueue_many(flow._redeem(caller_ticket), name, args_array, version, queue, start_after,
-                              run_at, deadline)
-$$;
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    RETURN flow._enqueue_many(flow._redeem(caller_ticket), name, args_array, version, queue, start_after,
+                              run_at, deadline);
+END $$;
 
 -- ---------------------------------------------------------------- run control
 
 -- Cancel every unfinished command of a run; true if the run was still running.
 CREATE OR REPLACE FUNCTION flow.cancel(run_id uuid, caller_ticket bigint DEFAULT flow._ticket())
 RETURNS boolean
-LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
-    SELECT flow._cancel(flow._redeem(caller_ticket), run_id)
-$$;
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    RETURN flow._cancel(flow._redeem(caller_ticket), run_id);
+END $$;
 
 -- Wait until a run is terminal (or the timeout passes) and return its outcome.
 CREATE OR REPLACE FUNCTION flow.await(run_id uuid, timeout interval DEFAULT '30 seconds',
     caller_ticket bigint DEFAULT flow._ticket())
 RETURNS flow.run_outcome
-LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
-    SELECT flow._await(flow._redeem(caller_ticket), run_id, timeout)
-$$;
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    RETURN flow._await(flow._redeem(caller_ticket), run_id, timeout);
+END $$;
 
 -- ---------------------------------------------------------------- events and children
 
@@ -2469,9 +2483,10 @@ $$;
 CREATE OR REPLACE FUNCTION flow.emit(name text, key text, payload jsonb DEFAULT '{}',
     caller_ticket bigint DEFAULT flow._ticket())
 RETURNS bigint
-LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
-    SELECT flow._emit(flow._redeem(caller_ticket), flow._current_command(), name, key, payload)
-$$;
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    RETURN flow._emit(flow._redeem(caller_ticket), flow._current_command(), name, key, payload);
+END $$;
 
 -- A wait on the event (name, key), for flow.spawn(waits => ...).
 CREATE OR REPLACE FUNCTION flow.wait(name text, key text) RETURNS flow.wait_spec
@@ -2484,17 +2499,19 @@ CREATE OR REPLACE FUNCTION flow.spawn(name text, args jsonb DEFAULT '{}', key te
     start_after interval DEFAULT NULL, waits flow.wait_spec[] DEFAULT '{}', within interval DEFAULT NULL,
     version integer DEFAULT NULL, queue text DEFAULT NULL, caller_ticket bigint DEFAULT flow._ticket())
 RETURNS uuid
-LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
-    SELECT flow._spawn(flow._redeem(caller_ticket), flow._current_command(), name, args, key, start_after, waits,
-                       within, version, queue)
-$$;
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    RETURN flow._spawn(flow._redeem(caller_ticket), flow._current_command(), name, args, key, start_after, waits,
+                       within, version, queue);
+END $$;
 
 -- The run's commands, parent links, waits and events as text to render: 'dot' or 'mermaid'.
 CREATE OR REPLACE FUNCTION flow.run_graph(run_id uuid, format text DEFAULT 'dot', caller_ticket bigint DEFAULT flow._ticket())
 RETURNS text
-LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
-    SELECT flow._run_graph(flow._redeem(caller_ticket), run_id, format)
-$$;
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    RETURN flow._run_graph(flow._redeem(caller_ticket), run_id, format);
+END $$;
 
 -- ---------------------------------------------------------------- decisions inside a handler
 
@@ -2563,45 +2580,50 @@ END $$;
 CREATE OR REPLACE FUNCTION flow.heartbeat(command_id uuid, lease_token uuid, extend interval DEFAULT NULL,
     caller_ticket bigint DEFAULT flow._ticket())
 RETURNS TABLE (lease_expires_at timestamptz, cancelled boolean)
-LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
-    SELECT * FROM flow._heartbeat(flow._redeem(caller_ticket), command_id, lease_token, extend)
-$$;
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    RETURN QUERY SELECT * FROM flow._heartbeat(flow._redeem(caller_ticket), command_id, lease_token, extend);
+END $$;
 
 -- What became of an attempt: 'held', 'expired', or 'concluded' with its
 -- outcome (for a worker that lost a reply and must know whether it still owns it).
 CREATE OR REPLACE FUNCTION flow.resolve(command_id uuid, lease_token uuid, caller_ticket bigint DEFAULT flow._ticket())
 RETURNS TABLE (state text, outcome text, lease_expires_at timestamptz)
-LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
-    SELECT * FROM flow._resolve(flow._redeem(caller_ticket), command_id, lease_token)
-$$;
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    RETURN QUERY SELECT * FROM flow._resolve(flow._redeem(caller_ticket), command_id, lease_token);
+END $$;
 
 -- Settle success, with events [{name, key, payload}] and children
 -- [{name, args, key, start_after, waits: [{name, key}], within, version, queue}].
 CREATE OR REPLACE FUNCTION flow.complete(command_id uuid, lease_token uuid, result jsonb DEFAULT NULL,
     events jsonb DEFAULT NULL, children jsonb DEFAULT NULL, caller_ticket bigint DEFAULT flow._ticket())
 RETURNS text
-LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
-    SELECT flow._complete(flow._redeem(caller_ticket), command_id, lease_token, result, events, children)
-$$;
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    RETURN flow._complete(flow._redeem(caller_ticket), command_id, lease_token, result, events, children);
+END $$;
 
 -- Settle many successes (results only) in one call: one status per command,
 -- 'succeeded', 'lease_lost' (nothing changed for it) or 'already_completed'.
 CREATE OR REPLACE FUNCTION flow.complete_many(command_ids uuid[], lease_tokens uuid[], results jsonb[] DEFAULT NULL,
     caller_ticket bigint DEFAULT flow._ticket())
 RETURNS TABLE (command_id uuid, status text)
-LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
-    SELECT * FROM flow._complete_many(flow._redeem(caller_ticket), command_ids, lease_tokens, results)
-$$;
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    RETURN QUERY SELECT * FROM flow._complete_many(flow._redeem(caller_ticket), command_ids, lease_tokens, results);
+END $$;
 
 -- Settle failure: retried per the definition's policy, after retry_after when
 -- given, or never when permanent. Returns 'retry' or 'failed'.
 CREATE OR REPLACE FUNCTION flow.fail(command_id uuid, lease_token uuid, message text, retry_after interval DEFAULT NULL,
     permanent boolean DEFAULT false, code text DEFAULT NULL, caller_ticket bigint DEFAULT flow._ticket())
 RETURNS text
-LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
-    SELECT flow._fail_external(flow._redeem(caller_ticket), command_id, lease_token, message, retry_after,
-                               permanent, code)
-$$;
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    RETURN flow._fail_external(flow._redeem(caller_ticket), command_id, lease_token, message, retry_after,
+                               permanent, code);
+END $$;
 
 -- ---------------------------------------------------------------- views
 
