@@ -329,10 +329,11 @@ fn holding_off_cancels<R>(f: impl FnOnce() -> R) -> R {
     result
 }
 
-const UUID: PgOid = PgOid::BuiltIn(PgBuiltInOids::UUIDOID);
+pub(crate) const UUID: PgOid = PgOid::BuiltIn(PgBuiltInOids::UUIDOID);
 const TEXT: PgOid = PgOid::BuiltIn(PgBuiltInOids::TEXTOID);
 const INT8: PgOid = PgOid::BuiltIn(PgBuiltInOids::INT8OID);
-const INT4: PgOid = PgOid::BuiltIn(PgBuiltInOids::INT4OID);
+pub(crate) const INT4: PgOid = PgOid::BuiltIn(PgBuiltInOids::INT4OID);
+pub(crate) const FLOAT8: PgOid = PgOid::BuiltIn(PgBuiltInOids::FLOAT8OID);
 const BOOL: PgOid = PgOid::BuiltIn(PgBuiltInOids::BOOLOID);
 const TIMESTAMPTZ: PgOid = PgOid::BuiltIn(PgBuiltInOids::TIMESTAMPTZOID);
 const UUID_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::UUIDARRAYOID);

@@ -8,7 +8,7 @@
 //! never kill the worker; a handler's own errors never leave its
 //! subtransaction (see executor.rs).
 
-use crate::executor::{self, AttemptId, ClaimCursor, Claimed};
+use crate::executor::{self, AttemptId, ClaimCursor, Claimed, FLOAT8, INT4, UUID};
 use crate::{api, attempt_record, gucs, isolation, shmem};
 use pgrx::bgworkers::{BackgroundWorker, BackgroundWorkerBuilder, SignalWakeFlags};
 use pgrx::prelude::*;
@@ -527,9 +527,11 @@ impl Worker {
             let seconds = retention.as_secs() as f64;
             let after = self.prune_after;
             let window = transaction(|| {
-                Spi::get_two_with_args::<i32, pgrx::Uuid>(
+                executor::engine_query(
                     "SELECT pruned, last FROM flow._prune(pg_catalog.make_interval(secs => $1), $2, $3)",
+                    &[FLOAT8, INT4, UUID],
                     &[seconds.into(), PRUNE_BATCH.into(), after.into()],
+                    |rows| rows.first().get_two::<i32, pgrx::Uuid>(),
                 )
             });
             if let Some(Ok((pruned, last))) = window {
@@ -541,9 +543,11 @@ impl Worker {
         if let Some(retention) = gucs::event_retention() {
             let seconds = retention.as_secs() as f64;
             let retired = transaction(|| {
-                Spi::get_one_with_args::<i32>(
+                executor::engine_query(
                     "SELECT flow._retire_events(pg_catalog.make_interval(secs => $1), $2)",
+                    &[FLOAT8, INT4],
                     &[seconds.into(), PRUNE_BATCH.into()],
+                    |rows| rows.first().get_one::<i32>(),
                 )
             });
             if let Some(Ok(Some(n))) = retired {
@@ -639,14 +643,23 @@ fn log_once_per_process(message: &str) {
     }
 }
 
+// (The worker's statements run on plans kept for its lifetime, as the claim's
+// and settlement's do: a statement run from its text is parsed and planned
+// each time, and _next_due_ms runs on every wake-up, a tenth of the CPU a
+// worker spent per pickup.)
 fn recover() -> i32 {
-    let n = Spi::get_one::<i32>("SELECT flow._recover()").ok().flatten().unwrap_or(0);
+    let n = executor::engine_query("SELECT flow._recover()", &[], &[], |rows| rows.first().get_one::<i32>())
+        .ok()
+        .flatten()
+        .unwrap_or(0);
     shmem::observe("recovered", n.max(0) as u64);
     n
 }
 
 fn next_due_ms() -> Option<i64> {
-    Spi::get_one::<i64>("SELECT flow._next_due_ms()").ok().flatten()
+    executor::engine_query("SELECT flow._next_due_ms()", &[], &[], |rows| rows.first().get_one::<i64>())
+        .ok()
+        .flatten()
 }
 
 /// Run `body` in its own transaction. An ERROR rolls the transaction back and
