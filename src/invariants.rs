@@ -21,8 +21,8 @@ use pgrx::prelude::*;
 /// - a running command has a lease token, a lease expiry and an attempt start;
 ///   a succeeded one may keep the token and start of its successful attempt
 ///   (see sql/schema.sql, `_attempts`); no other command has either;
-/// - only a running command has a lease expiry, or a lease pid (held by an
-///   in-database worker);
+/// - only a running command has a lease expiry, or a lease pid (an
+///   in-database worker's lease);
 /// - only a succeeded command has a result.
 ///
 /// Declared in sql/schema.sql (the table's CHECK needs it before the
