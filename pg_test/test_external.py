@@ -92,6 +92,29 @@ def test_a_claim_of_no_command_takes_nothing_from_a_due_backlog(pg):
         assert len(c.execute(f"SELECT 1 FROM flow.claim(array['{name}'], 'test', 10)").fetchall()) == 3
 
 
+def test_commands_left_behind_where_claims_take_up_are_claimed_by_the_next_short_claim(pg):
+    """A claim of one definition takes up where the last full claim of it
+    ended (flow.claim): commands behind that point that are due again (here,
+    a full claim rolled back) are taken once a claim from there comes back
+    short, in the same call: every command is claimed once, none is left."""
+    name = external(pg)
+    pg.one(f"SELECT cardinality(flow.enqueue_many('{name}', array_fill('{{}}'::jsonb, array[300])))")
+    with pg.connect() as c, pg.connect() as undone:
+        first = claim(c, name, max_=100)
+        undone.execute("BEGIN")
+        rolled_back = claim(undone, name, max_=100)
+        undone.execute("ROLLBACK")
+        third = claim(c, name, max_=100)
+        # from where the rolled-back claim ended: nothing; then from the head
+        fourth = claim(c, name, max_=150)
+        assert claim(c, name, max_=100) == []
+    assert [len(x) for x in (first, rolled_back, third, fourth)] == [100, 100, 100, 100]
+    ids = lambda rows: {r[0] for r in rows}
+    assert ids(fourth) == ids(rolled_back)
+    assert len(ids(first) | ids(third) | ids(fourth)) == 300
+    assert pg.one(f"SELECT count(*) FROM flow.commands WHERE name = '{name}' AND status = 'running'") == 300
+
+
 def test_claim_complete_round_trip(pg):
     name = external(pg)
     run = pg.one(f"SELECT flow.enqueue('{name}', '{{\"x\": 1}}')")

@@ -201,6 +201,12 @@ END $$;
 -- function's statement is planned at every call. This is an external
 -- worker's hot path, so flow._claim's rows are handed on here directly, by a
 -- plan kept for the session.)
+-- A claim of one definition takes up where the last full claim of it ended,
+-- whichever worker made it, as an in-database worker's claim takes up where
+-- its last one ended (see flow._claim): the index entries of the commands
+-- claimed before stay in the due index until VACUUM, and every claim from
+-- the head walked them all (src/external.rs keeps the ends). Short from
+-- there, it takes the rest from the head.
 CREATE FUNCTION flow.claim(names text[], worker text, max integer DEFAULT 1, lease interval DEFAULT NULL,
     caller_ticket bigint DEFAULT flow._ticket())
 RETURNS TABLE (command_id uuid, run_id uuid, name text, version integer, queue text, args jsonb,
@@ -209,12 +215,33 @@ RETURNS TABLE (command_id uuid, run_id uuid, name text, version integer, queue t
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     lease_for interval := coalesce(lease, make_interval(secs => flow._lease_duration_s()));
+    alone text := CASE WHEN cardinality(names) = 1 THEN names[1] END;
+    after_queue text;
+    after_at timestamptz;
+    after_id uuid;
+    wanted integer := max;
+    taken integer;
 BEGIN
     PERFORM flow._prepare_external_claim(flow._redeem(caller_ticket), names, worker, max, lease_for);
-    RETURN QUERY
-        SELECT c.command_id, c.run_id, c.name, c.version, c.queue, c.args, c.attempt, c.lease_token,
-               c.lease_expires_at, c.deadline, c.context
-        FROM flow._claim(worker, NULL, NULL, max, lease_for, names, (random() * 1000)::integer) c;
+    SELECT s.queue, s.due_at, s.id INTO after_queue, after_at, after_id FROM flow._external_claim_start(alone) s;
+    LOOP
+        RETURN QUERY
+            WITH c AS MATERIALIZED (
+                SELECT * FROM flow._claim(worker, NULL, NULL, wanted, lease_for, names, (random() * 1000)::integer,
+                                          NULL, NULL, CASE WHEN after_queue IS NOT NULL THEN ARRAY[after_queue] END,
+                                          ARRAY[after_at], ARRAY[after_id]))
+            SELECT c.command_id, c.run_id, c.name, c.version, c.queue, c.args, c.attempt, c.lease_token,
+                   c.lease_expires_at, c.deadline, c.context
+            FROM c
+            -- (a one-time filter: it runs once, before any row is handed on,
+            -- and notes where this claim ended, src/external.rs)
+            WHERE (SELECT flow._external_claim_ended(alone, wanted, array_agg(e.queue), array_agg(e.due_at),
+                                                     array_agg(e.command_id)) FROM c e);
+        GET DIAGNOSTICS taken = ROW_COUNT;
+        EXIT WHEN after_queue IS NULL OR taken >= wanted;
+        after_queue := NULL;
+        wanted := wanted - taken;
+    END LOOP;
 END $$;
 
 -- Extend a lease (by `extend`, default: its original length); cancelled = true means stop.

@@ -141,7 +141,7 @@ CREATE UNIQUE INDEX _runs_owner_key ON flow._runs (owner, key) WHERE key IS NOT 
 ALTER TABLE flow._commands DROP CONSTRAINT _commands_run_id_key_key;
 CREATE UNIQUE INDEX _commands_run_key ON flow._commands (run_id, key) WHERE id <> run_id;
 
--- src/lib.rs:27
+-- src/lib.rs:28
 -- requires:
 --   schema
 
@@ -303,7 +303,7 @@ FROM flow._runs r LEFT JOIN LATERAL (
     WHERE r.status = 'running' AND c.id = r.id AND c.status::text = 'succeeded'   -- by id (above)
       AND NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = c.id)) alone ON true;
 
--- src/lib.rs:28
+-- src/lib.rs:29
 -- requires:
 --   common
 
@@ -692,7 +692,7 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
         OR EXISTS (SELECT 1 FROM flow._run_rows r WHERE r.owner = role AND r.status = 'running')
 $$;
 
--- src/lib.rs:29
+-- src/lib.rs:30
 -- requires:
 --   definitions
 
@@ -855,7 +855,7 @@ BEGIN
     RETURN ids;
 END $$;
 
--- src/lib.rs:30
+-- src/lib.rs:31
 -- requires:
 --   enqueue
 
@@ -1118,7 +1118,7 @@ BEGIN
                                WHERE r.queue = q.name AND r.status = 'running')));
 END $$;
 
--- src/lib.rs:31
+-- src/lib.rs:32
 -- requires:
 --   claim
 
@@ -1458,7 +1458,7 @@ BEGIN
     RETURN CASE WHEN stop IS NULL THEN 'retry' ELSE 'failed' END;
 END $$;
 
--- src/lib.rs:32
+-- src/lib.rs:33
 -- requires:
 --   settle
 
@@ -1506,7 +1506,7 @@ BEGIN
     RETURN concluded;
 END $$;
 
--- src/lib.rs:33
+-- src/lib.rs:34
 -- requires:
 --   recover
 
@@ -1582,7 +1582,7 @@ BEGIN
     RETURN retired;
 END $$;
 
--- src/lib.rs:34
+-- src/lib.rs:35
 -- requires:
 --   retention
 
@@ -1929,7 +1929,7 @@ BEGIN
     RETURN format(E'flowchart LR\n%s\n', array_to_string(lines, E'\n'));
 END $$;
 
--- src/lib.rs:35
+-- src/lib.rs:36
 -- requires:
 --   workflows
 
@@ -2220,6 +2220,32 @@ VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_decide_wrapper';
 
+-- src/external.rs:31
+-- flow::external::_external_claim_ended
+CREATE OR REPLACE FUNCTION "_external_claim_ended"(
+	"definition" TEXT, /* Option < & str > */
+	"asked" INT, /* i32 */
+	"queues" TEXT[], /* :: std :: option :: Option < Vec < String > > */
+	"due_ats" timestamp with time zone[], /* :: std :: option :: Option < Vec < TimestampWithTimeZone > > */
+	"ids" uuid[] /* :: std :: option :: Option < Vec < pgrx :: Uuid > > */
+) RETURNS bool /* bool */
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', '_external_claim_ended_wrapper';
+
+-- src/external.rs:16
+-- flow::external::_external_claim_start
+CREATE OR REPLACE FUNCTION "_external_claim_start"(
+	"definition" TEXT /* Option < & str > */
+) RETURNS TABLE (
+	"queue" TEXT,  /* String */
+	"due_at" timestamp with time zone,  /* TimestampWithTimeZone */
+	"id" uuid  /* pgrx :: Uuid */
+)
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', '_external_claim_start_wrapper';
+
 -- src/api.rs:55
 -- flow::api::_interrupt_run
 CREATE OR REPLACE FUNCTION "_interrupt_run"(
@@ -2355,7 +2381,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', 'run_sql_wrapper';
 
--- src/lib.rs:36
+-- src/lib.rs:37
 -- finalize
 -- flow's public SQL surface (names and named parameters are the API, see
 -- DESIGN.md) and the views a person reads.
@@ -2560,6 +2586,12 @@ END $$;
 -- function's statement is planned at every call. This is an external
 -- worker's hot path, so flow._claim's rows are handed on here directly, by a
 -- plan kept for the session.)
+-- A claim of one definition takes up where the last full claim of it ended,
+-- whichever worker made it, as an in-database worker's claim takes up where
+-- its last one ended (see flow._claim): the index entries of the commands
+-- claimed before stay in the due index until VACUUM, and every claim from
+-- the head walked them all (src/external.rs keeps the ends). Short from
+-- there, it takes the rest from the head.
 CREATE OR REPLACE FUNCTION flow.claim(names text[], worker text, max integer DEFAULT 1, lease interval DEFAULT NULL,
     caller_ticket bigint DEFAULT flow._ticket())
 RETURNS TABLE (command_id uuid, run_id uuid, name text, version integer, queue text, args jsonb,
@@ -2568,12 +2600,33 @@ RETURNS TABLE (command_id uuid, run_id uuid, name text, version integer, queue t
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     lease_for interval := coalesce(lease, make_interval(secs => flow._lease_duration_s()));
+    alone text := CASE WHEN cardinality(names) = 1 THEN names[1] END;
+    after_queue text;
+    after_at timestamptz;
+    after_id uuid;
+    wanted integer := max;
+    taken integer;
 BEGIN
     PERFORM flow._prepare_external_claim(flow._redeem(caller_ticket), names, worker, max, lease_for);
-    RETURN QUERY
-        SELECT c.command_id, c.run_id, c.name, c.version, c.queue, c.args, c.attempt, c.lease_token,
-               c.lease_expires_at, c.deadline, c.context
-        FROM flow._claim(worker, NULL, NULL, max, lease_for, names, (random() * 1000)::integer) c;
+    SELECT s.queue, s.due_at, s.id INTO after_queue, after_at, after_id FROM flow._external_claim_start(alone) s;
+    LOOP
+        RETURN QUERY
+            WITH c AS MATERIALIZED (
+                SELECT * FROM flow._claim(worker, NULL, NULL, wanted, lease_for, names, (random() * 1000)::integer,
+                                          NULL, NULL, CASE WHEN after_queue IS NOT NULL THEN ARRAY[after_queue] END,
+                                          ARRAY[after_at], ARRAY[after_id]))
+            SELECT c.command_id, c.run_id, c.name, c.version, c.queue, c.args, c.attempt, c.lease_token,
+                   c.lease_expires_at, c.deadline, c.context
+            FROM c
+            -- (a one-time filter: it runs once, before any row is handed on,
+            -- and notes where this claim ended, src/external.rs)
+            WHERE (SELECT flow._external_claim_ended(alone, wanted, array_agg(e.queue), array_agg(e.due_at),
+                                                     array_agg(e.command_id)) FROM c e);
+        GET DIAGNOSTICS taken = ROW_COUNT;
+        EXIT WHEN after_queue IS NULL OR taken >= wanted;
+        after_queue := NULL;
+        wanted := wanted - taken;
+    END LOOP;
 END $$;
 
 -- Extend a lease (by `extend`, default: its original length); cancelled = true means stop.

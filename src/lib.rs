@@ -4,13 +4,14 @@
 //! `api` (internal SQL functions the public SQL API in `sql/` stands on),
 //! `handlers` (built-in Rust handlers), `invariants` (a command row's CHECK), `isolation` (what keeps a handler to
 //! its owner's rights), `roles` (ownership and the role commands), `hooks`
-//! (the utility hook), `executor` (run and settle one claimed command), `worker` (the background worker loop).
+//! (the utility hook), `executor` (run and settle one claimed command), `external` (external claims' cursor), `worker` (the background worker loop).
 
 use pgrx::prelude::*;
 
 mod api;
 mod attempt_record;
 mod executor;
+mod external;
 mod gucs;
 mod handlers;
 mod hooks;

@@ -162,6 +162,7 @@ unsafe impl PGRXSharedMemory for Counters {}
 
 pub static WORKERS: PgLwLock<WorkerTable> = unsafe { PgLwLock::new(c"flow_workers") };
 pub static COUNTERS: PgAtomic<Counters> = unsafe { PgAtomic::new(c"flow_counters") };
+static EXTERNAL_ENDS_TABLE: PgLwLock<ExternalEnds> = unsafe { PgLwLock::new(c"flow_external_ends") };
 
 thread_local! {
     static WAKE_AT_COMMIT: Cell<bool> = const { Cell::new(false) };
@@ -172,6 +173,7 @@ thread_local! {
 pub fn init() {
     pg_shmem_init!(WORKERS);
     pg_shmem_init!(COUNTERS);
+    pg_shmem_init!(EXTERNAL_ENDS_TABLE);
     unsafe {
         pg_sys::RegisterXactCallback(Some(on_xact_event), std::ptr::null_mut());
         pg_sys::RegisterSubXactCallback(Some(on_subxact_event), std::ptr::null_mut());
@@ -305,6 +307,88 @@ pub fn cursors_of_others(index: usize) -> Vec<(String, i64, [u8; 16])> {
         .flat_map(|(_, s)| s.cursor[..s.cursor_len].iter())
         .filter_map(|e| Some((String::from_utf8(e.queue[..e.queue_len].to_vec()).ok()?, e.due_at, e.id)))
         .collect()
+}
+
+/// How many definitions' external claim cursors are shared at once (see
+/// `external_end`): a definition without one claims from its queue's head.
+const EXTERNAL_ENDS: usize = 32;
+
+/// Where the last full external claim of one definition ended (see
+/// `note_external_end`), good until `until` (TimestampTz, µs).
+#[derive(Copy, Clone)]
+pub struct ExternalEnd {
+    definition: [u8; CURSOR_NAME_BYTES],
+    definition_len: usize,
+    end: CursorEnd,
+    until: i64,
+}
+
+impl Default for ExternalEnd {
+    fn default() -> Self {
+        ExternalEnd { definition: [0; CURSOR_NAME_BYTES], definition_len: 0, end: CursorEnd::default(), until: 0 }
+    }
+}
+
+impl ExternalEnd {
+    fn is(&self, definition: &str) -> bool {
+        self.definition_len > 0 && &self.definition[..self.definition_len] == definition.as_bytes()
+    }
+}
+
+#[derive(Copy, Clone, Default)]
+pub struct ExternalEnds {
+    slots: [ExternalEnd; EXTERNAL_ENDS],
+}
+
+unsafe impl PGRXSharedMemory for ExternalEnds {}
+
+/// Where the last full external claim of `definition` ended (queue, due
+/// time, id), while that is good (see `note_external_end`).
+pub fn external_end(definition: &str) -> Option<(String, i64, [u8; 16])> {
+    let now = unsafe { pg_sys::GetCurrentTimestamp() };
+    let ends = EXTERNAL_ENDS_TABLE.share();
+    let slot = ends.slots.iter().find(|s| s.is(definition) && s.until > now)?;
+    let queue = String::from_utf8(slot.end.queue[..slot.end.queue_len].to_vec()).ok()?;
+    Some((queue, slot.end.due_at, slot.end.id))
+}
+
+/// After an external claim of `definition` alone: `end`, where it ended in
+/// its queue when it came back full (None: it came back short, or from
+/// several queues). The external workers claiming a definition share it, as
+/// in-database workers share theirs (`publish_cursor`): the next claims take
+/// up from the furthest end noted, for at most `span_us` after the first,
+/// so they do not walk again the index entries of the commands claimed
+/// before them, which stay in the due index until VACUUM. A claim that comes
+/// back short, and every claim once the span is over, starts from the head.
+pub fn note_external_end(definition: &str, end: Option<(&str, i64, [u8; 16])>, span_us: i64) {
+    let now = unsafe { pg_sys::GetCurrentTimestamp() };
+    let mut ends = EXTERNAL_ENDS_TABLE.exclusive();
+    let found = ends.slots.iter().position(|s| s.is(definition));
+    let Some((queue, due_at, id)) = end.filter(|(q, _, _)| q.len() <= CURSOR_NAME_BYTES && definition.len() <= CURSOR_NAME_BYTES) else {
+        if let Some(i) = found {
+            ends.slots[i] = ExternalEnd::default();
+        }
+        return;
+    };
+    let slot = match found {
+        Some(i) => &mut ends.slots[i],
+        // a free or lapsed slot, else the one that lapses first
+        None => ends.slots.iter_mut().min_by_key(|s| if s.until > now { s.until } else { i64::MIN }).expect("slots"),
+    };
+    let live = slot.is(definition) && slot.until > now;
+    let same_queue = &slot.end.queue[..slot.end.queue_len] == queue.as_bytes();
+    if live && same_queue && (slot.end.due_at, slot.end.id) >= (due_at, id) {
+        return; // another claim got further already
+    }
+    if !live {
+        slot.definition = [0; CURSOR_NAME_BYTES];
+        slot.definition[..definition.len()].copy_from_slice(definition.as_bytes());
+        slot.definition_len = definition.len();
+        slot.until = now + span_us;
+    }
+    slot.end = CursorEnd::default();
+    slot.end.queue[..queue.len()].copy_from_slice(queue.as_bytes());
+    (slot.end.queue_len, slot.end.due_at, slot.end.id) = (queue.len(), due_at, id);
 }
 
 /// Claim the slot for worker number `index` in this process.

@@ -1,0 +1,50 @@
+//! External workers' claims take up where the last full claim of the same
+//! definition ended, as in-database workers' claims do (flow.claim in
+//! sql/api.sql; the shared ends are in `shmem::note_external_end`).
+
+use crate::{api, shmem};
+use pgrx::prelude::*;
+
+/// How long external claims of a definition take up from where earlier ones
+/// ended before one starts from its queue's head again: the longest a command
+/// that became due behind that point (an expired lease, a claim rolled back)
+/// waits while a backlog drains. As in-database workers' (worker::CURSOR_SPAN).
+const SPAN_US: i64 = 250_000;
+
+/// Where the last full claim of `definition` (claimed alone) ended, while
+/// that is good: no row, or one.
+#[pg_extern(volatile, parallel_unsafe)]
+fn _external_claim_start(
+    definition: Option<&str>,
+) -> TableIterator<'static, (name!(queue, String), name!(due_at, TimestampWithTimeZone), name!(id, pgrx::Uuid))> {
+    let end = definition.and_then(shmem::external_end).and_then(|(queue, due_at, id)| {
+        Some((queue, api::timestamp_from_pg(due_at)?, pgrx::Uuid::from_bytes(id)))
+    });
+    TableIterator::new(end)
+}
+
+/// Note how a claim of `definition` alone ended: `asked` commands were
+/// asked for and these were taken (their queues, due times and ids). Full
+/// and from one queue, its last command is where the next claims start;
+/// otherwise they start from the head. Returns true (it is called in a
+/// one-time filter, see flow.claim).
+#[pg_extern(volatile, parallel_unsafe)]
+fn _external_claim_ended(
+    definition: Option<&str>,
+    asked: i32,
+    queues: Option<Vec<String>>,
+    due_ats: Option<Vec<TimestampWithTimeZone>>,
+    ids: Option<Vec<pgrx::Uuid>>,
+) -> bool {
+    let Some(definition) = definition else { return true };
+    let (queues, due_ats, ids) = (queues.unwrap_or_default(), due_ats.unwrap_or_default(), ids.unwrap_or_default());
+    let full = queues.len() >= asked.max(1) as usize && due_ats.len() == queues.len() && ids.len() == queues.len();
+    let one_queue = queues.windows(2).all(|w| w[0] == w[1]);
+    // uuids compare as their bytes, as PostgreSQL compares them
+    let last = due_ats.iter().zip(&ids).map(|(at, id)| (at.into_inner(), *id.as_bytes())).max();
+    match (full && one_queue, last) {
+        (true, Some((due_at, id))) => shmem::note_external_end(definition, Some((&queues[0], due_at, id)), SPAN_US),
+        _ => shmem::note_external_end(definition, None, SPAN_US),
+    }
+    true
+}
