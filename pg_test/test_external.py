@@ -324,6 +324,21 @@ def test_complete_many_settles_what_it_holds_and_reports_the_rest(pg):
         ["running", "succeeded", "succeeded"]
 
 
+def test_complete_many_after_the_lease_ran_out_settles_nothing(pg):
+    """A lease that ran out by the database clock settles nothing, whether or
+    not its attempt was concluded yet: the command is reported lease_lost
+    and goes on to its retry."""
+    name = external(pg, max_attempts=3, backoff="'1 hour'", backoff_max="'2 hours'")
+    pg.one(f"SELECT flow.enqueue('{name}')")
+    with pg.connect() as c:
+        [(cmd, token, *_)] = claim(c, name, lease="300 ms")
+        time.sleep(0.4)
+        out = c.execute("SELECT * FROM flow.complete_many(%s, %s)", ([cmd], [token])).fetchall()
+    assert out == [(cmd, "lease_lost")]
+    assert pg.one("SELECT status FROM flow.commands WHERE id = %s", cmd) in ("running", "pending")
+    assert pg.one("SELECT count(*) FROM flow.attempts WHERE command_id = %s AND outcome = 'succeeded'", cmd) == 0
+
+
 def test_resolve_tells_a_worker_what_became_of_its_attempt(pg):
     name = external(pg, max_attempts=3, backoff="'10 ms'", backoff_max="'10 ms'")
     run = pg.one(f"SELECT flow.enqueue('{name}')")
