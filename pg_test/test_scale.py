@@ -247,30 +247,48 @@ def test_workers_draining_one_queue_claim_after_what_the_others_hold():
     claim skips locked rows (SKIP LOCKED) only after reading each one: a claim
     that started at the head of its queue would read the batches all the
     other workers hold, so the index entries of _commands read per run grew
-    with the number of workers (11.5-12.2 with six on a 2-core machine). While
-    a backlog drains, the workers share where their claims ended (src/shmem.rs,
-    publish_cursor) and each takes up after the others (7.4-8.4 with six).
-    The backlog still drains completely. (A cluster of its own, beside the
-    module's: fresh_cluster would replace that one.)"""
+    with the number of workers. While a backlog drains, the workers share
+    where their claims ended (src/shmem.rs, publish_cursor) and each takes up
+    after the others. Counted while six workers drain a backlog: three
+    stretches of 15,000 runs each, the queue paused after each, the median
+    of their entries read per run (measured: medians 6.5-7.2 with the
+    sharing; 9.3 and 9.9 in two of three runs of a build without it, under 9
+    in the third; single stretches reach 11.5 now and then, hence the
+    median). A stretch stops before the backlog runs out: when it does, each
+    worker's next claims walk back from the queue's head over the entries of
+    everything drained (dead, but not yet skippable while the other workers'
+    transactions are open), a cost of its own that made a whole drain's
+    figure swing from 6.5 to 11.4. The backlog still drains completely.
+    (A cluster of its own, beside the module's: fresh_cluster would replace
+    that one.)"""
     cluster = Cluster("/tmp/flow-it-six", 5494)
     cluster.start("flow.workers = 6")
     try:
         cluster.wait_ready()
-        backlog = 60_000
+        backlog, stretch = 60_000, 15_000
         cluster.one("SELECT flow.define('shared', 'flow.noop'::regproc, queue => 'shared')")
         cluster.one("SELECT flow.set_queue('shared', paused => true)")
         for _ in range(backlog // 1000):
             cluster.one("SELECT cardinality(flow.enqueue_many('shared', array_fill('{}'::jsonb, array[1000])))")
-
+        finished = "SELECT sum(value) FROM flow.stats WHERE name IN ('runs_succeeded', 'runs_failed')"
+        per_run = []
         time.sleep(1.5)   # what the workers read while idle is reported first
-        before = entries_read(cluster, "flow._commands")
+        with cluster.connect() as c:
+            for _ in range(3):
+                entries_before, finished_before = entries_read(cluster, "flow._commands"), c.execute(finished).fetchone()[0]
+                c.execute("SELECT flow.set_queue('shared', paused => false)")
+                while c.execute(finished).fetchone()[0] - finished_before < stretch:
+                    time.sleep(0.005)
+                c.execute("SELECT flow.set_queue('shared', paused => true)")
+                time.sleep(2.5)   # the workers finish their chunks and report their statistics (at most once a second)
+                drained = c.execute(finished).fetchone()[0] - finished_before
+                per_run.append((entries_read(cluster, "flow._commands") - entries_before) / drained)
         cluster.one("SELECT flow.set_queue('shared', paused => false)")
         cluster.wait_for("SELECT count(*) = 0 FROM flow._commands WHERE name = 'shared' AND finished_at IS NULL",
                          timeout=300)
-        time.sleep(2.5)   # the workers report their table statistics at most once a second
-        per_run = (entries_read(cluster, "flow._commands") - before) / backlog
         assert cluster.one("SELECT count(*) FROM flow._commands WHERE name = 'shared' AND status = 'succeeded'") == backlog
-        assert per_run < 10, f"{per_run:.2f} index entries of _commands read per run drained by six workers"
+        assert sorted(per_run)[1] < 9, \
+            f"{sorted(per_run)} index entries of _commands read per run in three stretches drained by six workers"
     finally:
         cluster.stop()
 

@@ -2220,7 +2220,7 @@ VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_decide_wrapper';
 
--- src/external.rs:31
+-- src/external.rs:25
 -- flow::external::_external_claim_ended
 CREATE OR REPLACE FUNCTION "_external_claim_ended"(
 	"definition" TEXT, /* Option < & str > */
@@ -2233,7 +2233,7 @@ VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_external_claim_ended_wrapper';
 
--- src/external.rs:16
+-- src/external.rs:10
 -- flow::external::_external_claim_start
 CREATE OR REPLACE FUNCTION "_external_claim_start"(
 	"definition" TEXT /* Option < & str > */

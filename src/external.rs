@@ -2,14 +2,8 @@
 //! definition ended, as in-database workers' claims do (flow.claim in
 //! sql/api.sql; the shared ends are in `shmem::note_external_end`).
 
-use crate::{api, shmem};
+use crate::{api, shmem, worker};
 use pgrx::prelude::*;
-
-/// How long external claims of a definition take up from where earlier ones
-/// ended before one starts from its queue's head again: the longest a command
-/// that became due behind that point (an expired lease, a claim rolled back)
-/// waits while a backlog drains. As in-database workers' (worker::CURSOR_SPAN).
-const SPAN_US: i64 = 250_000;
 
 /// Where the last full claim of `definition` (claimed alone) ended, while
 /// that is good: no row, or one.
@@ -42,9 +36,13 @@ fn _external_claim_ended(
     let one_queue = queues.windows(2).all(|w| w[0] == w[1]);
     // uuids compare as their bytes, as PostgreSQL compares them
     let last = due_ats.iter().zip(&ids).map(|(at, id)| (at.into_inner(), *id.as_bytes())).max();
+    // as long as in-database workers' claims take up from theirs: the longest a
+    // command that became due behind that point (an expired lease, a claim
+    // rolled back) waits while a backlog drains
+    let span_us = worker::CURSOR_SPAN.as_micros() as i64;
     match (full && one_queue, last) {
-        (true, Some((due_at, id))) => shmem::note_external_end(definition, Some((&queues[0], due_at, id)), SPAN_US),
-        _ => shmem::note_external_end(definition, None, SPAN_US),
+        (true, Some((due_at, id))) => shmem::note_external_end(definition, Some((&queues[0], due_at, id)), span_us),
+        _ => shmem::note_external_end(definition, None, span_us),
     }
     true
 }

@@ -57,7 +57,7 @@ const MIN_CHUNK_WINDOW: usize = 8;
 /// before one starts from the queues' heads again: the longest a command that
 /// became due behind the cursor (handed back, or enqueued by a transaction
 /// that committed late) waits while a backlog drains.
-const CURSOR_SPAN: Duration = Duration::from_millis(250);
+pub(crate) const CURSOR_SPAN: Duration = Duration::from_millis(250);
 
 unsafe extern "C-unwind" {
     /// PostgreSQL's SIGTERM handler for backends: a fast shutdown cancels a
