@@ -103,9 +103,11 @@ def test_external_claims_take_up_where_the_last_full_claim_of_their_definition_e
     of them. External claims of one definition take up where the last full
     claim of it ended, whichever client made it (flow.claim,
     src/external.rs): counted in pages of _commands_due read by 10 claims of
-    100 after 6,000 were claimed and completed: 23 here, 483 from the head
-    (the queue's head probe and the claim itself each walk the pages of the
-    6,000 entries)."""
+    100 after 6,000 were claimed and completed: 23 here when no claim of
+    them starts from the head again, 483 when every claim does (the queue's
+    head probe and the claim itself each walk the pages of the 6,000
+    entries). Once the 250 ms after the first full claim are over, one claim
+    starts from the head again (about 50 pages): a slow machine may see a few."""
     pg.one("SELECT flow.define('walked', NULL, queue => 'walked')")
     for _ in range(10):
         pg.one("SELECT cardinality(flow.enqueue_many('walked', array_fill('{}'::jsonb, array[1000])))")
@@ -122,7 +124,7 @@ def test_external_claims_take_up_where_the_last_full_claim_of_their_definition_e
         for i in range(10):
             claim_and_complete((first, second)[i % 2])
         read = due_blocks_read(first) - before
-    assert read < 150, f"10 claims of 100 read {read} pages of _commands_due"
+    assert read < 250, f"10 claims of 100 read {read} pages of _commands_due"
     assert pg.one("SELECT count(*) FROM flow.commands WHERE name = 'walked' AND status = 'succeeded'") == 7000
 
 
