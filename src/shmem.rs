@@ -16,23 +16,64 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// How many cancels a worker remembers at once (more concurrent cancels of
 /// runs it holds than this are served when its chunk commits).
 pub const CANCEL_SLOTS: usize = 16;
-/// How many queues of a worker's claim cursor the other workers see, and the
-/// longest queue name shared (a longer one is simply not shared).
+/// How many queues of a worker's claim cursor the other workers see.
 pub const CURSOR_QUEUES: usize = 8;
-const CURSOR_NAME_BYTES: usize = 64;
+/// The longest queue or definition name shared (a longer one is simply not shared).
+const SHARED_NAME_BYTES: usize = 64;
 
-/// Where a worker's last full claim ended in one queue (see `publish_cursor`).
+/// A queue's or a definition's name in shared memory.
+#[derive(Copy, Clone)]
+struct SharedName {
+    bytes: [u8; SHARED_NAME_BYTES],
+    len: usize,
+}
+
+impl SharedName {
+    const NONE: SharedName = SharedName { bytes: [0; SHARED_NAME_BYTES], len: 0 };
+
+    /// None for a name too long to share.
+    fn new(name: &str) -> Option<SharedName> {
+        let mut shared = SharedName::NONE;
+        shared.bytes.get_mut(..name.len())?.copy_from_slice(name.as_bytes());
+        shared.len = name.len();
+        Some(shared)
+    }
+
+    fn is(&self, name: &str) -> bool {
+        &self.bytes[..self.len] == name.as_bytes()
+    }
+
+    fn to_string(self) -> Option<String> {
+        String::from_utf8(self.bytes[..self.len].to_vec()).ok()
+    }
+}
+
+impl PartialEq for SharedName {
+    fn eq(&self, other: &SharedName) -> bool {
+        self.bytes[..self.len] == other.bytes[..other.len]
+    }
+}
+
+/// Where a claim ended in one queue: a worker's last full claim (see
+/// `publish_cursor`), or an external one's (see `note_external_end`).
 #[derive(Copy, Clone)]
 pub struct CursorEnd {
-    queue: [u8; CURSOR_NAME_BYTES],
-    queue_len: usize,
+    queue: SharedName,
     due_at: i64,
     id: [u8; 16],
 }
 
-impl Default for CursorEnd {
-    fn default() -> Self {
-        CursorEnd { queue: [0; CURSOR_NAME_BYTES], queue_len: 0, due_at: 0, id: [0; 16] }
+impl CursorEnd {
+    const NONE: CursorEnd = CursorEnd { queue: SharedName::NONE, due_at: 0, id: [0; 16] };
+
+    /// None for a queue whose name is too long to share.
+    fn new(queue: &str, due_at: i64, id: [u8; 16]) -> Option<CursorEnd> {
+        Some(CursorEnd { queue: SharedName::new(queue)?, due_at, id })
+    }
+
+    /// (queue, due time, id), as `new` took them.
+    fn get(&self) -> Option<(String, i64, [u8; 16])> {
+        Some((self.queue.to_string()?, self.due_at, self.id))
     }
 }
 
@@ -78,7 +119,7 @@ impl Default for WorkerSlot {
             next_cancel: 0,
             since: 0,
             handled: 0,
-            cursor: [CursorEnd::default(); CURSOR_QUEUES],
+            cursor: [CursorEnd::NONE; CURSOR_QUEUES],
             cursor_len: 0,
             cursor_until: 0,
         }
@@ -282,12 +323,10 @@ pub fn set_sleeping(index: usize, sleeping: bool) {
 /// command handed back, a chunk rolled back) waits for the next claim from
 /// the queues' heads, as what became due behind a worker's own cursor does.
 pub fn publish_cursor(index: usize, ends: &[(String, i64, [u8; 16])], until: i64) {
-    let mut shared = [CursorEnd::default(); CURSOR_QUEUES];
+    let mut shared = [CursorEnd::NONE; CURSOR_QUEUES];
     let mut len = 0;
-    for (queue, due_at, id) in ends.iter().filter(|(q, _, _)| q.len() <= CURSOR_NAME_BYTES).take(CURSOR_QUEUES) {
-        let end = &mut shared[len];
-        end.queue[..queue.len()].copy_from_slice(queue.as_bytes());
-        (end.queue_len, end.due_at, end.id) = (queue.len(), *due_at, *id);
+    for end in ends.iter().filter_map(|(queue, due_at, id)| CursorEnd::new(queue, *due_at, *id)).take(CURSOR_QUEUES) {
+        shared[len] = end;
         len += 1;
     }
     let mut table = WORKERS.exclusive();
@@ -305,7 +344,7 @@ pub fn cursors_of_others(index: usize) -> Vec<(String, i64, [u8; 16])> {
         .enumerate()
         .filter(|(i, s)| *i != index && s.procno >= 0 && s.cursor_until > now)
         .flat_map(|(_, s)| s.cursor[..s.cursor_len].iter())
-        .filter_map(|e| Some((String::from_utf8(e.queue[..e.queue_len].to_vec()).ok()?, e.due_at, e.id)))
+        .filter_map(CursorEnd::get)
         .collect()
 }
 
@@ -317,21 +356,20 @@ const EXTERNAL_ENDS: usize = 32;
 /// `note_external_end`), good until `until` (TimestampTz, µs).
 #[derive(Copy, Clone)]
 pub struct ExternalEnd {
-    definition: [u8; CURSOR_NAME_BYTES],
-    definition_len: usize,
+    definition: SharedName,
     end: CursorEnd,
     until: i64,
 }
 
 impl Default for ExternalEnd {
     fn default() -> Self {
-        ExternalEnd { definition: [0; CURSOR_NAME_BYTES], definition_len: 0, end: CursorEnd::default(), until: 0 }
+        ExternalEnd { definition: SharedName::NONE, end: CursorEnd::NONE, until: 0 }
     }
 }
 
 impl ExternalEnd {
     fn is(&self, definition: &str) -> bool {
-        self.definition_len > 0 && &self.definition[..self.definition_len] == definition.as_bytes()
+        self.definition.len > 0 && self.definition.is(definition)
     }
 }
 
@@ -347,9 +385,7 @@ unsafe impl PGRXSharedMemory for ExternalEnds {}
 pub fn external_end(definition: &str) -> Option<(String, i64, [u8; 16])> {
     let now = unsafe { pg_sys::GetCurrentTimestamp() };
     let ends = EXTERNAL_ENDS_TABLE.share();
-    let slot = ends.slots.iter().find(|s| s.is(definition) && s.until > now)?;
-    let queue = String::from_utf8(slot.end.queue[..slot.end.queue_len].to_vec()).ok()?;
-    Some((queue, slot.end.due_at, slot.end.id))
+    ends.slots.iter().find(|s| s.is(definition) && s.until > now)?.end.get()
 }
 
 /// After an external claim of `definition` alone: `end`, where it ended in
@@ -362,9 +398,10 @@ pub fn external_end(definition: &str) -> Option<(String, i64, [u8; 16])> {
 /// back short, and every claim once the span is over, starts from the head.
 pub fn note_external_end(definition: &str, end: Option<(&str, i64, [u8; 16])>, span_us: i64) {
     let now = unsafe { pg_sys::GetCurrentTimestamp() };
+    let noted = end.and_then(|(queue, due_at, id)| Some((SharedName::new(definition)?, CursorEnd::new(queue, due_at, id)?)));
     let mut ends = EXTERNAL_ENDS_TABLE.exclusive();
     let found = ends.slots.iter().position(|s| s.is(definition));
-    let Some((queue, due_at, id)) = end.filter(|(q, _, _)| q.len() <= CURSOR_NAME_BYTES && definition.len() <= CURSOR_NAME_BYTES) else {
+    let Some((name, end)) = noted else {
         if let Some(i) = found {
             ends.slots[i] = ExternalEnd::default();
         }
@@ -376,19 +413,13 @@ pub fn note_external_end(definition: &str, end: Option<(&str, i64, [u8; 16])>, s
         None => ends.slots.iter_mut().min_by_key(|s| if s.until > now { s.until } else { i64::MIN }).expect("slots"),
     };
     let live = slot.is(definition) && slot.until > now;
-    let same_queue = &slot.end.queue[..slot.end.queue_len] == queue.as_bytes();
-    if live && same_queue && (slot.end.due_at, slot.end.id) >= (due_at, id) {
+    if live && slot.end.queue == end.queue && (slot.end.due_at, slot.end.id) >= (end.due_at, end.id) {
         return; // another claim got further already
     }
     if !live {
-        slot.definition = [0; CURSOR_NAME_BYTES];
-        slot.definition[..definition.len()].copy_from_slice(definition.as_bytes());
-        slot.definition_len = definition.len();
-        slot.until = now + span_us;
+        (slot.definition, slot.until) = (name, now + span_us);
     }
-    slot.end = CursorEnd::default();
-    slot.end.queue[..queue.len()].copy_from_slice(queue.as_bytes());
-    (slot.end.queue_len, slot.end.due_at, slot.end.id) = (queue.len(), due_at, id);
+    slot.end = end;
 }
 
 /// Claim the slot for worker number `index` in this process.
