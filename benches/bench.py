@@ -313,9 +313,10 @@ def churn(pg, seconds, rate, every, retention):
                 mb = c.execute("SELECT round(sum(pg_total_relation_size(c.oid)) / 1048576.0, 1) FROM pg_class c"
                                " JOIN pg_namespace n ON n.oid = c.relnamespace"
                                " WHERE n.nspname = 'flow' AND c.relkind = 'r'").fetchone()[0]
-                # (a run of one command ends with its command: unfinished runs are
-                # those with an unfinished command, counted without a lookup per run)
-                kept, pending = c.execute("SELECT (SELECT count(*) FROM flow._runs),"
+                # (a run without a key is its root command: runs kept are roots;
+                # unfinished runs are those with an unfinished command, counted
+                # without a lookup per run)
+                kept, pending = c.execute("SELECT (SELECT count(*) FROM flow._commands WHERE parent_id IS NULL),"
                                           " (SELECT count(DISTINCT run_id) FROM flow._commands"
                                           "  WHERE finished_at IS NULL)").fetchone()
                 samples.append((round(now), float(mb), kept, pending))

@@ -32,7 +32,7 @@ def app(pg):
 
 
 def counts(pg):
-    return pg.all("SELECT (SELECT count(*) FROM flow._runs), (SELECT count(*) FROM flow._commands),"
+    return pg.all("SELECT (SELECT count(*) FROM flow._run_rows), (SELECT count(*) FROM flow._commands),"
                   " (SELECT count(*) FROM flow._definitions), (SELECT count(*) FROM flow._queues)")[0]
 
 

@@ -425,7 +425,10 @@ def test_a_held_root_leaves_its_run_unlocked_and_its_failure_never_waits_for_the
     command is tried again; once the run is free, the failure is counted."""
     name = define(app, "app.decides")
     seen_fast(app, name)
-    run = enqueue(app, name, '{"do": "sleep_then_raise", "seconds": 0.5, "tag": "rootlock"}')
+    # (a keyed run: it has a row of its own, which a canceller can hold apart
+    # from its root; a run without a row is locked by its root's row)
+    run = enqueue(app, name, '{"do": "sleep_then_raise", "seconds": 0.5, "tag": "rootlock"}',
+                  key=f"'{unique('rootlock')}'")
     app.wait_for("SELECT status = 'running' FROM flow.commands WHERE run_id = %s", run)
     assert app.one("SELECT status FROM flow._commands WHERE run_id = %s", run) == "pending"   # held
     with app.connect(autocommit=False) as other:
@@ -654,7 +657,7 @@ def test_finished_runs_are_pruned_after_the_retention(app):
     app.all("ALTER SYSTEM SET flow.retention = '1s'")
     app.all("SELECT pg_reload_conf()")
     try:
-        app.wait_for("SELECT count(*) = 0 FROM flow._runs WHERE id = %s", done, timeout=20)
+        app.wait_for("SELECT count(*) = 0 FROM flow._run_rows WHERE id = %s", done, timeout=20)
     finally:
         app.all("ALTER SYSTEM RESET flow.retention")
         app.all("SELECT pg_reload_conf()")
@@ -685,30 +688,82 @@ def test_pruning_moves_past_a_backlog_of_unfinished_runs(app):
         pruned, passes = pruned + n, passes + 1
         if after is None:
             break
-    assert app.one("SELECT count(*) FROM flow._runs WHERE id = ANY (%s)", done) == 0
-    assert pruned >= 5 and passes <= app.one("SELECT count(*) FROM flow._runs") // 1000 + 2
+    assert app.one("SELECT count(*) FROM flow._run_rows WHERE id = ANY (%s)", done) == 0
+    assert app.one("SELECT count(*) FROM flow._commands WHERE run_id = ANY (%s)", done) == 0
+    assert pruned >= 5 and passes <= app.one("SELECT count(*) FROM flow._run_rows") // 1000 + 2
     assert app.one("SELECT count(*) FROM flow.runs WHERE name = %s AND status = 'running'", backlog) == 2500
     app.all(f"SELECT flow.cancel(r.id) FROM flow.runs r WHERE r.name = '{backlog}'")
 
 
-def test_a_run_of_one_command_ends_with_it(app):
-    """A run's only command succeeding writes that command and not the run (one
-    row version per command less): the run is seen ended, with the command's
-    result and end, by flow.runs, flow.await, flow.cancel and the pruning."""
+def test_a_run_of_one_command_is_its_root_alone(app):
+    """A run without a key is its root command: enqueue writes no row of the
+    run's own, and its only command succeeding writes that command alone. The
+    run is seen, and seen ended, with the command's result and end, by
+    flow.runs, flow.await, flow.cancel and the pruning."""
     name = define(app, "app.hello")
     run = enqueue(app, name, '{"who": "one"}')
-    written = app.one("SELECT xmin::text FROM flow._runs WHERE id = %s", run)
+    assert app.one("SELECT count(*) FROM flow._runs WHERE id = %s", run) == 0
+    assert app.all("SELECT name, args, owner::text FROM flow.runs WHERE id = %s", run) == [(name, {"who": "one"}, "postgres")]
     status, result, error = app.await_run(run, "10s")
     assert (status, result["hello"], error) == ("succeeded", "one", None)
-    assert app.one("SELECT xmin::text FROM flow._runs WHERE id = %s", run) == written
+    assert app.one("SELECT count(*) FROM flow._runs WHERE id = %s", run) == 0
     assert app.all("SELECT r.status, r.result, r.finished_at = c.finished_at, r.attempts FROM flow.runs r"
                    " JOIN flow.commands c ON c.run_id = r.id WHERE r.id = %s", run) == [("succeeded", result, True, 1)]
     assert app.one("SELECT flow.cancel(%s)", run) is False
     assert app.one("SELECT status FROM flow.runs WHERE id = %s", run) == "succeeded"
     time.sleep(1.1)
-    after = app.one("SELECT id FROM flow._runs WHERE id < %s ORDER BY id DESC LIMIT 1", run)
+    after = app.one("SELECT id FROM flow._run_rows WHERE id < %s ORDER BY id DESC LIMIT 1", run)
     assert app.all("SELECT pruned, last FROM flow._prune('1 s', 1, %s)", after) == [(1, run)]
-    assert app.one("SELECT count(*) FROM flow._runs WHERE id = %s", run) == 0
+    assert app.one("SELECT count(*) FROM flow._run_rows WHERE id = %s", run) == 0
+    assert app.one("SELECT count(*) FROM flow._commands WHERE run_id = %s", run) == 0
+
+
+def test_a_run_gets_a_row_of_its_own_only_when_its_root_alone_cannot_tell_it(app):
+    """A run without a key is its root command until it needs more (see
+    sql/schema.sql, flow._runs): enqueue and enqueue_many write no run row; a
+    key, the root's first child, a terminal failure and a cancel each give the
+    run its row, and flow.runs shows each run the same before and after."""
+    app.all("""
+        CREATE FUNCTION app.parent_of_one(args jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
+        BEGIN
+            PERFORM flow.spawn(args->>'child', '{"who": "kid"}', key => 'kid');
+            RETURN '{"spawned": true}';
+        END $$;""")
+    app.one("SELECT flow.set_queue('rowless', paused => true)")   # (until the rows are counted)
+    hello = define(app, "app.hello", queue="'rowless'")
+    decides = define(app, "app.decides", max_attempts=1, queue="'rowless'")
+    parent = define(app, "app.parent_of_one", queue="'rowless'")
+    plain = enqueue(app, hello, '{"who": "plain"}')
+    many = app.one(f"SELECT flow.enqueue_many('{hello}', array_fill('{{}}'::jsonb, array[3]))")
+    keyed = enqueue(app, hello, key=f"'{unique('k')}'")
+    failing = enqueue(app, decides, '{"do": "fail", "tag": "rowless"}')
+    spawning = enqueue(app, parent, f'{{"child": "{hello}"}}')
+    to_cancel = enqueue(app, hello, '{"who": "never"}')
+    runs = [plain, *many, keyed, failing, spawning, to_cancel]
+    before = app.all("SELECT id, name, owner::text, args, created_at, deadline FROM flow.runs"
+                     " WHERE id = ANY (%s) ORDER BY id", runs)
+    assert len(before) == len(runs)
+    assert app.one("SELECT array_agg(id) FROM flow._runs WHERE id = ANY (%s)", runs) == [keyed]
+    assert app.one("SELECT status FROM flow.runs WHERE id = %s", to_cancel) == "running"
+    assert app.one("SELECT flow.cancel(%s)", to_cancel) is True
+    app.one("SELECT flow.set_queue('rowless', paused => false)")
+    for run in (plain, *many, keyed, spawning):
+        assert app.await_run(run, "10s")[0] == "succeeded"
+    status, _, error = app.await_run(failing, "10s")
+    assert (status, error["message"], error["stop_reason"]) == ("failed", "card declined", "permanent")
+    assert app.all("SELECT key, status::text FROM flow.commands WHERE run_id = %s ORDER BY key", spawning) == \
+        [("kid", "succeeded"), ("root", "succeeded")]
+    assert app.all("SELECT status::text, stop_reason FROM flow.commands WHERE run_id = %s", to_cancel) == \
+        [("cancelled", "cancelled")]
+    # rows for the runs the root alone could not tell: a key, a child, a failure, a cancel
+    assert sorted(app.one("SELECT array_agg(id) FROM flow._runs WHERE id = ANY (%s)", runs)) == \
+        sorted([keyed, failing, spawning, to_cancel])
+    assert app.all("SELECT id, name, owner::text, args, created_at, deadline FROM flow.runs"
+                   " WHERE id = ANY (%s) ORDER BY id", runs) == before
+    assert app.all("SELECT status::text FROM flow.runs WHERE id = ANY (%s) ORDER BY id",
+                   [plain, keyed, failing, spawning, to_cancel]) == \
+        [(s,) for _, s in sorted([(plain, "succeeded"), (keyed, "succeeded"), (failing, "failed"),
+                                  (spawning, "succeeded"), (to_cancel, "cancelled")])]
 
 
 def test_a_command_row_that_breaks_an_invariant_is_refused(app):

@@ -51,9 +51,11 @@ def test_in_database_workers_never_run_external_definitions(pg):
 def test_completing_a_root_with_no_child_takes_no_run_lock_and_a_cancel_waits_for_it(pg):
     """complete_many of a run's only command writes that command alone and does
     not lock the run; a cancel that comes meanwhile takes the run, then waits
-    for the command, and finds the run ended (false), not cancelled."""
+    for the command, and finds the run ended (false), not cancelled. (A keyed
+    run: it has a row of its own to lock apart from its root; a run without
+    a row is locked by its root's row, see sql/schema.sql.)"""
     name = external(pg)
-    run = pg.one(f"SELECT flow.enqueue('{name}')")
+    run = pg.one(f"SELECT flow.enqueue('{name}', key => '{unique('alone')}')")
     with pg.connect(autocommit=False) as c, pg.connect() as canceller:
         [(cmd, token, *_)] = claim(c, name)
         c.commit()

@@ -83,7 +83,7 @@ SIGNATURES = [
 # 2BP01: a queue still in use is not dropped
 POSTGRES_OK = {"42501", "42704", "42883", "54001", "42P13", "2BP01"}
 STATE = """SELECT (SELECT count(*) FROM flow._definitions), (SELECT count(*) FROM flow._definition_names),
-                  (SELECT count(*) FROM flow._queues), (SELECT count(*) FROM flow._runs),
+                  (SELECT count(*) FROM flow._queues), (SELECT count(*) FROM flow._runs), (SELECT count(*) FROM flow._run_rows),
                   (SELECT count(*) FROM flow._commands), (SELECT count(*) FROM flow._attempts),
                   (SELECT count(*) FROM flow._events), (SELECT count(*) FROM flow._waits),
                   (SELECT md5(string_agg(x::text, ',' ORDER BY x::text)) FROM flow._queues x),

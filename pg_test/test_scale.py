@@ -222,7 +222,7 @@ def test_a_runs_commands_are_found_by_index_among_many(pg):
     lateral join to flow._commands_of read all of _commands per batch)."""
     pg.one("SELECT flow.set_queue('probe', paused => true)")
     run = pg.one("SELECT flow.enqueue('probe')")
-    done = pg.one("SELECT id FROM flow._runs WHERE name = 'burst' LIMIT 1")
+    done = pg.one("SELECT id FROM flow._run_rows WHERE name = 'burst' LIMIT 1")
     pg.all("ANALYZE flow._commands")
     pg.all("SELECT pg_stat_force_next_flush()")
     before = seq_scans(pg)
@@ -236,7 +236,7 @@ def test_a_runs_commands_are_found_by_index_among_many(pg):
     pg.all("SELECT pg_stat_force_next_flush()")
     assert seq_scans(pg) == before
     # a window of 100 runs from a finished one on (flow._prune takes runs after its third argument)
-    after = pg.one("SELECT id FROM flow._runs WHERE id < %s ORDER BY id DESC LIMIT 1", done)
+    after = pg.one("SELECT id FROM flow._run_rows WHERE id < %s ORDER BY id DESC LIMIT 1", done)
     pruned = pg.one("SELECT pruned FROM flow._prune('0 s', 100, %s)", after)
     pg.all("SELECT pg_stat_force_next_flush()")
     assert seq_scans(pg) == before

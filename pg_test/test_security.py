@@ -127,7 +127,7 @@ def test_deferred_foreign_keys_work_and_a_violation_fails_only_its_command(pg):
     assert pg.await_run(bad, user="alice")[0] == "failed"
     assert error_of(pg, bad)[0] == "23503"
     # one attempt each: nobody was charged for the violation of another
-    assert pg.one("SELECT max(attempts) FROM flow._commands c JOIN flow._runs r ON r.id = c.run_id"
+    assert pg.one("SELECT max(attempts) FROM flow._commands c JOIN flow._run_rows r ON r.id = c.run_id"
                   " WHERE r.name = %s", name) == 1
     assert pg.one("SELECT count(*) FROM app.child") == 20
 
@@ -350,9 +350,9 @@ def test_no_role_can_take_over_a_definition_name(pg):
 def test_huge_intervals_and_infinite_times_are_refused(pg, call, code):
     d = unique("bounded")
     pg.one(f"SELECT flow.define('{d}', 'flow.noop'::regproc)", user="alice")
-    before = pg.one("SELECT count(*) FROM flow._definitions") , pg.one("SELECT count(*) FROM flow._runs")
+    before = pg.one("SELECT count(*) FROM flow._definitions") , pg.one("SELECT count(*) FROM flow._run_rows")
     assert pg.sqlstate("SELECT " + call.format(n=unique("n"), d=d), user="alice") == code
-    assert (pg.one("SELECT count(*) FROM flow._definitions"), pg.one("SELECT count(*) FROM flow._runs")) == before
+    assert (pg.one("SELECT count(*) FROM flow._definitions"), pg.one("SELECT count(*) FROM flow._run_rows")) == before
 
 
 def test_a_huge_retry_after_fails_its_command_and_nothing_else(pg):
@@ -613,7 +613,7 @@ def test_an_engine_error_charges_no_command_that_did_not_cause_it(pg):
     finally:
         set_faults(pg, "")
     # nobody was charged for the failed chunk, and no worker exited
-    assert pg.one("SELECT max(c.attempts) FROM flow._commands c JOIN flow._runs r ON r.id = c.run_id"
+    assert pg.one("SELECT max(c.attempts) FROM flow._commands c JOIN flow._run_rows r ON r.id = c.run_id"
                   " WHERE r.name = %s", name) == 1
     assert sorted(pg.worker_pids()) == pids
     assert "fault injected at settle_success" in pg.log()
@@ -856,7 +856,7 @@ def test_a_settlement_is_retried_past_a_transient_error(pg):
     after = dict(pg.all("SELECT name, value FROM flow.stats"))
     # retried in place: nothing was handed back, nobody charged twice
     assert after["handed_back"] == before["handed_back"]
-    assert pg.one("SELECT max(c.attempts) FROM flow._commands c JOIN flow._runs r ON r.id = c.run_id"
+    assert pg.one("SELECT max(c.attempts) FROM flow._commands c JOIN flow._run_rows r ON r.id = c.run_id"
                   " WHERE r.name = %s", name) == 1
 
 

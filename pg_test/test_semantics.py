@@ -247,7 +247,8 @@ def test_a_run_locked_elsewhere_does_not_hold_up_the_batch(pg):
     q = unique("hol")
     pg.one(f"SELECT flow.set_queue('{q}', paused => true)")
     name = define(pg, queue=f"'{q}'")
-    blocked = enqueue(pg, name, '{"tag": "blocked"}')
+    # (keyed: a run with a row of its own, which a client holds apart from its root)
+    blocked = enqueue(pg, name, '{"tag": "blocked"}', key=f"'{unique('blocked')}'")
     others = pg.one(f"SELECT flow.enqueue_many('{name}', array_fill('{{}}'::jsonb, array[20]))")
     with pg.connect(autocommit=False) as holder:
         holder.execute("SELECT 1 FROM flow._runs WHERE id = %s FOR UPDATE", (blocked,))   # like an idle client
@@ -430,12 +431,12 @@ def test_args_are_checked_against_the_definitions_args_type(pg):
     pg.one(f"SELECT flow.define('{loose}', 'flow.noop'::regproc, args_type => 'app.has_x')")
     assert pg.await_run(pg.one(f"""SELECT flow.enqueue('{name}', '{{"order_id": 7, "sku": "book"}}')"""))[0] == \
         "succeeded"
-    before = pg.one("SELECT count(*) FROM flow._runs")
+    before = pg.one("SELECT count(*) FROM flow._run_rows")
     for bad in ['{"order_id": "seven"}', '{"order_id": 7, "colour": "red"}']:
         assert pg.sqlstate(f"SELECT flow.enqueue('{name}', '{bad}')") == "FL019"
     assert pg.sqlstate(f"""SELECT flow.enqueue_many('{name}', array['{{"order_id": 1}}', '{{"order_id": "x"}}']::jsonb[])""") == "FL019"
     assert pg.sqlstate(f"SELECT flow.enqueue('{loose}', '{{\"y\": 1}}')") == "FL019"
-    assert pg.one("SELECT count(*) FROM flow._runs") == before
+    assert pg.one("SELECT count(*) FROM flow._run_rows") == before
     assert pg.sqlstate(f"SELECT flow.define('{unique('n')}', 'flow.noop'::regproc, args_type => 'integer')") == "FL015"
 
 

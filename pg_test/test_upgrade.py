@@ -148,5 +148,6 @@ def test_the_previous_release_updates_in_place(pg):
     finished = pg.one("SELECT count(*) FROM flow._run_rows WHERE status <> 'running'")
     assert pg.one("SELECT pruned FROM flow._prune('0 s', 1000, NULL)") == finished
     assert pg.one("SELECT count(*) FROM flow._runs WHERE id = ANY (%s)", [pending[0], ok_run, new]) == 0
+    assert pg.one("SELECT count(*) FROM flow._commands WHERE run_id = ANY (%s)", [pending[0], ok_run, new]) == 0
     assert pg.one("SELECT count(*) FROM flow._commands c"
-                  " WHERE NOT EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = c.run_id)") == 0
+                  " WHERE NOT EXISTS (SELECT 1 FROM flow._run_rows r WHERE r.id = c.run_id)") == 0

@@ -321,31 +321,31 @@ SELECT c.id, c.run_id, c.parent_id, c.key, c.name, c.version, c.queue,
        c.wait_timed_out, coalesce(h.owner, c.lease_owner) AS lease_owner, c.lease_expires_at,
        coalesce(h.started_at, c.attempt_started_at) AS attempt_started_at, c.attempt_deadline,
        c.created_at, c.finished_at
-FROM flow._command_rows c JOIN flow._runs r ON r.id = c.run_id
+FROM flow._command_rows c
 LEFT JOIN flow._held_attempts h ON h.command_id = c.id
-WHERE pg_has_role(current_user, r.owner, 'MEMBER');
+WHERE pg_has_role(current_user, c.owner, 'MEMBER');
 
 -- Finished attempts of visible commands (a success is its command row: see
 -- sql/schema.sql, _attempts), plus the live one of a running command.
 CREATE VIEW flow.attempts WITH (security_barrier) AS
 SELECT a.command_id, c.run_id, c.name, a.attempt, a.owner, a.started_at, a.finished_at,
        a.finished_at - a.started_at AS duration, a.outcome, a.error_code, a.error_message
-FROM flow._attempts a JOIN flow._command_rows c ON c.id = a.command_id JOIN flow._runs r ON r.id = c.run_id
-WHERE pg_has_role(current_user, r.owner, 'MEMBER')
+FROM flow._attempts a JOIN flow._command_rows c ON c.id = a.command_id
+WHERE pg_has_role(current_user, c.owner, 'MEMBER')
 UNION ALL
 SELECT c.id, c.run_id, c.name, c.attempts, c.lease_owner, c.attempt_started_at, c.finished_at,
        c.finished_at - c.attempt_started_at, 'succeeded', NULL, NULL
-FROM flow._command_rows c JOIN flow._runs r ON r.id = c.run_id
-WHERE c.status = 'succeeded' AND c.lease_token IS NOT NULL AND pg_has_role(current_user, r.owner, 'MEMBER')
+FROM flow._command_rows c
+WHERE c.status = 'succeeded' AND c.lease_token IS NOT NULL AND pg_has_role(current_user, c.owner, 'MEMBER')
 UNION ALL
 SELECT c.id, c.run_id, c.name, c.attempts, c.lease_owner, c.attempt_started_at, NULL, now() - c.attempt_started_at,
        'running', NULL, NULL
-FROM flow._command_rows c JOIN flow._runs r ON r.id = c.run_id
-WHERE c.status = 'running' AND pg_has_role(current_user, r.owner, 'MEMBER')
+FROM flow._command_rows c
+WHERE c.status = 'running' AND pg_has_role(current_user, c.owner, 'MEMBER')
 UNION ALL
 SELECT c.id, c.run_id, c.name, h.attempt, h.owner, h.started_at, NULL, now() - h.started_at, 'running', NULL, NULL
-FROM flow._held_attempts h JOIN flow._command_rows c ON c.id = h.command_id JOIN flow._runs r ON r.id = c.run_id
-WHERE pg_has_role(current_user, r.owner, 'MEMBER');
+FROM flow._held_attempts h JOIN flow._command_rows c ON c.id = h.command_id
+WHERE pg_has_role(current_user, c.owner, 'MEMBER');
 
 CREATE VIEW flow.definitions WITH (security_barrier) AS
 SELECT d.name, d.version, d.handler, d.handler IS NULL AS external, d.takes_context, d.owner,
@@ -373,14 +373,12 @@ CROSS JOIN LATERAL (
     FROM flow._commands c                                           -- index _commands_due
     LEFT JOIN flow._held_attempts h ON h.command_id = c.id
     WHERE c.queue = q.name AND c.status IN ('pending', 'waiting')
-      -- the run's owner by its primary key, command by command (a join
-      -- could be planned as a scan of every retained run)
-      AND pg_has_role(current_user, (SELECT r.owner FROM flow._runs r WHERE r.id = c.run_id), 'MEMBER')) u
+      AND pg_has_role(current_user, c.owner, 'MEMBER')) u
 CROSS JOIN LATERAL (
     SELECT count(*) AS running
     FROM flow._commands c                                           -- index _commands_running
     WHERE c.queue = q.name AND c.status = 'running'
-      AND pg_has_role(current_user, (SELECT r.owner FROM flow._runs r WHERE r.id = c.run_id), 'MEMBER')) k
+      AND pg_has_role(current_user, c.owner, 'MEMBER')) k
 WHERE coalesce(pg_has_role(current_user, q.owner, 'MEMBER'), false) OR flow._among(current_user::regrole, q.users);
 
 -- What the retained history holds per queue: counts of a role's own finished
@@ -394,8 +392,8 @@ SELECT q.name,
        min(c.finished_at) AS since
 FROM flow._queues q
 LEFT JOIN (SELECT x.id, x.queue, x.status, x.finished_at
-           FROM flow._commands x JOIN flow._runs r ON r.id = x.run_id AND pg_has_role(current_user, r.owner, 'MEMBER')
-           WHERE x.finished_at IS NOT NULL) c
+           FROM flow._commands x
+           WHERE x.finished_at IS NOT NULL AND pg_has_role(current_user, x.owner, 'MEMBER')) c
        ON c.queue = q.name
 WHERE coalesce(pg_has_role(current_user, q.owner, 'MEMBER'), false) OR flow._among(current_user::regrole, q.users)
 GROUP BY q.name;
@@ -411,15 +409,15 @@ WHERE pg_has_role(current_user, e.owner, 'MEMBER');
 
 CREATE VIEW flow.waits WITH (security_barrier) AS
 SELECT w.command_id, c.run_id, w.name, w.key, w.event_position, w.satisfied_at
-FROM flow._waits w JOIN flow._command_rows c ON c.id = w.command_id JOIN flow._runs r ON r.id = c.run_id
-WHERE pg_has_role(current_user, r.owner, 'MEMBER');
+FROM flow._waits w JOIN flow._command_rows c ON c.id = w.command_id
+WHERE pg_has_role(current_user, c.owner, 'MEMBER');
 
 -- What each in-database worker is doing now (shared memory).
 CREATE VIEW flow.workers AS
 SELECT w.worker, w.pid, w.state,
        -- another role's command is not named
-       (SELECT c.id FROM flow._commands c JOIN flow._runs r ON r.id = c.run_id
-        WHERE c.id = w.command_id AND pg_has_role(current_user, r.owner, 'MEMBER')) AS command_id,
+       (SELECT c.id FROM flow._commands c
+        WHERE c.id = w.command_id AND pg_has_role(current_user, c.owner, 'MEMBER')) AS command_id,
        w.since, w.handled
 FROM flow._worker_states() w;
 
@@ -468,8 +466,8 @@ FROM (SELECT a.command_id, a.outcome, a.started_at, a.finished_at FROM flow._att
       -- successes: their command rows (see sql/schema.sql, _attempts)
       SELECT s.id, 'succeeded', s.attempt_started_at, s.finished_at FROM flow._commands s
       WHERE s.status = 'succeeded' AND s.lease_token IS NOT NULL AND s.finished_at > now() - interval '1 minute') a
-JOIN flow._commands c ON c.id = a.command_id JOIN flow._runs r ON r.id = c.run_id
-WHERE pg_has_role(current_user, r.owner, 'MEMBER')
+JOIN flow._commands c ON c.id = a.command_id
+WHERE pg_has_role(current_user, c.owner, 'MEMBER')
 GROUP BY c.queue, c.name;
 
 -- ---------------------------------------------------------------- privileges

@@ -132,7 +132,8 @@ LANGUAGE sql STABLE AS $$
     SELECT * FROM flow._command_rows c WHERE c.run_id = _commands_of.run_id
 $$;
 
--- All runs as they stand, with _runs' columns in its order. A run whose root
+-- All runs as they stand, with _runs' columns in its order: those with a row
+-- and those without (see flow._runs). A run whose root
 -- succeeded with no child ended with it, and its end is on the root's row
 -- alone: the settlement of such a root (the common run: one command) writes
 -- the command and not the run, whose row stays as enqueue wrote it, status
@@ -154,4 +155,27 @@ FROM flow._runs r LEFT JOIN LATERAL (
     SELECT 'succeeded'::flow.run_status AS status, c.result, c.finished_at
     FROM flow._commands c
     WHERE r.status = 'running' AND c.id = r.id AND c.status::text = 'succeeded'   -- by id (above)
-      AND NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = c.id)) alone ON true;
+      AND NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = c.id)) alone ON true
+UNION ALL
+-- A run without a row (see flow._runs) is its root, which has no child: a
+-- failure or a cancel gives the run its row, so such a root is unfinished or
+-- succeeded (the other two are mapped, should one ever be seen).
+SELECT c.id, NULL::text, c.owner, c.name, c.version, c.queue, c.args,
+       CASE c.status::text WHEN 'succeeded' THEN 'succeeded' WHEN 'failed' THEN 'failed'
+                           WHEN 'cancelled' THEN 'cancelled' ELSE 'running' END::flow.run_status,
+       c.result, NULL::jsonb, c.deadline, c.created_at, c.finished_at
+FROM flow._commands c
+WHERE c.id = c.run_id AND NOT EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = c.id);
+
+-- Give a run without a row its row (see flow._runs), as enqueue would have
+-- written it, from its root; a run that has one keeps it. The caller holds
+-- the root's row lock (the chunk or client running the root, a cancel or a
+-- settlement that locked it), so two callers never insert it at once.
+CREATE FUNCTION flow._run_row_needed(run_id uuid) RETURNS void
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+BEGIN
+    INSERT INTO flow._runs (id, owner, name, version, queue, args, deadline, created_at)
+    SELECT c.id, c.owner, c.name, c.version, c.queue, c.args, c.deadline, c.created_at
+    FROM flow._commands c WHERE c.id = _run_row_needed.run_id
+    ON CONFLICT (id) DO NOTHING;
+END $$;

@@ -341,6 +341,7 @@ BEGIN
     UPDATE flow._definitions d SET owner = new_role WHERE d.owner = ANY (old_roles);
     UPDATE flow._queues q SET owner = new_role WHERE q.owner = ANY (old_roles);
     UPDATE flow._runs r SET owner = new_role WHERE r.owner = ANY (old_roles);
+    UPDATE flow._commands c SET owner = new_role WHERE c.owner = ANY (old_roles);
     UPDATE flow._events e SET owner = new_role WHERE e.owner = ANY (old_roles);
     PERFORM flow._mark_owner(new_role);
     -- the old roles own nothing of flow here any more (see _mark_owner)

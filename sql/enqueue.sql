@@ -60,17 +60,18 @@ BEGIN
 END $$;
 
 -- The root commands of new runs (run_ids[i] gets args[i]), and the wake-up.
-CREATE FUNCTION flow._insert_roots(name text, version integer, external boolean, lane text, due timestamptz,
-    ends timestamptz, run_ids uuid[], args jsonb[])
+-- A run is its root until it needs a row of its own (see flow._runs).
+CREATE FUNCTION flow._insert_roots(owner oid, name text, version integer, external boolean, lane text,
+    due timestamptz, ends timestamptz, run_ids uuid[], args jsonb[])
 RETURNS void
 LANGUAGE plpgsql AS $$
 BEGIN
     INSERT INTO flow._commands (id, run_id, key, name, version, queue, args, declaration, status,
-        next_run_at, not_before, budget_started_at, deadline, external)
+        next_run_at, not_before, budget_started_at, deadline, external, owner)
     -- (a root is never spawned again, so it has no declaration to match:
     -- its args are not stored twice; its id is its run's, see _commands_run_key)
     SELECT t.run_id, t.run_id, 'root', _insert_roots.name, _insert_roots.version, lane, t.args, '{}',
-        'pending', due, due, due, ends, _insert_roots.external
+        'pending', due, due, due, ends, _insert_roots.external, _insert_roots.owner
     FROM unnest(run_ids, args) AS t(run_id, args);
     PERFORM flow._wake();
 END $$;
@@ -93,11 +94,14 @@ BEGIN
         RAISE EXCEPTION 'flow: key must not be empty (NULL for none)' USING ERRCODE = 'FL002';
     END IF;
     -- The run key makes enqueue idempotent: a concurrent insert of the same key
-    -- waits for the first to commit, then finds its row.
-    INSERT INTO flow._runs (id, key, owner, name, version, queue, args, deadline)
-    VALUES (run_id, key, caller, _enqueue.name, p.def_version, p.lane, args, p.ends)
-    ON CONFLICT (owner, key) WHERE key IS NOT NULL DO NOTHING;      -- index _runs_owner_key
-    IF NOT FOUND THEN
+    -- waits for the first to commit, then finds its row. (A run without a key
+    -- has no row of its own: see flow._runs.)
+    IF key IS NOT NULL THEN
+        INSERT INTO flow._runs (id, key, owner, name, version, queue, args, deadline)
+        VALUES (run_id, key, caller, _enqueue.name, p.def_version, p.lane, args, p.ends)
+        ON CONFLICT (owner, key) WHERE key IS NOT NULL DO NOTHING;      -- index _runs_owner_key
+    END IF;
+    IF key IS NOT NULL AND NOT FOUND THEN
         SELECT * INTO existing FROM flow._runs r WHERE r.owner = caller AND r.key = _enqueue.key;
         IF existing.name IS DISTINCT FROM _enqueue.name OR existing.version IS DISTINCT FROM p.def_version
            OR existing.args IS DISTINCT FROM args OR existing.queue IS DISTINCT FROM p.lane THEN
@@ -108,7 +112,7 @@ BEGIN
         END IF;
         RETURN existing.id;
     END IF;
-    PERFORM flow._insert_roots(name, p.def_version, p.def_external, p.lane, p.due, p.ends,
+    PERFORM flow._insert_roots(caller, name, p.def_version, p.def_external, p.lane, p.due, p.ends,
                                ARRAY[run_id], ARRAY[args]);
     RETURN run_id;
 END $$;
@@ -149,10 +153,7 @@ BEGIN
         END IF;
     END IF;
     SELECT coalesce(array_agg(flow._new_id()), '{}') INTO ids FROM unnest(args_array);
-    INSERT INTO flow._runs (id, owner, name, version, queue, args, deadline)
-    SELECT t.id, caller, _enqueue_many.name, p.def_version, p.lane, t.args, p.ends
-    FROM unnest(ids, args_array) AS t(id, args);
-    PERFORM flow._insert_roots(name, p.def_version, p.def_external, p.lane, p.due, p.ends,
+    PERFORM flow._insert_roots(caller, name, p.def_version, p.def_external, p.lane, p.due, p.ends,
                                ids, args_array);
     RETURN ids;
 END $$;

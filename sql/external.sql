@@ -135,8 +135,7 @@ BEGIN
     -- A run cancelled (or failed) under a live lease: tell the worker to stop.
     IF EXISTS (SELECT 1 FROM flow._attempts a JOIN flow._commands x ON x.id = a.command_id
                WHERE a.command_id = _heartbeat.command_id AND a.lease_token = _heartbeat.lease_token
-                 AND a.outcome = 'cancelled' AND pg_has_role(caller, (SELECT r.owner FROM flow._runs r
-                                                                      WHERE r.id = x.run_id), 'MEMBER')) THEN
+                 AND a.outcome = 'cancelled' AND pg_has_role(caller, x.owner, 'MEMBER')) THEN
         RETURN QUERY SELECT NULL::timestamptz, true;
         RETURN;
     END IF;

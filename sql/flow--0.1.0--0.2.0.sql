@@ -140,6 +140,12 @@ CREATE UNIQUE INDEX _runs_owner_key ON flow._runs (owner, key) WHERE key IS NOT 
 -- The roots of 0.1.0's runs keep their ids, and their entries.
 ALTER TABLE flow._commands DROP CONSTRAINT _commands_run_id_key_key;
 CREATE UNIQUE INDEX _commands_run_key ON flow._commands (run_id, key) WHERE id <> run_id;
+-- Every command carries its run's owner, and a run without a key is its root
+-- until it needs a row of its own (see sql/schema.sql, flow._runs). The runs
+-- of 0.1.0 keep their rows.
+ALTER TABLE flow._commands ADD COLUMN owner regrole;
+UPDATE flow._commands c SET owner = r.owner FROM flow._runs r WHERE r.id = c.run_id;
+ALTER TABLE flow._commands ALTER COLUMN owner SET NOT NULL;
 
 -- src/lib.rs:28
 -- requires:
@@ -279,7 +285,8 @@ LANGUAGE sql STABLE AS $$
     SELECT * FROM flow._command_rows c WHERE c.run_id = _commands_of.run_id
 $$;
 
--- All runs as they stand, with _runs' columns in its order. A run whose root
+-- All runs as they stand, with _runs' columns in its order: those with a row
+-- and those without (see flow._runs). A run whose root
 -- succeeded with no child ended with it, and its end is on the root's row
 -- alone: the settlement of such a root (the common run: one command) writes
 -- the command and not the run, whose row stays as enqueue wrote it, status
@@ -301,7 +308,30 @@ FROM flow._runs r LEFT JOIN LATERAL (
     SELECT 'succeeded'::flow.run_status AS status, c.result, c.finished_at
     FROM flow._commands c
     WHERE r.status = 'running' AND c.id = r.id AND c.status::text = 'succeeded'   -- by id (above)
-      AND NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = c.id)) alone ON true;
+      AND NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = c.id)) alone ON true
+UNION ALL
+-- A run without a row (see flow._runs) is its root, which has no child: a
+-- failure or a cancel gives the run its row, so such a root is unfinished or
+-- succeeded (the other two are mapped, should one ever be seen).
+SELECT c.id, NULL::text, c.owner, c.name, c.version, c.queue, c.args,
+       CASE c.status::text WHEN 'succeeded' THEN 'succeeded' WHEN 'failed' THEN 'failed'
+                           WHEN 'cancelled' THEN 'cancelled' ELSE 'running' END::flow.run_status,
+       c.result, NULL::jsonb, c.deadline, c.created_at, c.finished_at
+FROM flow._commands c
+WHERE c.id = c.run_id AND NOT EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = c.id);
+
+-- Give a run without a row its row (see flow._runs), as enqueue would have
+-- written it, from its root; a run that has one keeps it. The caller holds
+-- the root's row lock (the chunk or client running the root, a cancel or a
+-- settlement that locked it), so two callers never insert it at once.
+CREATE OR REPLACE FUNCTION flow._run_row_needed(run_id uuid) RETURNS void
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+BEGIN
+    INSERT INTO flow._runs (id, owner, name, version, queue, args, deadline, created_at)
+    SELECT c.id, c.owner, c.name, c.version, c.queue, c.args, c.deadline, c.created_at
+    FROM flow._commands c WHERE c.id = _run_row_needed.run_id
+    ON CONFLICT (id) DO NOTHING;
+END $$;
 
 -- src/lib.rs:29
 -- requires:
@@ -650,6 +680,7 @@ BEGIN
     UPDATE flow._definitions d SET owner = new_role WHERE d.owner = ANY (old_roles);
     UPDATE flow._queues q SET owner = new_role WHERE q.owner = ANY (old_roles);
     UPDATE flow._runs r SET owner = new_role WHERE r.owner = ANY (old_roles);
+    UPDATE flow._commands c SET owner = new_role WHERE c.owner = ANY (old_roles);
     UPDATE flow._events e SET owner = new_role WHERE e.owner = ANY (old_roles);
     PERFORM flow._mark_owner(new_role);
     -- the old roles own nothing of flow here any more (see _mark_owner)
@@ -758,17 +789,18 @@ BEGIN
 END $$;
 
 -- The root commands of new runs (run_ids[i] gets args[i]), and the wake-up.
-CREATE OR REPLACE FUNCTION flow._insert_roots(name text, version integer, external boolean, lane text, due timestamptz,
-    ends timestamptz, run_ids uuid[], args jsonb[])
+-- A run is its root until it needs a row of its own (see flow._runs).
+CREATE OR REPLACE FUNCTION flow._insert_roots(owner oid, name text, version integer, external boolean, lane text,
+    due timestamptz, ends timestamptz, run_ids uuid[], args jsonb[])
 RETURNS void
 LANGUAGE plpgsql AS $$
 BEGIN
     INSERT INTO flow._commands (id, run_id, key, name, version, queue, args, declaration, status,
-        next_run_at, not_before, budget_started_at, deadline, external)
+        next_run_at, not_before, budget_started_at, deadline, external, owner)
     -- (a root is never spawned again, so it has no declaration to match:
     -- its args are not stored twice; its id is its run's, see _commands_run_key)
     SELECT t.run_id, t.run_id, 'root', _insert_roots.name, _insert_roots.version, lane, t.args, '{}',
-        'pending', due, due, due, ends, _insert_roots.external
+        'pending', due, due, due, ends, _insert_roots.external, _insert_roots.owner
     FROM unnest(run_ids, args) AS t(run_id, args);
     PERFORM flow._wake();
 END $$;
@@ -791,11 +823,14 @@ BEGIN
         RAISE EXCEPTION 'flow: key must not be empty (NULL for none)' USING ERRCODE = 'FL002';
     END IF;
     -- The run key makes enqueue idempotent: a concurrent insert of the same key
-    -- waits for the first to commit, then finds its row.
-    INSERT INTO flow._runs (id, key, owner, name, version, queue, args, deadline)
-    VALUES (run_id, key, caller, _enqueue.name, p.def_version, p.lane, args, p.ends)
-    ON CONFLICT (owner, key) WHERE key IS NOT NULL DO NOTHING;      -- index _runs_owner_key
-    IF NOT FOUND THEN
+    -- waits for the first to commit, then finds its row. (A run without a key
+    -- has no row of its own: see flow._runs.)
+    IF key IS NOT NULL THEN
+        INSERT INTO flow._runs (id, key, owner, name, version, queue, args, deadline)
+        VALUES (run_id, key, caller, _enqueue.name, p.def_version, p.lane, args, p.ends)
+        ON CONFLICT (owner, key) WHERE key IS NOT NULL DO NOTHING;      -- index _runs_owner_key
+    END IF;
+    IF key IS NOT NULL AND NOT FOUND THEN
         SELECT * INTO existing FROM flow._runs r WHERE r.owner = caller AND r.key = _enqueue.key;
         IF existing.name IS DISTINCT FROM _enqueue.name OR existing.version IS DISTINCT FROM p.def_version
            OR existing.args IS DISTINCT FROM args OR existing.queue IS DISTINCT FROM p.lane THEN
@@ -806,7 +841,7 @@ BEGIN
         END IF;
         RETURN existing.id;
     END IF;
-    PERFORM flow._insert_roots(name, p.def_version, p.def_external, p.lane, p.due, p.ends,
+    PERFORM flow._insert_roots(caller, name, p.def_version, p.def_external, p.lane, p.due, p.ends,
                                ARRAY[run_id], ARRAY[args]);
     RETURN run_id;
 END $$;
@@ -847,10 +882,7 @@ BEGIN
         END IF;
     END IF;
     SELECT coalesce(array_agg(flow._new_id()), '{}') INTO ids FROM unnest(args_array);
-    INSERT INTO flow._runs (id, owner, name, version, queue, args, deadline)
-    SELECT t.id, caller, _enqueue_many.name, p.def_version, p.lane, t.args, p.ends
-    FROM unnest(ids, args_array) AS t(id, args);
-    PERFORM flow._insert_roots(name, p.def_version, p.def_external, p.lane, p.due, p.ends,
+    PERFORM flow._insert_roots(caller, name, p.def_version, p.def_external, p.lane, p.due, p.ends,
                                ids, args_array);
     RETURN ids;
 END $$;
@@ -1137,26 +1169,54 @@ BEGIN
     RETURN cut;
 END $$;
 
--- Lock the runs of these commands, in id order (so two lockers never
--- deadlock). Every settlement of a run takes this lock first, so exactly one
--- of them sees the run's last command finish (rule 7). successes: the
--- commands settle as successes, and the run of a root with no child is left
--- unlocked: it is that root's only command, its success writes no run
--- (_settle_batch), and a cancel waits for the root's own row instead
--- (_lock_run_and_commands). The claim of a held command makes the same
--- exception (flow._claim).
+-- Lock runs, in id order (so two lockers never deadlock): their rows, and
+-- for a run without a row (see flow._runs) its root's row, which stands for
+-- it. wait: wait for runs locked elsewhere; otherwise skip them. Returns the
+-- runs locked.
+CREATE OR REPLACE FUNCTION flow._lock_runs(run_ids uuid[], wait boolean) RETURNS uuid[]
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+DECLARE
+    rows_locked uuid[];
+    roots_locked uuid[];
+BEGIN
+    IF coalesce(cardinality(run_ids), 0) = 0 THEN
+        RETURN '{}';
+    END IF;
+    IF wait THEN
+        PERFORM 1 FROM flow._runs r WHERE r.id = ANY (run_ids) ORDER BY r.id FOR UPDATE;
+        PERFORM 1 FROM flow._commands c
+        WHERE c.id = ANY (run_ids) AND NOT EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = c.id)
+        ORDER BY c.id FOR UPDATE;
+        RETURN run_ids;
+    END IF;
+    SELECT array_agg(x.id) INTO rows_locked FROM (
+        SELECT r.id FROM flow._runs r WHERE r.id = ANY (run_ids) ORDER BY r.id FOR UPDATE SKIP LOCKED) x;
+    -- (a run whose row is locked elsewhere has a row: its root is not taken)
+    SELECT array_agg(x.id) INTO roots_locked FROM (
+        SELECT c.id FROM flow._commands c
+        WHERE c.id = ANY (run_ids) AND NOT EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = c.id)
+        ORDER BY c.id FOR UPDATE SKIP LOCKED) x;
+    RETURN coalesce(rows_locked, '{}') || coalesce(roots_locked, '{}');
+END $$;
+
+-- Lock the runs of these commands (flow._lock_runs). Every settlement of a
+-- run takes this lock first, so exactly one of them sees the run's last
+-- command finish (rule 7). successes: the commands settle as successes, and
+-- the run of a root with no child is left unlocked: it is that root's only
+-- command, its success writes no run (_settle_batch), and a cancel waits for
+-- the root's own row instead (_lock_run_and_commands). The claim of a held
+-- command makes the same exception (flow._claim).
 -- (plpgsql, not sql: its plan is cached per session; an sql function called
 -- from plpgsql is planned again on every call, ~70 µs.)
 CREATE OR REPLACE FUNCTION flow._lock_runs_of(command_ids uuid[], successes boolean DEFAULT false) RETURNS void
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 BEGIN
-    PERFORM 1 FROM flow._runs r
-    WHERE r.id = ANY (ARRAY(SELECT c.run_id FROM flow._commands c
-                   WHERE c.id = ANY (command_ids)
-                     -- (a root with no child: see flow._run_rows)
-                     AND NOT (successes AND c.id = c.run_id
-                              AND NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = c.id))))
-    ORDER BY r.id FOR UPDATE;
+    PERFORM flow._lock_runs(ARRAY(SELECT DISTINCT c.run_id FROM flow._commands c
+                                  WHERE c.id = ANY (command_ids)
+                                    -- (a root with no child: see flow._run_rows)
+                                    AND NOT (successes AND c.id = c.run_id
+                                             AND NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = c.id))),
+                           true);
 END $$;
 
 -- Lock the run of a command unless another transaction holds it (then
@@ -1165,10 +1225,8 @@ END $$;
 CREATE OR REPLACE FUNCTION flow._try_lock_run_of(command_id uuid) RETURNS boolean
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 BEGIN
-    PERFORM 1 FROM flow._runs r
-    WHERE r.id = (SELECT c.run_id FROM flow._commands c WHERE c.id = _try_lock_run_of.command_id)
-    FOR UPDATE SKIP LOCKED;
-    RETURN FOUND;
+    RETURN cardinality(flow._lock_runs(ARRAY(SELECT c.run_id FROM flow._commands c
+                                             WHERE c.id = _try_lock_run_of.command_id), false)) > 0;
 END $$;
 
 -- Close every unfinished command of a run (cancel or run failure). An
@@ -1219,10 +1277,8 @@ LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off 
 DECLARE
     locked uuid[];
 BEGIN
-    SELECT array_agg(r.id) INTO locked FROM (
-        SELECT x.id FROM flow._runs x
-        WHERE x.id = ANY (ARRAY(SELECT c.run_id FROM flow._commands c WHERE c.id = ANY (command_ids)))
-        ORDER BY x.id FOR UPDATE SKIP LOCKED) r;
+    locked := flow._lock_runs(ARRAY(SELECT DISTINCT c.run_id FROM flow._commands c WHERE c.id = ANY (command_ids)),
+                              false);
     RETURN QUERY
         SELECT c.id, c.run_id = ANY (coalesce(locked, '{}'))
         FROM flow._commands c JOIN unnest(command_ids, lease_tokens) AS t(id, token) ON c.id = ANY (ARRAY[t.id])
@@ -1445,6 +1501,7 @@ BEGIN
 
     IF stop IS NOT NULL THEN
         -- A terminal failure fails the run and cancels its other commands (rule 7).
+        PERFORM flow._run_row_needed(c.run_id);   -- (its root is locked above)
         UPDATE flow._runs r SET status = 'failed', finished_at = clock_timestamp(),
             error = jsonb_build_object('command_id', c.id, 'command_key', c.key, 'name', c.name,
                                        'code', code, 'message', cut, 'stop_reason', stop)
@@ -1538,15 +1595,16 @@ BEGIN
         WHERE v.id > coalesce(after, '00000000-0000-0000-0000-000000000000') AND v.id < bound
         ORDER BY v.id LIMIT max_runs) x;
     last := window_ids[cardinality(window_ids)];
-    WITH gone AS (
+    WITH run_rows AS (
+        -- (a run may have no row of its own: see flow._runs)
         DELETE FROM flow._runs r WHERE r.id = ANY (ended_ids)
-        RETURNING r.id
     ), commands AS (
         -- (each run's commands by a subquery on its id, not a lateral join:
         -- see flow._commands_of)
         DELETE FROM flow._commands c
-        WHERE c.id = ANY (ARRAY(SELECT unnest(ARRAY(SELECT k.id FROM flow._commands_of(gone.id) k)) FROM gone))
-        RETURNING c.id,
+        WHERE c.id = ANY (ARRAY(SELECT unnest(ARRAY(SELECT k.id FROM flow._commands_of(gone.id) k))
+                                FROM unnest(ended_ids) AS gone(id)))
+        RETURNING c.id, c.parent_id IS NULL AS root,
                   -- (a success at its first attempt, settled by 0.2.0 on, has no
                   -- row in _attempts: see sql/schema.sql; 0.1.0 left the command
                   -- no lease token)
@@ -1558,7 +1616,8 @@ BEGIN
     ), waits AS (
         DELETE FROM flow._waits w USING commands WHERE commands.may_wait AND w.command_id = ANY (ARRAY[commands.id])
     )
-    SELECT count(*) INTO pruned FROM gone;
+    -- (every run has one root: its runs pruned here, not by a concurrent prune)
+    SELECT count(*) FILTER (WHERE commands.root) INTO pruned FROM commands;
 END $$;
 
 -- Retire up to max_events journal entries emitted more than `older_than` ago
@@ -1607,7 +1666,7 @@ LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     r flow._runs;
 BEGIN
-    SELECT * INTO r FROM flow._runs x WHERE x.id = run_id;
+    SELECT * INTO r FROM flow._run_rows x WHERE x.id = run_id;
     PERFORM flow._require_member(caller, r.owner, 'run', run_id);
     -- A worker chunk running this run's commands holds its lock, or (a root
     -- with no child yet, see flow._claim) its root's: interrupt the handler
@@ -1629,6 +1688,7 @@ BEGIN
     IF r.status <> 'running' THEN
         RETURN false;
     END IF;
+    PERFORM flow._run_row_needed(run_id);   -- (its root is locked above)
     UPDATE flow._runs x SET status = 'cancelled', finished_at = now() WHERE x.id = run_id;
     PERFORM flow._close_open_commands(run_id, 'cancelled');
     PERFORM flow._observe('runs_cancelled', 1);
@@ -1681,7 +1741,7 @@ BEGIN
     FOR domain IN
         SELECT a.oid FROM pg_roles a WHERE pg_has_role(emitter, a.oid, 'MEMBER')
         UNION
-        SELECT r.owner::oid FROM flow._runs r WHERE r.id = emitter_run
+        SELECT r.owner::oid FROM flow._run_rows r WHERE r.id = emitter_run
         ORDER BY 1
     LOOP
         PERFORM flow._lock_event_key(name, key, domain, 'share');
@@ -1724,9 +1784,8 @@ CREATE OR REPLACE FUNCTION flow._may_satisfy(emitter_role oid, emitter_run uuid,
 LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
     SELECT EXISTS (
         SELECT 1 FROM flow._commands c
-        JOIN flow._runs r ON r.id = c.run_id
         WHERE c.id = command_id
-          AND (c.run_id = emitter_run OR pg_has_role(emitter_role, r.owner, 'MEMBER')))
+          AND (c.run_id = emitter_run OR pg_has_role(emitter_role, c.owner, 'MEMBER')))
 $$;
 
 -- emitter: the command whose handler (or external worker) emits, NULL from outside.
@@ -1813,15 +1872,23 @@ BEGIN
         'start_after', start_after, 'within', within,
         'waits', (SELECT coalesce(jsonb_agg(DISTINCT jsonb_build_object('name', w.name, 'key', w.key)), '[]')
                   FROM unnest(waits) w));
+    IF NOT EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = parent.run_id) THEN
+        -- The run's first child: the run gets its row (see flow._runs), under
+        -- its root's lock, which the root's own chunk holds already (an
+        -- external worker's spawn takes it: a cancel holds it before it
+        -- gives a run its row, so neither waits for the other's insert).
+        PERFORM 1 FROM flow._commands c WHERE c.id = parent.run_id FOR UPDATE;
+        PERFORM flow._run_row_needed(parent.run_id);
+    END IF;
     INSERT INTO flow._commands (id, run_id, parent_id, key, name, version, queue, args, declaration, status,
-        next_run_at, not_before, budget_started_at, deadline, external)
+        next_run_at, not_before, budget_started_at, deadline, external, owner)
     VALUES (child, parent.run_id, parent.id, key, _spawn.name, p.def_version, p.lane, args, declared,
         CASE WHEN cardinality(waits) > 0 THEN 'waiting' ELSE 'pending' END::flow.command_status,
         -- a wait ends at `within`, and at the run's deadline at the latest
         CASE WHEN cardinality(waits) = 0 THEN p.due
              ELSE least(CASE WHEN within IS NULL THEN 'infinity' ELSE greatest(now() + within, p.due) END,
                         coalesce(parent.deadline, 'infinity')) END,
-        p.due, p.due, parent.deadline, p.def_external)
+        p.due, p.due, parent.deadline, p.def_external, parent.owner)
     ON CONFLICT (run_id, key) WHERE id <> run_id DO NOTHING;          -- index _commands_run_key
     IF NOT FOUND THEN
         -- Keys are unique within a run: the same declaration again is a no-op
@@ -1835,7 +1902,7 @@ BEGIN
     END IF;
 
     FOR spec IN SELECT DISTINCT w.name, w.key FROM unnest(waits) w ORDER BY 1, 2 LOOP
-        PERFORM flow._lock_event_waits(spec.name, spec.key, (SELECT r.owner::oid FROM flow._runs r WHERE r.id = parent.run_id));
+        PERFORM flow._lock_event_waits(spec.name, spec.key, parent.owner::oid);
         -- An event emitted before the wait existed satisfies it from the journal.
         SELECT max(e.position) INTO journaled FROM flow._events e      -- index _events_name_key
         WHERE e.name = spec.name AND e.key = spec.key AND flow._may_satisfy(e.owner, e.run_id, child);
@@ -2070,8 +2137,7 @@ BEGIN
     -- A run cancelled (or failed) under a live lease: tell the worker to stop.
     IF EXISTS (SELECT 1 FROM flow._attempts a JOIN flow._commands x ON x.id = a.command_id
                WHERE a.command_id = _heartbeat.command_id AND a.lease_token = _heartbeat.lease_token
-                 AND a.outcome = 'cancelled' AND pg_has_role(caller, (SELECT r.owner FROM flow._runs r
-                                                                      WHERE r.id = x.run_id), 'MEMBER')) THEN
+                 AND a.outcome = 'cancelled' AND pg_has_role(caller, x.owner, 'MEMBER')) THEN
         RETURN QUERY SELECT NULL::timestamptz, true;
         RETURN;
     END IF;
@@ -2706,31 +2772,31 @@ SELECT c.id, c.run_id, c.parent_id, c.key, c.name, c.version, c.queue,
        c.wait_timed_out, coalesce(h.owner, c.lease_owner) AS lease_owner, c.lease_expires_at,
        coalesce(h.started_at, c.attempt_started_at) AS attempt_started_at, c.attempt_deadline,
        c.created_at, c.finished_at
-FROM flow._command_rows c JOIN flow._runs r ON r.id = c.run_id
+FROM flow._command_rows c
 LEFT JOIN flow._held_attempts h ON h.command_id = c.id
-WHERE pg_has_role(current_user, r.owner, 'MEMBER');
+WHERE pg_has_role(current_user, c.owner, 'MEMBER');
 
 -- Finished attempts of visible commands (a success is its command row: see
 -- sql/schema.sql, _attempts), plus the live one of a running command.
 CREATE OR REPLACE VIEW flow.attempts WITH (security_barrier) AS
 SELECT a.command_id, c.run_id, c.name, a.attempt, a.owner, a.started_at, a.finished_at,
        a.finished_at - a.started_at AS duration, a.outcome, a.error_code, a.error_message
-FROM flow._attempts a JOIN flow._command_rows c ON c.id = a.command_id JOIN flow._runs r ON r.id = c.run_id
-WHERE pg_has_role(current_user, r.owner, 'MEMBER')
+FROM flow._attempts a JOIN flow._command_rows c ON c.id = a.command_id
+WHERE pg_has_role(current_user, c.owner, 'MEMBER')
 UNION ALL
 SELECT c.id, c.run_id, c.name, c.attempts, c.lease_owner, c.attempt_started_at, c.finished_at,
        c.finished_at - c.attempt_started_at, 'succeeded', NULL, NULL
-FROM flow._command_rows c JOIN flow._runs r ON r.id = c.run_id
-WHERE c.status = 'succeeded' AND c.lease_token IS NOT NULL AND pg_has_role(current_user, r.owner, 'MEMBER')
+FROM flow._command_rows c
+WHERE c.status = 'succeeded' AND c.lease_token IS NOT NULL AND pg_has_role(current_user, c.owner, 'MEMBER')
 UNION ALL
 SELECT c.id, c.run_id, c.name, c.attempts, c.lease_owner, c.attempt_started_at, NULL, now() - c.attempt_started_at,
        'running', NULL, NULL
-FROM flow._command_rows c JOIN flow._runs r ON r.id = c.run_id
-WHERE c.status = 'running' AND pg_has_role(current_user, r.owner, 'MEMBER')
+FROM flow._command_rows c
+WHERE c.status = 'running' AND pg_has_role(current_user, c.owner, 'MEMBER')
 UNION ALL
 SELECT c.id, c.run_id, c.name, h.attempt, h.owner, h.started_at, NULL, now() - h.started_at, 'running', NULL, NULL
-FROM flow._held_attempts h JOIN flow._command_rows c ON c.id = h.command_id JOIN flow._runs r ON r.id = c.run_id
-WHERE pg_has_role(current_user, r.owner, 'MEMBER');
+FROM flow._held_attempts h JOIN flow._command_rows c ON c.id = h.command_id
+WHERE pg_has_role(current_user, c.owner, 'MEMBER');
 
 CREATE OR REPLACE VIEW flow.definitions WITH (security_barrier) AS
 SELECT d.name, d.version, d.handler, d.handler IS NULL AS external, d.takes_context, d.owner,
@@ -2758,14 +2824,12 @@ CROSS JOIN LATERAL (
     FROM flow._commands c                                           -- index _commands_due
     LEFT JOIN flow._held_attempts h ON h.command_id = c.id
     WHERE c.queue = q.name AND c.status IN ('pending', 'waiting')
-      -- the run's owner by its primary key, command by command (a join
-      -- could be planned as a scan of every retained run)
-      AND pg_has_role(current_user, (SELECT r.owner FROM flow._runs r WHERE r.id = c.run_id), 'MEMBER')) u
+      AND pg_has_role(current_user, c.owner, 'MEMBER')) u
 CROSS JOIN LATERAL (
     SELECT count(*) AS running
     FROM flow._commands c                                           -- index _commands_running
     WHERE c.queue = q.name AND c.status = 'running'
-      AND pg_has_role(current_user, (SELECT r.owner FROM flow._runs r WHERE r.id = c.run_id), 'MEMBER')) k
+      AND pg_has_role(current_user, c.owner, 'MEMBER')) k
 WHERE coalesce(pg_has_role(current_user, q.owner, 'MEMBER'), false) OR flow._among(current_user::regrole, q.users);
 
 -- What the retained history holds per queue: counts of a role's own finished
@@ -2779,8 +2843,8 @@ SELECT q.name,
        min(c.finished_at) AS since
 FROM flow._queues q
 LEFT JOIN (SELECT x.id, x.queue, x.status, x.finished_at
-           FROM flow._commands x JOIN flow._runs r ON r.id = x.run_id AND pg_has_role(current_user, r.owner, 'MEMBER')
-           WHERE x.finished_at IS NOT NULL) c
+           FROM flow._commands x
+           WHERE x.finished_at IS NOT NULL AND pg_has_role(current_user, x.owner, 'MEMBER')) c
        ON c.queue = q.name
 WHERE coalesce(pg_has_role(current_user, q.owner, 'MEMBER'), false) OR flow._among(current_user::regrole, q.users)
 GROUP BY q.name;
@@ -2796,15 +2860,15 @@ WHERE pg_has_role(current_user, e.owner, 'MEMBER');
 
 CREATE OR REPLACE VIEW flow.waits WITH (security_barrier) AS
 SELECT w.command_id, c.run_id, w.name, w.key, w.event_position, w.satisfied_at
-FROM flow._waits w JOIN flow._command_rows c ON c.id = w.command_id JOIN flow._runs r ON r.id = c.run_id
-WHERE pg_has_role(current_user, r.owner, 'MEMBER');
+FROM flow._waits w JOIN flow._command_rows c ON c.id = w.command_id
+WHERE pg_has_role(current_user, c.owner, 'MEMBER');
 
 -- What each in-database worker is doing now (shared memory).
 CREATE OR REPLACE VIEW flow.workers AS
 SELECT w.worker, w.pid, w.state,
        -- another role's command is not named
-       (SELECT c.id FROM flow._commands c JOIN flow._runs r ON r.id = c.run_id
-        WHERE c.id = w.command_id AND pg_has_role(current_user, r.owner, 'MEMBER')) AS command_id,
+       (SELECT c.id FROM flow._commands c
+        WHERE c.id = w.command_id AND pg_has_role(current_user, c.owner, 'MEMBER')) AS command_id,
        w.since, w.handled
 FROM flow._worker_states() w;
 
@@ -2853,8 +2917,8 @@ FROM (SELECT a.command_id, a.outcome, a.started_at, a.finished_at FROM flow._att
       -- successes: their command rows (see sql/schema.sql, _attempts)
       SELECT s.id, 'succeeded', s.attempt_started_at, s.finished_at FROM flow._commands s
       WHERE s.status = 'succeeded' AND s.lease_token IS NOT NULL AND s.finished_at > now() - interval '1 minute') a
-JOIN flow._commands c ON c.id = a.command_id JOIN flow._runs r ON r.id = c.run_id
-WHERE pg_has_role(current_user, r.owner, 'MEMBER')
+JOIN flow._commands c ON c.id = a.command_id
+WHERE pg_has_role(current_user, c.owner, 'MEMBER')
 GROUP BY c.queue, c.name;
 
 -- ---------------------------------------------------------------- privileges

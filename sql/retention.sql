@@ -26,15 +26,16 @@ BEGIN
         WHERE v.id > coalesce(after, '00000000-0000-0000-0000-000000000000') AND v.id < bound
         ORDER BY v.id LIMIT max_runs) x;
     last := window_ids[cardinality(window_ids)];
-    WITH gone AS (
+    WITH run_rows AS (
+        -- (a run may have no row of its own: see flow._runs)
         DELETE FROM flow._runs r WHERE r.id = ANY (ended_ids)
-        RETURNING r.id
     ), commands AS (
         -- (each run's commands by a subquery on its id, not a lateral join:
         -- see flow._commands_of)
         DELETE FROM flow._commands c
-        WHERE c.id = ANY (ARRAY(SELECT unnest(ARRAY(SELECT k.id FROM flow._commands_of(gone.id) k)) FROM gone))
-        RETURNING c.id,
+        WHERE c.id = ANY (ARRAY(SELECT unnest(ARRAY(SELECT k.id FROM flow._commands_of(gone.id) k))
+                                FROM unnest(ended_ids) AS gone(id)))
+        RETURNING c.id, c.parent_id IS NULL AS root,
                   -- (a success at its first attempt, settled by 0.2.0 on, has no
                   -- row in _attempts: see sql/schema.sql; 0.1.0 left the command
                   -- no lease token)
@@ -46,7 +47,8 @@ BEGIN
     ), waits AS (
         DELETE FROM flow._waits w USING commands WHERE commands.may_wait AND w.command_id = ANY (ARRAY[commands.id])
     )
-    SELECT count(*) INTO pruned FROM gone;
+    -- (every run has one root: its runs pruned here, not by a concurrent prune)
+    SELECT count(*) FILTER (WHERE commands.root) INTO pruned FROM commands;
 END $$;
 
 -- Retire up to max_events journal entries emitted more than `older_than` ago

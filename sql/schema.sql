@@ -128,6 +128,16 @@ CREATE TABLE flow._definitions (
 -- unfinished command uses (enqueue and define hold a queue they name
 -- explicitly FOR KEY SHARE meanwhile); flow._prune deletes a
 -- run with its commands, attempts and waits in one statement.
+-- Not every run has a row here: a run is its root command (same id) until
+-- it needs more than the root can say. A run gets its row when it is
+-- enqueued with a key (the key is unique here), when its root spawns its
+-- first child, and when it ends otherwise than by its root's success (a
+-- failure, a cancel): flow._run_row_needed. A run of one command that
+-- succeeds (the common run) is one row, inserted once, written once more by
+-- its settlement, deleted once. Runs started before 0.2.0 all have a row
+-- (their roots have ids of their own). Read runs through flow._run_rows;
+-- "the run's lock" of a run without a row is its root's row lock
+-- (flow._lock_runs_of).
 CREATE TABLE flow._runs (
     id           uuid PRIMARY KEY,
     key          text CHECK (key <> ''),
@@ -194,6 +204,7 @@ CREATE TABLE flow._commands (
     finished_at       timestamptz,
     lease_interval    interval,              -- an external lease's length: what a heartbeat extends by
     external          boolean NOT NULL DEFAULT false,  -- its definition has no handler: external workers run it
+    owner             regrole NOT NULL,      -- its run's owner (who started the run), for who may see it
     -- state, lease, attempt and outcome agree (the rules: src/invariants.rs)
     CONSTRAINT _commands_state CHECK (flow._command_row_is_consistent(status::text, attempts, stop_reason,
         finished_at IS NOT NULL, lease_token IS NOT NULL, lease_expires_at IS NOT NULL,

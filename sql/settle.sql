@@ -13,26 +13,54 @@ BEGIN
     RETURN cut;
 END $$;
 
--- Lock the runs of these commands, in id order (so two lockers never
--- deadlock). Every settlement of a run takes this lock first, so exactly one
--- of them sees the run's last command finish (rule 7). successes: the
--- commands settle as successes, and the run of a root with no child is left
--- unlocked: it is that root's only command, its success writes no run
--- (_settle_batch), and a cancel waits for the root's own row instead
--- (_lock_run_and_commands). The claim of a held command makes the same
--- exception (flow._claim).
+-- Lock runs, in id order (so two lockers never deadlock): their rows, and
+-- for a run without a row (see flow._runs) its root's row, which stands for
+-- it. wait: wait for runs locked elsewhere; otherwise skip them. Returns the
+-- runs locked.
+CREATE FUNCTION flow._lock_runs(run_ids uuid[], wait boolean) RETURNS uuid[]
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+DECLARE
+    rows_locked uuid[];
+    roots_locked uuid[];
+BEGIN
+    IF coalesce(cardinality(run_ids), 0) = 0 THEN
+        RETURN '{}';
+    END IF;
+    IF wait THEN
+        PERFORM 1 FROM flow._runs r WHERE r.id = ANY (run_ids) ORDER BY r.id FOR UPDATE;
+        PERFORM 1 FROM flow._commands c
+        WHERE c.id = ANY (run_ids) AND NOT EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = c.id)
+        ORDER BY c.id FOR UPDATE;
+        RETURN run_ids;
+    END IF;
+    SELECT array_agg(x.id) INTO rows_locked FROM (
+        SELECT r.id FROM flow._runs r WHERE r.id = ANY (run_ids) ORDER BY r.id FOR UPDATE SKIP LOCKED) x;
+    -- (a run whose row is locked elsewhere has a row: its root is not taken)
+    SELECT array_agg(x.id) INTO roots_locked FROM (
+        SELECT c.id FROM flow._commands c
+        WHERE c.id = ANY (run_ids) AND NOT EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = c.id)
+        ORDER BY c.id FOR UPDATE SKIP LOCKED) x;
+    RETURN coalesce(rows_locked, '{}') || coalesce(roots_locked, '{}');
+END $$;
+
+-- Lock the runs of these commands (flow._lock_runs). Every settlement of a
+-- run takes this lock first, so exactly one of them sees the run's last
+-- command finish (rule 7). successes: the commands settle as successes, and
+-- the run of a root with no child is left unlocked: it is that root's only
+-- command, its success writes no run (_settle_batch), and a cancel waits for
+-- the root's own row instead (_lock_run_and_commands). The claim of a held
+-- command makes the same exception (flow._claim).
 -- (plpgsql, not sql: its plan is cached per session; an sql function called
 -- from plpgsql is planned again on every call, ~70 µs.)
 CREATE FUNCTION flow._lock_runs_of(command_ids uuid[], successes boolean DEFAULT false) RETURNS void
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 BEGIN
-    PERFORM 1 FROM flow._runs r
-    WHERE r.id = ANY (ARRAY(SELECT c.run_id FROM flow._commands c
-                   WHERE c.id = ANY (command_ids)
-                     -- (a root with no child: see flow._run_rows)
-                     AND NOT (successes AND c.id = c.run_id
-                              AND NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = c.id))))
-    ORDER BY r.id FOR UPDATE;
+    PERFORM flow._lock_runs(ARRAY(SELECT DISTINCT c.run_id FROM flow._commands c
+                                  WHERE c.id = ANY (command_ids)
+                                    -- (a root with no child: see flow._run_rows)
+                                    AND NOT (successes AND c.id = c.run_id
+                                             AND NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = c.id))),
+                           true);
 END $$;
 
 -- Lock the run of a command unless another transaction holds it (then
@@ -41,10 +69,8 @@ END $$;
 CREATE FUNCTION flow._try_lock_run_of(command_id uuid) RETURNS boolean
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 BEGIN
-    PERFORM 1 FROM flow._runs r
-    WHERE r.id = (SELECT c.run_id FROM flow._commands c WHERE c.id = _try_lock_run_of.command_id)
-    FOR UPDATE SKIP LOCKED;
-    RETURN FOUND;
+    RETURN cardinality(flow._lock_runs(ARRAY(SELECT c.run_id FROM flow._commands c
+                                             WHERE c.id = _try_lock_run_of.command_id), false)) > 0;
 END $$;
 
 -- Close every unfinished command of a run (cancel or run failure). An
@@ -95,10 +121,8 @@ LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off 
 DECLARE
     locked uuid[];
 BEGIN
-    SELECT array_agg(r.id) INTO locked FROM (
-        SELECT x.id FROM flow._runs x
-        WHERE x.id = ANY (ARRAY(SELECT c.run_id FROM flow._commands c WHERE c.id = ANY (command_ids)))
-        ORDER BY x.id FOR UPDATE SKIP LOCKED) r;
+    locked := flow._lock_runs(ARRAY(SELECT DISTINCT c.run_id FROM flow._commands c WHERE c.id = ANY (command_ids)),
+                              false);
     RETURN QUERY
         SELECT c.id, c.run_id = ANY (coalesce(locked, '{}'))
         FROM flow._commands c JOIN unnest(command_ids, lease_tokens) AS t(id, token) ON c.id = ANY (ARRAY[t.id])
@@ -321,6 +345,7 @@ BEGIN
 
     IF stop IS NOT NULL THEN
         -- A terminal failure fails the run and cancels its other commands (rule 7).
+        PERFORM flow._run_row_needed(c.run_id);   -- (its root is locked above)
         UPDATE flow._runs r SET status = 'failed', finished_at = clock_timestamp(),
             error = jsonb_build_object('command_id', c.id, 'command_key', c.key, 'name', c.name,
                                        'code', code, 'message', cut, 'stop_reason', stop)

@@ -19,7 +19,7 @@ LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     r flow._runs;
 BEGIN
-    SELECT * INTO r FROM flow._runs x WHERE x.id = run_id;
+    SELECT * INTO r FROM flow._run_rows x WHERE x.id = run_id;
     PERFORM flow._require_member(caller, r.owner, 'run', run_id);
     -- A worker chunk running this run's commands holds its lock, or (a root
     -- with no child yet, see flow._claim) its root's: interrupt the handler
@@ -41,6 +41,7 @@ BEGIN
     IF r.status <> 'running' THEN
         RETURN false;
     END IF;
+    PERFORM flow._run_row_needed(run_id);   -- (its root is locked above)
     UPDATE flow._runs x SET status = 'cancelled', finished_at = now() WHERE x.id = run_id;
     PERFORM flow._close_open_commands(run_id, 'cancelled');
     PERFORM flow._observe('runs_cancelled', 1);
@@ -93,7 +94,7 @@ BEGIN
     FOR domain IN
         SELECT a.oid FROM pg_roles a WHERE pg_has_role(emitter, a.oid, 'MEMBER')
         UNION
-        SELECT r.owner::oid FROM flow._runs r WHERE r.id = emitter_run
+        SELECT r.owner::oid FROM flow._run_rows r WHERE r.id = emitter_run
         ORDER BY 1
     LOOP
         PERFORM flow._lock_event_key(name, key, domain, 'share');
@@ -136,9 +137,8 @@ CREATE FUNCTION flow._may_satisfy(emitter_role oid, emitter_run uuid, command_id
 LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
     SELECT EXISTS (
         SELECT 1 FROM flow._commands c
-        JOIN flow._runs r ON r.id = c.run_id
         WHERE c.id = command_id
-          AND (c.run_id = emitter_run OR pg_has_role(emitter_role, r.owner, 'MEMBER')))
+          AND (c.run_id = emitter_run OR pg_has_role(emitter_role, c.owner, 'MEMBER')))
 $$;
 
 -- emitter: the command whose handler (or external worker) emits, NULL from outside.
@@ -225,15 +225,23 @@ BEGIN
         'start_after', start_after, 'within', within,
         'waits', (SELECT coalesce(jsonb_agg(DISTINCT jsonb_build_object('name', w.name, 'key', w.key)), '[]')
                   FROM unnest(waits) w));
+    IF NOT EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = parent.run_id) THEN
+        -- The run's first child: the run gets its row (see flow._runs), under
+        -- its root's lock, which the root's own chunk holds already (an
+        -- external worker's spawn takes it: a cancel holds it before it
+        -- gives a run its row, so neither waits for the other's insert).
+        PERFORM 1 FROM flow._commands c WHERE c.id = parent.run_id FOR UPDATE;
+        PERFORM flow._run_row_needed(parent.run_id);
+    END IF;
     INSERT INTO flow._commands (id, run_id, parent_id, key, name, version, queue, args, declaration, status,
-        next_run_at, not_before, budget_started_at, deadline, external)
+        next_run_at, not_before, budget_started_at, deadline, external, owner)
     VALUES (child, parent.run_id, parent.id, key, _spawn.name, p.def_version, p.lane, args, declared,
         CASE WHEN cardinality(waits) > 0 THEN 'waiting' ELSE 'pending' END::flow.command_status,
         -- a wait ends at `within`, and at the run's deadline at the latest
         CASE WHEN cardinality(waits) = 0 THEN p.due
              ELSE least(CASE WHEN within IS NULL THEN 'infinity' ELSE greatest(now() + within, p.due) END,
                         coalesce(parent.deadline, 'infinity')) END,
-        p.due, p.due, parent.deadline, p.def_external)
+        p.due, p.due, parent.deadline, p.def_external, parent.owner)
     ON CONFLICT (run_id, key) WHERE id <> run_id DO NOTHING;          -- index _commands_run_key
     IF NOT FOUND THEN
         -- Keys are unique within a run: the same declaration again is a no-op
@@ -247,7 +255,7 @@ BEGIN
     END IF;
 
     FOR spec IN SELECT DISTINCT w.name, w.key FROM unnest(waits) w ORDER BY 1, 2 LOOP
-        PERFORM flow._lock_event_waits(spec.name, spec.key, (SELECT r.owner::oid FROM flow._runs r WHERE r.id = parent.run_id));
+        PERFORM flow._lock_event_waits(spec.name, spec.key, parent.owner::oid);
         -- An event emitted before the wait existed satisfies it from the journal.
         SELECT max(e.position) INTO journaled FROM flow._events e      -- index _events_name_key
         WHERE e.name = spec.name AND e.key = spec.key AND flow._may_satisfy(e.owner, e.run_id, child);

@@ -470,6 +470,9 @@ pub struct Chunk<'a> {
     successes: Vec<(pgrx::Uuid, pgrx::Uuid, Option<Jsonb>, Option<TimestampWithTimeZone>, Option<i32>)>,
     /// Commands to hand back uncharged (see `finish`).
     handed_back: Vec<(pgrx::Uuid, pgrx::Uuid)>,
+    /// Held commands left to a cancel: nothing of them was written, so they
+    /// are due again at once (see `finish`).
+    left: Vec<pgrx::Uuid>,
     /// Held commands: their rows and runs were locked by this transaction itself.
     held: bool,
     /// The open group of held attempts sharing a subtransaction, if any.
@@ -494,7 +497,16 @@ impl<'a> Chunk<'a> {
     /// locked already.
     pub fn held(worker: &'a str, commands: &[Claimed]) -> Chunk<'a> {
         let live = commands.iter().map(|c| *c.command_id.as_bytes()).collect();
-        Chunk { worker, live, failed_runs: HashSet::new(), successes: Vec::new(), handed_back: Vec::new(), held: true, group: None }
+        Chunk {
+            worker,
+            live,
+            failed_runs: HashSet::new(),
+            successes: Vec::new(),
+            handed_back: Vec::new(),
+            left: Vec::new(),
+            held: true,
+            group: None,
+        }
     }
 
     /// Leased commands, in a transaction of their own.
@@ -522,7 +534,16 @@ impl<'a> Chunk<'a> {
             .map(|c| (c.command_id, c.lease_token))
             .collect();
         let live = live.into_iter().map(|(id, _)| id).collect();
-        Chunk { worker, live, failed_runs: HashSet::new(), successes: Vec::new(), handed_back, held: false, group: None }
+        Chunk {
+            worker,
+            live,
+            failed_runs: HashSet::new(),
+            successes: Vec::new(),
+            handed_back,
+            left: Vec::new(),
+            held: false,
+            group: None,
+        }
     }
 
     /// Run one command of the chunk for worker `index`; commands whose lease
@@ -606,8 +627,9 @@ impl<'a> Chunk<'a> {
 
     /// Leave a cancelled command to the cancel (see `run`).
     fn leave(&mut self, command: &Claimed) {
-        if command.held_attempt.is_none() {
-            self.handed_back.push((command.command_id, command.lease_token));
+        match command.held_attempt {
+            None => self.handed_back.push((command.command_id, command.lease_token)),
+            Some(_) => self.left.push(command.command_id),
         }
     }
 
@@ -619,14 +641,17 @@ impl<'a> Chunk<'a> {
         }
     }
 
-    /// Settle the successes; returns the commands to hand back. The worker
-    /// releases them a moment later (HAND_BACK_DELAY): a cancel waiting for
-    /// their run's lock closes them first, and if it rolled back instead, they
-    /// go back to their queue and run again.
-    pub fn finish(mut self) -> Vec<(pgrx::Uuid, pgrx::Uuid)> {
+    /// Settle the successes; returns the commands to hand back, and the held
+    /// ones left to a cancel. The worker releases the first a moment later
+    /// (HAND_BACK_DELAY), and claims none of the others meanwhile: a cancel
+    /// that interrupted their handlers takes their run's lock (for a run
+    /// without a row of its own, its root's) once this chunk commits, and
+    /// must find them as they were, not claimed and run again. If the cancel
+    /// rolled back instead, they run again.
+    pub fn finish(mut self) -> (Vec<(pgrx::Uuid, pgrx::Uuid)>, Vec<pgrx::Uuid>) {
         self.close_group();
         self.settle_successes();
-        std::mem::take(&mut self.handed_back)
+        (std::mem::take(&mut self.handed_back), std::mem::take(&mut self.left))
     }
 
     fn settle_successes(&mut self) {

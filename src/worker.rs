@@ -167,6 +167,9 @@ struct Worker {
     /// when they were put aside: released HAND_BACK_DELAY later, and tried
     /// again each turn while their row is locked elsewhere.
     unreleased: Vec<(pgrx::Uuid, pgrx::Uuid, Instant)>,
+    /// Held commands left to a cancel, and when: not claimed again for
+    /// HAND_BACK_DELAY (see executor::Chunk::finish).
+    left_to_cancels: RefCell<Vec<(pgrx::Uuid, Instant)>>,
 }
 
 impl Worker {
@@ -184,6 +187,7 @@ impl Worker {
             prune_after: None,
             isolate_until: None,
             unreleased: Vec::new(),
+            left_to_cancels: RefCell::new(Vec::new()),
             chunk_window: usize::MAX,
             took_all_due: Cell::new(false),
             cursor: RefCell::new(None),
@@ -324,7 +328,9 @@ impl Worker {
                 report_activity(&format!("flow: running {} held commands", held.len()));
                 let mut chunk = executor::Chunk::held(&self.name, &held);
                 (ran, cut) = self.run_chunk(&mut chunk, &held, &entered, isolating);
-                chunk.finish();
+                let (_, left) = chunk.finish();
+                let at = Instant::now();
+                self.left_to_cancels.borrow_mut().extend(left.into_iter().map(|id| (id, at)));
             }
             let runs: Vec<[u8; 16]> = held[..ran].iter().map(|c| *c.run_id.as_bytes()).collect();
             (count, held.len(), ran, cut, runs, leased)
@@ -456,7 +462,7 @@ impl Worker {
             let ran = try_transaction(|| {
                 let mut chunk = executor::Chunk::begin(&this.name, window);
                 let (ran, cut) = this.run_chunk(&mut chunk, window, &entered, isolating);
-                (ran, cut, chunk.finish())
+                (ran, cut, chunk.finish().0)
             });
             match ran {
                 Ok((ran, cut, handed_back)) => {
@@ -583,7 +589,12 @@ impl Worker {
         // no more than a chunk is likely to run: held commands it does not
         // reach are claimed again
         let size = self.claim_size().min(self.chunk_window.min(i32::MAX as usize) as i32).max(1);
-        let excluded = attempt_record::held_elsewhere(self.index);
+        let mut excluded = attempt_record::held_elsewhere(self.index);
+        // and the held commands this worker left to a cancel lately (see executor::Chunk::finish)
+        let mut left = self.left_to_cancels.borrow_mut();
+        left.retain(|(_, at)| at.elapsed() < HAND_BACK_DELAY);
+        excluded.extend(left.iter().map(|(id, _)| *id));
+        drop(left);
         // where the last full claim ended, for at most CURSOR_SPAN
         let mut kept = self.cursor.take().filter(|(since, _)| since.elapsed() < CURSOR_SPAN);
         if let Some((_, cursor)) = kept.as_mut() {

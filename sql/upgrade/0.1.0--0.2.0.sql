@@ -136,3 +136,9 @@ CREATE UNIQUE INDEX _runs_owner_key ON flow._runs (owner, key) WHERE key IS NOT 
 -- The roots of 0.1.0's runs keep their ids, and their entries.
 ALTER TABLE flow._commands DROP CONSTRAINT _commands_run_id_key_key;
 CREATE UNIQUE INDEX _commands_run_key ON flow._commands (run_id, key) WHERE id <> run_id;
+-- Every command carries its run's owner, and a run without a key is its root
+-- until it needs a row of its own (see sql/schema.sql, flow._runs). The runs
+-- of 0.1.0 keep their rows.
+ALTER TABLE flow._commands ADD COLUMN owner regrole;
+UPDATE flow._commands c SET owner = r.owner FROM flow._runs r WHERE r.id = c.run_id;
+ALTER TABLE flow._commands ALTER COLUMN owner SET NOT NULL;
