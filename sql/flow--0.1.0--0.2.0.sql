@@ -1587,13 +1587,25 @@ DECLARE
     window_ids uuid[];
     ended_ids uuid[];
 BEGIN
-    -- (the window and which of its runs ended, in one pass: a run of one
-    -- command ends with its root, found by one probe per run; finished runs
-    -- never change again, so what ended here is still ended below)
-    SELECT array_agg(x.id ORDER BY x.id), array_agg(x.id) FILTER (WHERE x.ended) INTO window_ids, ended_ids FROM (
-        SELECT v.id, v.status <> 'running' AND v.finished_at < cut AS ended FROM flow._run_rows v
-        WHERE v.id > coalesce(after, '00000000-0000-0000-0000-000000000000') AND v.id < bound
-        ORDER BY v.id LIMIT max_runs) x;
+    -- The window: the next max_runs runs, those with a row of their own and
+    -- those without, which are their roots (see flow._runs), each part read
+    -- in id order from its primary key and cut at max_runs (as one union
+    -- ordered by id, the planner sorted every run after `after`).
+    SELECT array_agg(x.id ORDER BY x.id) INTO window_ids FROM (
+        SELECT w.id FROM (
+            (SELECT r.id FROM flow._runs r
+             WHERE r.id > coalesce(after, '00000000-0000-0000-0000-000000000000') AND r.id < bound
+             ORDER BY r.id LIMIT max_runs)
+            UNION ALL
+            (SELECT c.id FROM flow._commands c
+             WHERE c.id > coalesce(after, '00000000-0000-0000-0000-000000000000') AND c.id < bound
+               AND c.id = c.run_id AND NOT EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = c.id)
+             ORDER BY c.id LIMIT max_runs)) w
+        ORDER BY w.id LIMIT max_runs) x;
+    -- which of them ended (a run of one command ends with its root; finished
+    -- runs never change again, so what ended here is still ended below)
+    SELECT array_agg(v.id) INTO ended_ids FROM flow._run_rows v
+    WHERE v.id = ANY (window_ids) AND v.status <> 'running' AND v.finished_at < cut;
     last := window_ids[cardinality(window_ids)];
     WITH run_rows AS (
         -- (a run may have no row of its own: see flow._runs)

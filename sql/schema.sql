@@ -137,7 +137,7 @@ CREATE TABLE flow._definitions (
 -- its settlement, deleted once. Runs started before 0.2.0 all have a row
 -- (their roots have ids of their own). Read runs through flow._run_rows;
 -- "the run's lock" of a run without a row is its root's row lock
--- (flow._lock_runs_of).
+-- (flow._lock_runs).
 CREATE TABLE flow._runs (
     id           uuid PRIMARY KEY,
     key          text CHECK (key <> ''),
