@@ -722,7 +722,8 @@ def test_a_run_gets_a_row_of_its_own_only_when_its_root_alone_cannot_tell_it(app
     """A run without a key is its root command until it needs more (see
     sql/schema.sql, flow._runs): enqueue and enqueue_many write no run row; a
     key, the root's first child, a terminal failure and a cancel each give the
-    run its row, and flow.runs shows each run the same before and after."""
+    run its row (and so does a worker's lease of its root, see the next
+    test), and flow.runs shows each run the same before and after."""
     app.all("""
         CREATE FUNCTION app.parent_of_one(args jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
         BEGIN
@@ -756,14 +757,35 @@ def test_a_run_gets_a_row_of_its_own_only_when_its_root_alone_cannot_tell_it(app
     assert app.all("SELECT status::text, stop_reason FROM flow.commands WHERE run_id = %s", to_cancel) == \
         [("cancelled", "cancelled")]
     # rows for the runs the root alone could not tell: a key, a child, a failure, a cancel
-    assert sorted(app.one("SELECT array_agg(id) FROM flow._runs WHERE id = ANY (%s)", runs)) == \
-        sorted([keyed, failing, spawning, to_cancel])
+    # (the others have one too if a worker leased their root: flow._claim)
+    assert set(app.one("SELECT array_agg(id) FROM flow._runs WHERE id = ANY (%s)", runs)) >= \
+        {keyed, failing, spawning, to_cancel}
     assert app.all("SELECT id, name, owner::text, args, created_at, deadline FROM flow.runs"
                    " WHERE id = ANY (%s) ORDER BY id", runs) == before
     assert app.all("SELECT status::text FROM flow.runs WHERE id = ANY (%s) ORDER BY id",
                    [plain, keyed, failing, spawning, to_cancel]) == \
         [(s,) for _, s in sorted([(plain, "succeeded"), (keyed, "succeeded"), (failing, "failed"),
                                   (spawning, "succeeded"), (to_cancel, "cancelled")])]
+
+
+def test_a_leased_root_gets_its_run_row_at_its_claim_and_no_multixact(app):
+    """A worker's chunk of leased commands locks their runs (flow._begin_batch)
+    and settles them in a subtransaction. Were the root of a run without a
+    row locked in its place, the root would be locked by the chunk and written
+    by its subtransaction: a MultiXact per command (whose index entries scans
+    never mark dead). So a root an in-database worker leases gives its run a
+    row at the claim, under the claim's lock on the root (flow._claim)."""
+    app.one("SELECT flow.set_queue('leased_rows', concurrency => 50)")   # a limited queue: leased claims
+    name = define(app, "app.hello", queue="'leased_rows'")
+    app.all("CHECKPOINT")
+    before = app.one("SELECT next_multixact_id FROM pg_control_checkpoint()")
+    runs = app.one(f"SELECT flow.enqueue_many('{name}', array_fill('{{}}'::jsonb, array[200]))")
+    for run in runs:
+        assert app.await_run(run, "20s")[0] == "succeeded"
+    app.all("CHECKPOINT")
+    assert app.one("SELECT next_multixact_id FROM pg_control_checkpoint()") == before
+    assert app.one("SELECT count(*) FROM flow._runs WHERE id = ANY (%s)", runs) == 200
+    assert app.one("SELECT count(*) FROM flow.attempts WHERE run_id = ANY (%s)", runs) == 200
 
 
 def test_a_command_row_that_breaks_an_invariant_is_refused(app):

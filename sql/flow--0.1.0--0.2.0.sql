@@ -1065,6 +1065,23 @@ BEGIN
         WHERE c.id = ANY (ARRAY[p.id]) AND NOT p.held   -- (a probe per command: sql/common.sql)
         RETURNING p.*, c.attempts AS attempt, c.lease_token, c.lease_expires_at, c.attempt_deadline,
                   c.attempt_started_at AS started, c.wait_timed_out AS timed_out
+    ), leased_runs AS (
+        -- An in-database worker runs a leased command in a chunk that locks
+        -- its run first (flow._begin_batch): a run without a row of its own
+        -- (see flow._runs) gets it here, under the lock `candidate` holds on
+        -- its root. (Its root's row would do as the run's lock, but the
+        -- chunk's settlement writes the root in a subtransaction, and a row
+        -- locked by a transaction and written by its subtransaction gets a
+        -- MultiXact: see src/executor.rs.) An external worker's claim adds
+        -- none: its completion of a root with no child locks no run.
+        -- (the rows as they stood before this statement's update: the run's
+        -- columns are not among those it changes)
+        INSERT INTO flow._runs (id, owner, name, version, queue, args, deadline, created_at)
+        SELECT x.id, x.owner, x.name, x.version, x.queue, x.args, x.deadline, x.created_at
+        FROM flow._commands x
+        WHERE owner_pid IS NOT NULL
+          AND x.id = ANY (ARRAY(SELECT k.id FROM claimed k WHERE k.id = k.run_id))
+        ON CONFLICT (id) DO NOTHING
     ), handed AS (
         -- the attempt as a leased claim wrote it, or as the held attempt's
         -- settlement will write it; held commands were locked by `candidate`,

@@ -131,8 +131,9 @@ CREATE TABLE flow._definitions (
 -- Not every run has a row here: a run is its root command (same id) until
 -- it needs more than the root can say. A run gets its row when it is
 -- enqueued with a key (the key is unique here), when its root spawns its
--- first child, and when it ends otherwise than by its root's success (a
--- failure, a cancel): flow._run_row_needed. A run of one command that
+-- first child, when it ends otherwise than by its root's success (a
+-- failure, a cancel: flow._run_row_needed), and when an in-database worker
+-- leases its root (flow._claim), always under its root's row lock. A run of one command that
 -- succeeds (the common run) is one row, inserted once, written once more by
 -- its settlement, deleted once. Runs started before 0.2.0 all have a row
 -- (their roots have ids of their own). Read runs through flow._run_rows;
