@@ -497,14 +497,18 @@ impl<'a> Chunk<'a> {
     /// locked already.
     pub fn held(worker: &'a str, commands: &[Claimed]) -> Chunk<'a> {
         let live = commands.iter().map(|c| *c.command_id.as_bytes()).collect();
+        Chunk::with(worker, live, Vec::new(), true)
+    }
+
+    fn with(worker: &'a str, live: HashSet<[u8; 16]>, handed_back: Vec<(pgrx::Uuid, pgrx::Uuid)>, held: bool) -> Self {
         Chunk {
             worker,
             live,
             failed_runs: HashSet::new(),
             successes: Vec::new(),
-            handed_back: Vec::new(),
+            handed_back,
             left: Vec::new(),
-            held: true,
+            held,
             group: None,
         }
     }
@@ -534,16 +538,7 @@ impl<'a> Chunk<'a> {
             .map(|c| (c.command_id, c.lease_token))
             .collect();
         let live = live.into_iter().map(|(id, _)| id).collect();
-        Chunk {
-            worker,
-            live,
-            failed_runs: HashSet::new(),
-            successes: Vec::new(),
-            handed_back,
-            left: Vec::new(),
-            held: false,
-            group: None,
-        }
+        Chunk::with(worker, live, handed_back, false)
     }
 
     /// Run one command of the chunk for worker `index`; commands whose lease
