@@ -181,8 +181,9 @@ BEGIN
         -- locked by a transaction and written by its subtransaction gets a
         -- MultiXact: see src/executor.rs.) An external worker's claim adds
         -- none: its completion of a root with no child locks no run.
-        -- (the rows as they stood before this statement's update: the run's
-        -- columns are not among those it changes)
+        -- (the run's row as flow._run_row_needed writes it, which a statement
+        -- cannot call without a result to use; the rows as they stood before
+        -- this statement's update: the run's columns are not among those it changes)
         INSERT INTO flow._runs (id, owner, name, version, queue, args, deadline, created_at)
         SELECT x.id, x.owner, x.name, x.version, x.queue, x.args, x.deadline, x.created_at
         FROM flow._commands x

@@ -171,6 +171,7 @@ WHERE c.id = c.run_id AND NOT EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = c.
 -- written it, from its root; a run that has one keeps it. The caller holds
 -- the root's row lock (the chunk or client running the root, a cancel or a
 -- settlement that locked it), so two callers never insert it at once.
+-- (flow._claim writes the same row for the roots it leases, in its statement.)
 CREATE FUNCTION flow._run_row_needed(run_id uuid) RETURNS void
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 BEGIN

@@ -100,17 +100,17 @@ BEGIN
         INSERT INTO flow._runs (id, key, owner, name, version, queue, args, deadline)
         VALUES (run_id, key, caller, _enqueue.name, p.def_version, p.lane, args, p.ends)
         ON CONFLICT (owner, key) WHERE key IS NOT NULL DO NOTHING;      -- index _runs_owner_key
-    END IF;
-    IF key IS NOT NULL AND NOT FOUND THEN
-        SELECT * INTO existing FROM flow._runs r WHERE r.owner = caller AND r.key = _enqueue.key;
-        IF existing.name IS DISTINCT FROM _enqueue.name OR existing.version IS DISTINCT FROM p.def_version
-           OR existing.args IS DISTINCT FROM args OR existing.queue IS DISTINCT FROM p.lane THEN
-            RAISE EXCEPTION 'flow: run key % was already used for another declaration', key
-                USING ERRCODE = 'FL010',
-                      DETAIL = format('existing run %s is %s v%s on queue %s', existing.id, existing.name,
-                                      existing.version, existing.queue);
+        IF NOT FOUND THEN
+            SELECT * INTO existing FROM flow._runs r WHERE r.owner = caller AND r.key = _enqueue.key;
+            IF existing.name IS DISTINCT FROM _enqueue.name OR existing.version IS DISTINCT FROM p.def_version
+               OR existing.args IS DISTINCT FROM args OR existing.queue IS DISTINCT FROM p.lane THEN
+                RAISE EXCEPTION 'flow: run key % was already used for another declaration', key
+                    USING ERRCODE = 'FL010',
+                          DETAIL = format('existing run %s is %s v%s on queue %s', existing.id, existing.name,
+                                          existing.version, existing.queue);
+            END IF;
+            RETURN existing.id;
         END IF;
-        RETURN existing.id;
     END IF;
     PERFORM flow._insert_roots(caller, name, p.def_version, p.def_external, p.lane, p.due, p.ends,
                                ARRAY[run_id], ARRAY[args]);

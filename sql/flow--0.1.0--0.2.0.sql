@@ -324,6 +324,7 @@ WHERE c.id = c.run_id AND NOT EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = c.
 -- written it, from its root; a run that has one keeps it. The caller holds
 -- the root's row lock (the chunk or client running the root, a cancel or a
 -- settlement that locked it), so two callers never insert it at once.
+-- (flow._claim writes the same row for the roots it leases, in its statement.)
 CREATE OR REPLACE FUNCTION flow._run_row_needed(run_id uuid) RETURNS void
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 BEGIN
@@ -829,17 +830,17 @@ BEGIN
         INSERT INTO flow._runs (id, key, owner, name, version, queue, args, deadline)
         VALUES (run_id, key, caller, _enqueue.name, p.def_version, p.lane, args, p.ends)
         ON CONFLICT (owner, key) WHERE key IS NOT NULL DO NOTHING;      -- index _runs_owner_key
-    END IF;
-    IF key IS NOT NULL AND NOT FOUND THEN
-        SELECT * INTO existing FROM flow._runs r WHERE r.owner = caller AND r.key = _enqueue.key;
-        IF existing.name IS DISTINCT FROM _enqueue.name OR existing.version IS DISTINCT FROM p.def_version
-           OR existing.args IS DISTINCT FROM args OR existing.queue IS DISTINCT FROM p.lane THEN
-            RAISE EXCEPTION 'flow: run key % was already used for another declaration', key
-                USING ERRCODE = 'FL010',
-                      DETAIL = format('existing run %s is %s v%s on queue %s', existing.id, existing.name,
-                                      existing.version, existing.queue);
+        IF NOT FOUND THEN
+            SELECT * INTO existing FROM flow._runs r WHERE r.owner = caller AND r.key = _enqueue.key;
+            IF existing.name IS DISTINCT FROM _enqueue.name OR existing.version IS DISTINCT FROM p.def_version
+               OR existing.args IS DISTINCT FROM args OR existing.queue IS DISTINCT FROM p.lane THEN
+                RAISE EXCEPTION 'flow: run key % was already used for another declaration', key
+                    USING ERRCODE = 'FL010',
+                          DETAIL = format('existing run %s is %s v%s on queue %s', existing.id, existing.name,
+                                          existing.version, existing.queue);
+            END IF;
+            RETURN existing.id;
         END IF;
-        RETURN existing.id;
     END IF;
     PERFORM flow._insert_roots(caller, name, p.def_version, p.def_external, p.lane, p.due, p.ends,
                                ARRAY[run_id], ARRAY[args]);
@@ -1074,8 +1075,9 @@ BEGIN
         -- locked by a transaction and written by its subtransaction gets a
         -- MultiXact: see src/executor.rs.) An external worker's claim adds
         -- none: its completion of a root with no child locks no run.
-        -- (the rows as they stood before this statement's update: the run's
-        -- columns are not among those it changes)
+        -- (the run's row as flow._run_row_needed writes it, which a statement
+        -- cannot call without a result to use; the rows as they stood before
+        -- this statement's update: the run's columns are not among those it changes)
         INSERT INTO flow._runs (id, owner, name, version, queue, args, deadline, created_at)
         SELECT x.id, x.owner, x.name, x.version, x.queue, x.args, x.deadline, x.created_at
         FROM flow._commands x
@@ -1601,6 +1603,7 @@ DECLARE
     cut timestamptz := now() - older_than;
     hex text := lpad(to_hex((extract(epoch FROM cut) * 1000)::bigint), 12, '0');
     bound uuid := (substr(hex, 1, 8) || '-' || substr(hex, 9, 4) || '-7000-8000-000000000000')::uuid;
+    start uuid := coalesce(after, '00000000-0000-0000-0000-000000000000');
     window_ids uuid[];
     ended_ids uuid[];
 BEGIN
@@ -1610,13 +1613,10 @@ BEGIN
     -- ordered by id, the planner sorted every run after `after`).
     SELECT array_agg(x.id ORDER BY x.id) INTO window_ids FROM (
         SELECT w.id FROM (
-            (SELECT r.id FROM flow._runs r
-             WHERE r.id > coalesce(after, '00000000-0000-0000-0000-000000000000') AND r.id < bound
-             ORDER BY r.id LIMIT max_runs)
+            (SELECT r.id FROM flow._runs r WHERE r.id > start AND r.id < bound ORDER BY r.id LIMIT max_runs)
             UNION ALL
             (SELECT c.id FROM flow._commands c
-             WHERE c.id > coalesce(after, '00000000-0000-0000-0000-000000000000') AND c.id < bound
-               AND c.id = c.run_id AND NOT EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = c.id)
+             WHERE c.id > start AND c.id < bound AND c.id = c.run_id AND NOT EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = c.id)
              ORDER BY c.id LIMIT max_runs)) w
         ORDER BY w.id LIMIT max_runs) x;
     -- which of them ended (a run of one command ends with its root; finished

@@ -15,6 +15,7 @@ DECLARE
     cut timestamptz := now() - older_than;
     hex text := lpad(to_hex((extract(epoch FROM cut) * 1000)::bigint), 12, '0');
     bound uuid := (substr(hex, 1, 8) || '-' || substr(hex, 9, 4) || '-7000-8000-000000000000')::uuid;
+    start uuid := coalesce(after, '00000000-0000-0000-0000-000000000000');
     window_ids uuid[];
     ended_ids uuid[];
 BEGIN
@@ -24,13 +25,10 @@ BEGIN
     -- ordered by id, the planner sorted every run after `after`).
     SELECT array_agg(x.id ORDER BY x.id) INTO window_ids FROM (
         SELECT w.id FROM (
-            (SELECT r.id FROM flow._runs r
-             WHERE r.id > coalesce(after, '00000000-0000-0000-0000-000000000000') AND r.id < bound
-             ORDER BY r.id LIMIT max_runs)
+            (SELECT r.id FROM flow._runs r WHERE r.id > start AND r.id < bound ORDER BY r.id LIMIT max_runs)
             UNION ALL
             (SELECT c.id FROM flow._commands c
-             WHERE c.id > coalesce(after, '00000000-0000-0000-0000-000000000000') AND c.id < bound
-               AND c.id = c.run_id AND NOT EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = c.id)
+             WHERE c.id > start AND c.id < bound AND c.id = c.run_id AND NOT EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = c.id)
              ORDER BY c.id LIMIT max_runs)) w
         ORDER BY w.id LIMIT max_runs) x;
     -- which of them ended (a run of one command ends with its root; finished
