@@ -226,6 +226,32 @@ def test_queues_without_work_take_no_turns_and_batches_keep_the_interleaving(pg)
     assert 4 <= first.count(a) <= 8, first
 
 
+
+def test_a_worker_runs_the_commands_it_claimed_from_one_queue_in_due_order(pg):
+    # (a claim from one queue hands its rows on in due order, with no claim
+    # order of its own: see flow._claim's `picked`)
+    q = unique("due")
+    pg.one(f"SELECT flow.set_queue('{q}', paused => true)")
+    pg.one("CREATE TABLE IF NOT EXISTS app.ran_in_order (command_id uuid, pid int, at timestamptz DEFAULT clock_timestamp())")
+    pg.one("CREATE OR REPLACE FUNCTION app.note_order(args jsonb, ctx flow.context) RETURNS void LANGUAGE sql AS"
+           " $$ INSERT INTO app.ran_in_order (command_id, pid) VALUES (ctx.command_id, pg_backend_pid()) $$")
+    name = unique("ord")
+    pg.one(f"SELECT flow.define('{name}', 'app.note_order(jsonb, flow.context)'::regprocedure, queue => '{q}')")
+    runs = []
+    for _ in range(3):   # three due times, each with 100 ids
+        runs += pg.one(f"SELECT flow.enqueue_many('{name}', array_fill('{{}}'::jsonb, array[100]))")
+    pg.one(f"SELECT flow.set_queue('{q}', paused => false)")
+    pg.wait_for("SELECT count(*) = 300 FROM app.ran_in_order WHERE command_id = ANY (%s)", runs)
+    due = pg.all("SELECT id FROM flow._commands WHERE id = ANY (%s) ORDER BY next_run_at, id", runs)
+    rank = {r[0]: i for i, r in enumerate(due)}
+    by_worker = {}
+    for command, pid in pg.all("SELECT command_id, pid FROM app.ran_in_order WHERE command_id = ANY (%s)"
+                               " ORDER BY at", runs):
+        by_worker.setdefault(pid, []).append(rank[command])
+    for pid, order in by_worker.items():
+        assert order == sorted(order), (pid, order)
+
+
 # ---------------------------------------------------------------- 5, 6. leases and locks
 
 def test_a_heartbeat_extends_by_the_original_lease(pg):

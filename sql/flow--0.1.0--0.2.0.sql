@@ -1014,7 +1014,7 @@ BEGIN
                h.deadline, h.wait_timed_out, h.created_at, h.budget_start, l.ord,
                coalesce(l.unlimited AND h.handler = ANY (fast_handlers), false) AS held,
                h.handler, h.owner, h.takes_context, h.timeout, h.max_elapsed, h.args_type,
-               row_number() OVER (PARTITION BY l.ord ORDER BY h.next_run_at, h.id) AS rank, l.room
+               l.room
         -- (an external claim naming several definitions reads and locks up to
         -- the lane's room of each and keeps the lane's earliest, below: the
         -- others are left to other claims once its transaction ends)
@@ -1037,15 +1037,31 @@ BEGIN
         ) h
         WHERE l.room > 0
     ), picked AS (
-        -- the interleaving is kept: workers run a batch in claim_order
-        SELECT p.*,
-               row_number() OVER (ORDER BY p.rank,
-                                  ((p.ord - turn) % cardinality(lanes) + cardinality(lanes)) % cardinality(lanes))::integer
-                   AS claim_order
+        -- From one queue and for one claimant (an in-database worker, or an
+        -- external one naming one definition: the common claim), the
+        -- candidates are the claim, in due order: no claim_order, nothing
+        -- sorted (each sort, window and limit below copies every row once
+        -- more: a fifth of the claim's time).
+        SELECT p.*, NULL::bigint AS rank, NULL::integer AS claim_order
         FROM candidate p
-        WHERE p.rank <= p.room
-        ORDER BY p.rank, ((p.ord - turn) % cardinality(lanes) + cardinality(lanes)) % cardinality(lanes)
-        LIMIT max_count
+        WHERE cardinality(lanes) = 1 AND cardinality(claimants) = 1
+        UNION ALL
+        -- Otherwise the queues are interleaved round-robin, each lane's
+        -- candidates ranked in due order (an external claim naming several
+        -- definitions has a lateral read per definition in each lane, and
+        -- keeps the lane's earliest up to its room), and workers run a batch
+        -- in claim_order. (The one-time filters make the statement one branch
+        -- or the other.)
+        (SELECT p.*,
+                row_number() OVER (ORDER BY p.rank,
+                                   ((p.ord - turn) % cardinality(lanes) + cardinality(lanes)) % cardinality(lanes))::integer
+                    AS claim_order
+         FROM (SELECT p.*, row_number() OVER (PARTITION BY p.ord ORDER BY p.next_run_at, p.id) AS rank
+               FROM candidate p
+               WHERE NOT (cardinality(lanes) = 1 AND cardinality(claimants) = 1)) p
+         WHERE p.rank <= p.room
+         ORDER BY p.rank, ((p.ord - turn) % cardinality(lanes) + cardinality(lanes)) % cardinality(lanes)
+         LIMIT max_count)
     ), claimed AS (
         UPDATE flow._commands c SET
             status = 'running',
@@ -1084,34 +1100,6 @@ BEGIN
         WHERE owner_pid IS NOT NULL
           AND x.id = ANY (ARRAY(SELECT k.id FROM claimed k WHERE k.id = k.run_id))
         ON CONFLICT (id) DO NOTHING
-    ), handed AS (
-        -- the attempt as a leased claim wrote it, or as the held attempt's
-        -- settlement will write it; held commands were locked by `candidate`,
-        -- here with their runs (a run locked elsewhere, by a cancel or another
-        -- chunk, leaves its command for a later claim). A run's root with no
-        -- child yet is held without its run's lock: only its own handler can
-        -- add to the run (spawn), and its chunk never waits for the run's lock
-        -- (a success of such a root writes no run; a failure takes the lock
-        -- only if it is free, see _settle_failure's wait_for_run), so a cancel
-        -- that holds the run and waits for the root (flow._cancel) cannot
-        -- deadlock with it. That lock would be the only write to the run's
-        -- row: its WAL, and a page dirtied, per command.
-        SELECT * FROM claimed
-        UNION ALL
-        -- (a held attempt's token never leaves the worker: it names the
-        -- attempt, no client presents it, so it need not come from the
-        -- strong generator a lease's does, which costs a microsecond each)
-        SELECT p.*, p.attempts + 1, flow._new_id(), NULL,
-               least(now() + p.timeout, p.budget_start + p.max_elapsed, p.deadline), now(),
-               flow._wait_timed_out(p.status, p.wait_timed_out)
-        FROM picked p
-        WHERE p.held
-          -- (a CASE: the lock is taken only when the first test fails; a root
-          -- with no child: see flow._run_rows)
-          AND CASE WHEN p.id = p.run_id
-                        AND NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = p.id)  -- index _commands_parent
-                   THEN true
-                   ELSE EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = p.run_id FOR UPDATE SKIP LOCKED) END
     )
     SELECT h.id, h.run_id, h.name, h.version, h.queue, h.args,
            h.attempt, h.lease_token, h.lease_expires_at, h.attempt_deadline,
@@ -1143,7 +1131,36 @@ BEGIN
                          ORDER BY w.name, w.key) w) waits)
            END,
            h.timeout, least(h.budget_start + h.max_elapsed, h.deadline), h.claim_order, h.args_type, h.next_run_at
-    FROM handed h;
+    FROM (
+        -- (a subquery, not a CTE: that would be one more copy of every row)
+        -- the attempt as a leased claim wrote it, or as the held attempt's
+        -- settlement will write it; held commands were locked by `candidate`,
+        -- here with their runs (a run locked elsewhere, by a cancel or another
+        -- chunk, leaves its command for a later claim). A run's root with no
+        -- child yet is held without its run's lock: only its own handler can
+        -- add to the run (spawn), and its chunk never waits for the run's lock
+        -- (a success of such a root writes no run; a failure takes the lock
+        -- only if it is free, see _settle_failure's wait_for_run), so a cancel
+        -- that holds the run and waits for the root (flow._cancel) cannot
+        -- deadlock with it. That lock would be the only write to the run's
+        -- row: its WAL, and a page dirtied, per command.
+        SELECT * FROM claimed
+        UNION ALL
+        -- (a held attempt's token never leaves the worker: it names the
+        -- attempt, no client presents it, so it need not come from the
+        -- strong generator a lease's does, which costs a microsecond each)
+        SELECT p.*, p.attempts + 1, flow._new_id(), NULL,
+               least(now() + p.timeout, p.budget_start + p.max_elapsed, p.deadline), now(),
+               flow._wait_timed_out(p.status, p.wait_timed_out)
+        FROM picked p
+        WHERE p.held
+          -- (a CASE: the lock is taken only when the first test fails; a root
+          -- with no child: see flow._run_rows)
+          AND CASE WHEN p.id = p.run_id
+                        AND NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = p.id)  -- index _commands_parent
+                   THEN true
+                   ELSE EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = p.run_id FOR UPDATE SKIP LOCKED) END
+    ) h;
 END $$;
 
 -- Milliseconds until the next command becomes due (NULL: none scheduled), so
@@ -1375,6 +1392,9 @@ BEGIN
             attempt_deadline = NULL
         FROM item t
         WHERE c.id = ANY (ARRAY[t.id]) AND t.held IS NULL AND c.status::text = 'running' AND c.lease_token = t.token
+          -- (one-time filters: a worker's chunk is all held or all leased,
+          -- and the branch with none of its commands reads no item)
+          AND (held_attempts IS NULL OR array_position(held_attempts, NULL) IS NOT NULL)
         RETURNING c.id, c.run_id, c.result, c.parent_id
     ), held_done AS (
         -- held (locked by this transaction's claim): the command must not have
@@ -1387,6 +1407,7 @@ BEGIN
         FROM item t
         WHERE c.id = ANY (ARRAY[t.id]) AND t.held IS NOT NULL AND c.status::text IN ('pending', 'waiting')
           AND c.attempts = t.held - 1
+          AND cardinality(array_remove(held_attempts, NULL)) > 0
         RETURNING c.id, c.run_id, c.result, c.parent_id
     ), done AS (
         SELECT d.*,

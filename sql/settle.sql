@@ -200,6 +200,9 @@ BEGIN
             attempt_deadline = NULL
         FROM item t
         WHERE c.id = ANY (ARRAY[t.id]) AND t.held IS NULL AND c.status::text = 'running' AND c.lease_token = t.token
+          -- (one-time filters: a worker's chunk is all held or all leased,
+          -- and the branch with none of its commands reads no item)
+          AND (held_attempts IS NULL OR array_position(held_attempts, NULL) IS NOT NULL)
         RETURNING c.id, c.run_id, c.result, c.parent_id
     ), held_done AS (
         -- held (locked by this transaction's claim): the command must not have
@@ -212,6 +215,7 @@ BEGIN
         FROM item t
         WHERE c.id = ANY (ARRAY[t.id]) AND t.held IS NOT NULL AND c.status::text IN ('pending', 'waiting')
           AND c.attempts = t.held - 1
+          AND cardinality(array_remove(held_attempts, NULL)) > 0
         RETURNING c.id, c.run_id, c.result, c.parent_id
     ), done AS (
         SELECT d.*,

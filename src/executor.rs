@@ -425,15 +425,18 @@ pub fn claim(
         |rows| {
             let mut cursor = ClaimCursor::default();
             // put in claim order here, not by an ORDER BY: a sort in SQL
-            // copies every claimed row, args and context included, once more
-            let mut claimed: Vec<(i32, Claimed)> = rows.map(|row| {
+            // copies every claimed row, args and context included, once more.
+            // A claim from one queue has no claim order (NULL): its rows come
+            // in due order, leased ones and held ones apart, and a stable sort
+            // keeps them so.
+            let mut claimed: Vec<(Option<i32>, Claimed)> = rows.map(|row| {
                 let command_id = row.get(1).ok().flatten().expect("command_id");
                 cursor.advance(
                     row.get(12).ok().flatten().expect("queue"),
                     row.get(13).ok().flatten().expect("due_at"),
                     command_id,
                 );
-                (row.get::<i32>(14).ok().flatten().expect("claim_order"), Claimed {
+                (row.get::<i32>(14).ok().flatten(), Claimed {
                     command_id,
                     run_id: row.get(2).ok().flatten().expect("run_id"),
                     lease_token: row.get(3).ok().flatten().expect("lease_token"),
@@ -448,7 +451,7 @@ pub fn claim(
                 })
             })
             .collect();
-            claimed.sort_unstable_by_key(|(order, _)| *order);
+            claimed.sort_by_key(|(order, _)| *order);
             (claimed.into_iter().map(|(_, command)| command).collect(), cursor)
         },
     )
