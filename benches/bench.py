@@ -283,7 +283,8 @@ def claim_plan(pg):
                 SELECT min(x.next_run_at) AS next_run_at
                 FROM unnest('{""}'::text[]) AS w(claimant) CROSS JOIN LATERAL (
                     SELECT c.next_run_at FROM flow._commands c
-                    WHERE c.queue = q.name AND NOT c.external
+                    WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END) = flow._lane(q.name, w.claimant)
+                      AND c.queue = q.name AND NOT c.external
                       AND (CASE WHEN c.external THEN c.name ELSE '' END) = w.claimant
                       AND c.status IN ('pending', 'waiting')
                       AND (c.next_run_at, c.id) > (coalesce(a.at, '-infinity'),

@@ -372,7 +372,12 @@ CROSS JOIN LATERAL (
            count(h.command_id) AS held
     FROM flow._commands c                                           -- index _commands_due
     LEFT JOIN flow._held_attempts h ON h.command_id = c.id
-    WHERE c.queue = q.name AND c.status IN ('pending', 'waiting')
+    -- (the queue's lanes: in-database workers' and each definition name's,
+    -- as flow.drop_queue reads them; see _commands_due in sql/schema.sql)
+    WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END)
+              = ANY (ARRAY(SELECT flow._lane(q.name, n.claimant)
+                           FROM (SELECT '' UNION SELECT d.name FROM flow._definitions d) n(claimant)))
+      AND c.queue = q.name AND c.status IN ('pending', 'waiting')
       AND pg_has_role(current_user, c.owner, 'MEMBER')) u
 CROSS JOIN LATERAL (
     SELECT count(*) AS running
@@ -480,7 +485,7 @@ DECLARE
 BEGIN
     FOR f IN SELECT p.oid::regprocedure FROM pg_proc p
              WHERE p.pronamespace = 'flow'::regnamespace AND p.proname LIKE '\_%'
-               AND p.proname NOT IN ('_ticket', '_decide', '_worker_states', '_counters', '_args_misfit', '_among') LOOP
+               AND p.proname NOT IN ('_ticket', '_decide', '_worker_states', '_counters', '_args_misfit', '_among', '_lane') LOOP
         EXECUTE format('REVOKE ALL ON FUNCTION %s FROM PUBLIC', f);
     END LOOP;
 END $$;

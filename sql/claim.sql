@@ -57,14 +57,14 @@ DECLARE
     claimants text[] := CASE WHEN names IS NULL THEN '{""}' ELSE ARRAY(SELECT DISTINCT n FROM unnest(names) AS n) END;
 BEGIN
     -- Which queues offer due work: each unpaused queue's head in the due index
-    -- (an ORDER BY ... LIMIT 1 probe of _commands_due per queue: an index
+    -- (an ORDER BY ... LIMIT 1 probe of _commands_due per lane: an index
     -- probe whatever the table's size or statistics, never a scan of the
     -- pending commands; see pg_test/test_scale.py).
     -- An external claim only takes part in the limited queues of the
     -- definitions it names, and looks at the heads of those definitions'
-    -- commands only (per definition: the due index is ordered by the name of
-    -- an external command's definition before its due time, see
-    -- sql/schema.sql), so another definition's backlog is never read.
+    -- commands only (per definition: the due index is keyed by lane, a queue
+    -- and its claimant, before the due time, see sql/schema.sql), so another
+    -- definition's backlog is never read.
     SELECT array_agg(q.name) FILTER (WHERE q.concurrency IS NULL),
            array_agg(q.name) FILTER (WHERE q.concurrency IS NOT NULL
                                      AND (names IS NULL OR EXISTS (SELECT 1 FROM flow._definitions d
@@ -75,7 +75,8 @@ BEGIN
         SELECT min(x.next_run_at) AS next_run_at
         FROM unnest(claimants) AS w(claimant) CROSS JOIN LATERAL (
             SELECT c.next_run_at FROM flow._commands c              -- index _commands_due
-            WHERE c.queue = q.name AND c.external = (names IS NOT NULL)
+            WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END) = flow._lane(q.name, w.claimant)
+              AND c.queue = q.name AND c.external = (names IS NOT NULL)
               AND (CASE WHEN c.external THEN c.name ELSE '' END) = w.claimant
               AND c.status IN ('pending', 'waiting')
               AND (c.next_run_at, c.id) > (coalesce(a.at, '-infinity'), coalesce(a.id, '00000000-0000-0000-0000-000000000000'::uuid))
@@ -132,7 +133,8 @@ BEGIN
                    flow._budget_start(c.status, c.attempts, c.next_run_at, c.budget_started_at) AS budget_start
             FROM flow._commands c                                   -- index _commands_due
             JOIN flow._definitions d ON d.name = c.name AND d.version = c.version
-            WHERE c.queue = l.name AND c.external = (names IS NOT NULL)
+            WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END) = flow._lane(l.name, w.claimant)
+              AND c.queue = l.name AND c.external = (names IS NOT NULL)
               AND (CASE WHEN c.external THEN c.name ELSE '' END) = w.claimant
               AND c.status IN ('pending', 'waiting') AND c.next_run_at <= now()
               AND (c.next_run_at, c.id) > (l.after_at, l.after_id)
@@ -283,7 +285,8 @@ BEGIN
     RETURN (SELECT (extract(epoch FROM min(h.next_run_at) - clock_timestamp()) * 1000)::bigint
     FROM flow._queues q CROSS JOIN LATERAL (
         SELECT c.next_run_at FROM flow._commands c                  -- index _commands_due
-        WHERE c.queue = q.name AND NOT c.external AND (CASE WHEN c.external THEN c.name ELSE '' END) = ''
+        WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END) = flow._lane(q.name, '')
+          AND c.queue = q.name AND NOT c.external
           AND c.status IN ('pending', 'waiting') AND c.next_run_at < 'infinity'
         ORDER BY c.next_run_at LIMIT 1) h
     WHERE NOT q.paused

@@ -112,8 +112,12 @@ ALTER TABLE flow._commands ADD COLUMN external boolean NOT NULL DEFAULT false;
 UPDATE flow._commands c SET external = true
 FROM flow._definitions d WHERE d.name = c.name AND d.version = c.version AND d.handler IS NULL;
 DROP INDEX flow._commands_due;
+CREATE FUNCTION flow._lane(queue text, claimant text) RETURNS bigint
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT pg_catalog.hashtextextended(claimant, pg_catalog.hashtextextended(queue, 0))
+$$;
 CREATE INDEX _commands_due ON flow._commands
-    (queue, external, (CASE WHEN external THEN name ELSE '' END), next_run_at, id)
+    (flow._lane(queue, CASE WHEN external THEN name ELSE '' END), next_run_at, id)
     WHERE status IN ('pending', 'waiting');
 -- The busy tables are vacuumed sooner and unthrottled (see sql/schema.sql).
 ALTER TABLE flow._runs SET (autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_cost_delay = 0);
@@ -659,7 +663,11 @@ BEGIN
     PERFORM 1 FROM flow._queues x WHERE x.name = q.name FOR UPDATE;
     IF EXISTS (SELECT 1 FROM flow._definitions d WHERE d.queue = q.name)
        OR EXISTS (SELECT 1 FROM flow._commands c                      -- index _commands_due
-                  WHERE c.queue = q.name AND c.status IN ('pending', 'waiting'))
+                  -- (the queue's lanes, as flow.queues reads them)
+                  WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END)
+                            = ANY (ARRAY(SELECT flow._lane(q.name, n.claimant)
+                                         FROM (SELECT '' UNION SELECT d.name FROM flow._definitions d) n(claimant)))
+                    AND c.queue = q.name AND c.status IN ('pending', 'waiting'))
        OR EXISTS (SELECT 1 FROM flow._commands c                      -- index _commands_running
                   WHERE c.queue = q.name AND c.status = 'running') THEN
         RAISE EXCEPTION 'flow: queue % is still used by definitions or unfinished commands', name
@@ -951,14 +959,14 @@ DECLARE
     claimants text[] := CASE WHEN names IS NULL THEN '{""}' ELSE ARRAY(SELECT DISTINCT n FROM unnest(names) AS n) END;
 BEGIN
     -- Which queues offer due work: each unpaused queue's head in the due index
-    -- (an ORDER BY ... LIMIT 1 probe of _commands_due per queue: an index
+    -- (an ORDER BY ... LIMIT 1 probe of _commands_due per lane: an index
     -- probe whatever the table's size or statistics, never a scan of the
     -- pending commands; see pg_test/test_scale.py).
     -- An external claim only takes part in the limited queues of the
     -- definitions it names, and looks at the heads of those definitions'
-    -- commands only (per definition: the due index is ordered by the name of
-    -- an external command's definition before its due time, see
-    -- sql/schema.sql), so another definition's backlog is never read.
+    -- commands only (per definition: the due index is keyed by lane, a queue
+    -- and its claimant, before the due time, see sql/schema.sql), so another
+    -- definition's backlog is never read.
     SELECT array_agg(q.name) FILTER (WHERE q.concurrency IS NULL),
            array_agg(q.name) FILTER (WHERE q.concurrency IS NOT NULL
                                      AND (names IS NULL OR EXISTS (SELECT 1 FROM flow._definitions d
@@ -969,7 +977,8 @@ BEGIN
         SELECT min(x.next_run_at) AS next_run_at
         FROM unnest(claimants) AS w(claimant) CROSS JOIN LATERAL (
             SELECT c.next_run_at FROM flow._commands c              -- index _commands_due
-            WHERE c.queue = q.name AND c.external = (names IS NOT NULL)
+            WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END) = flow._lane(q.name, w.claimant)
+              AND c.queue = q.name AND c.external = (names IS NOT NULL)
               AND (CASE WHEN c.external THEN c.name ELSE '' END) = w.claimant
               AND c.status IN ('pending', 'waiting')
               AND (c.next_run_at, c.id) > (coalesce(a.at, '-infinity'), coalesce(a.id, '00000000-0000-0000-0000-000000000000'::uuid))
@@ -1026,7 +1035,8 @@ BEGIN
                    flow._budget_start(c.status, c.attempts, c.next_run_at, c.budget_started_at) AS budget_start
             FROM flow._commands c                                   -- index _commands_due
             JOIN flow._definitions d ON d.name = c.name AND d.version = c.version
-            WHERE c.queue = l.name AND c.external = (names IS NOT NULL)
+            WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END) = flow._lane(l.name, w.claimant)
+              AND c.queue = l.name AND c.external = (names IS NOT NULL)
               AND (CASE WHEN c.external THEN c.name ELSE '' END) = w.claimant
               AND c.status IN ('pending', 'waiting') AND c.next_run_at <= now()
               AND (c.next_run_at, c.id) > (l.after_at, l.after_id)
@@ -1177,7 +1187,8 @@ BEGIN
     RETURN (SELECT (extract(epoch FROM min(h.next_run_at) - clock_timestamp()) * 1000)::bigint
     FROM flow._queues q CROSS JOIN LATERAL (
         SELECT c.next_run_at FROM flow._commands c                  -- index _commands_due
-        WHERE c.queue = q.name AND NOT c.external AND (CASE WHEN c.external THEN c.name ELSE '' END) = ''
+        WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END) = flow._lane(q.name, '')
+          AND c.queue = q.name AND NOT c.external
           AND c.status IN ('pending', 'waiting') AND c.next_run_at < 'infinity'
         ORDER BY c.next_run_at LIMIT 1) h
     WHERE NOT q.paused
@@ -2873,7 +2884,12 @@ CROSS JOIN LATERAL (
            count(h.command_id) AS held
     FROM flow._commands c                                           -- index _commands_due
     LEFT JOIN flow._held_attempts h ON h.command_id = c.id
-    WHERE c.queue = q.name AND c.status IN ('pending', 'waiting')
+    -- (the queue's lanes: in-database workers' and each definition name's,
+    -- as flow.drop_queue reads them; see _commands_due in sql/schema.sql)
+    WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END)
+              = ANY (ARRAY(SELECT flow._lane(q.name, n.claimant)
+                           FROM (SELECT '' UNION SELECT d.name FROM flow._definitions d) n(claimant)))
+      AND c.queue = q.name AND c.status IN ('pending', 'waiting')
       AND pg_has_role(current_user, c.owner, 'MEMBER')) u
 CROSS JOIN LATERAL (
     SELECT count(*) AS running
@@ -2981,7 +2997,7 @@ DECLARE
 BEGIN
     FOR f IN SELECT p.oid::regprocedure FROM pg_proc p
              WHERE p.pronamespace = 'flow'::regnamespace AND p.proname LIKE '\_%'
-               AND p.proname NOT IN ('_ticket', '_decide', '_worker_states', '_counters', '_args_misfit', '_among') LOOP
+               AND p.proname NOT IN ('_ticket', '_decide', '_worker_states', '_counters', '_args_misfit', '_among', '_lane') LOOP
         EXECUTE format('REVOKE ALL ON FUNCTION %s FROM PUBLIC', f);
     END LOOP;
 END $$;

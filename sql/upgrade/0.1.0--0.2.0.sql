@@ -108,8 +108,12 @@ ALTER TABLE flow._commands ADD COLUMN external boolean NOT NULL DEFAULT false;
 UPDATE flow._commands c SET external = true
 FROM flow._definitions d WHERE d.name = c.name AND d.version = c.version AND d.handler IS NULL;
 DROP INDEX flow._commands_due;
+CREATE FUNCTION flow._lane(queue text, claimant text) RETURNS bigint
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT pg_catalog.hashtextextended(claimant, pg_catalog.hashtextextended(queue, 0))
+$$;
 CREATE INDEX _commands_due ON flow._commands
-    (queue, external, (CASE WHEN external THEN name ELSE '' END), next_run_at, id)
+    (flow._lane(queue, CASE WHEN external THEN name ELSE '' END), next_run_at, id)
     WHERE status IN ('pending', 'waiting');
 -- The busy tables are vacuumed sooner and unthrottled (see sql/schema.sql).
 ALTER TABLE flow._runs SET (autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_cost_delay = 0);
