@@ -2885,7 +2885,7 @@ CROSS JOIN LATERAL (
     FROM flow._commands c                                           -- index _commands_due
     LEFT JOIN flow._held_attempts h ON h.command_id = c.id
     -- (the queue's lanes: in-database workers' and each definition name's,
-    -- as flow.drop_queue reads them; see _commands_due in sql/schema.sql)
+    -- as flow._drop_queue reads them; see _commands_due in sql/schema.sql)
     WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END)
               = ANY (ARRAY(SELECT flow._lane(q.name, n.claimant)
                            FROM (SELECT '' UNION SELECT d.name FROM flow._definitions d) n(claimant)))
