@@ -635,6 +635,27 @@ def test_queue_counts_show_what_is_live_and_the_history_apart(app):
 
 
 
+def test_queue_counts_and_drop_see_each_lane_of_a_queue(app):
+    """The due index keys a lane (a queue and who claims from it: in-database
+    workers, or an external definition's workers) by a hash: flow.queues and
+    flow.drop_queue read every lane of the queue."""
+    q = unique("lanes")
+    app.one(f"SELECT flow.set_queue('{q}', paused => true)")
+    inner = define(app, "app.hello")
+    outer = unique("ext")
+    app.one(f"SELECT flow.define('{outer}', NULL)")
+    for name in (inner, outer, outer):
+        enqueue(app, name, queue=f"'{q}'")   # (their definitions' queue is another)
+    assert app.all(f"SELECT pending, due FROM flow.queues WHERE name = '{q}'") == [(3, 3)]
+    assert app.sqlstate(f"SELECT flow.drop_queue('{q}')") == "2BP01"
+    app.one(f"SELECT flow.cancel(run_id) FROM flow.commands WHERE queue = '{q}' AND name = '{inner}'")
+    assert app.all(f"SELECT pending, due FROM flow.queues WHERE name = '{q}'") == [(2, 2)]
+    assert app.sqlstate(f"SELECT flow.drop_queue('{q}')") == "2BP01"   # the external ones wait in it
+    app.one(f"SELECT count(flow.cancel(run_id)) FROM flow.commands WHERE queue = '{q}' AND name = '{outer}'")
+    assert app.all(f"SELECT pending, due FROM flow.queues WHERE name = '{q}'") == [(0, 0)]
+    assert app.one(f"SELECT flow.drop_queue('{q}')") is True
+
+
 def test_enabled_off_pauses_all_work(app):
     name = define(app, "app.hello")
     app.all("ALTER SYSTEM SET flow.enabled = off")

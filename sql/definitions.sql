@@ -322,7 +322,8 @@ BEGIN
                   -- (the queue's lanes, as flow.queues reads them)
                   WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END)
                             = ANY (ARRAY(SELECT flow._lane(q.name, n.claimant)
-                                         FROM (SELECT '' UNION SELECT d.name FROM flow._definitions d) n(claimant)))
+                                         FROM (SELECT '' UNION SELECT d.name FROM flow._definitions d
+                                               WHERE d.handler IS NULL) n(claimant)))
                     AND c.queue = q.name AND c.status IN ('pending', 'waiting'))
        OR EXISTS (SELECT 1 FROM flow._commands c                      -- index _commands_running
                   WHERE c.queue = q.name AND c.status = 'running') THEN
