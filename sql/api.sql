@@ -372,13 +372,8 @@ CROSS JOIN LATERAL (
            count(h.command_id) AS held
     FROM flow._commands c                                           -- index _commands_due
     LEFT JOIN flow._held_attempts h ON h.command_id = c.id
-    -- (the queue's lanes: in-database workers' and each external definition's
-    -- (a command is external as its definition is, see flow._define), as
-    -- flow._drop_queue reads them; see _commands_due in sql/schema.sql)
     WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END)
-              = ANY (ARRAY(SELECT flow._lane(q.name, n.claimant)
-                           FROM (SELECT '' UNION SELECT d.name FROM flow._definitions d WHERE d.handler IS NULL)
-                                n(claimant)))
+              = ANY (ARRAY(SELECT l.lane FROM flow._queue_lanes l WHERE l.queue = q.name))
       AND c.queue = q.name AND c.status IN ('pending', 'waiting')
       AND pg_has_role(current_user, c.owner, 'MEMBER')) u
 CROSS JOIN LATERAL (

@@ -167,6 +167,15 @@ SELECT c.id, NULL::text, c.owner, c.name, c.version, c.queue, c.args,
 FROM flow._commands c
 WHERE c.id = c.run_id AND NOT EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = c.id);
 
+-- The lanes of each queue (see _commands_due in sql/schema.sql): in-database
+-- workers' ('') and each external definition's (a command is external as
+-- its definition is, kept so by flow._define). What counts or looks for a
+-- queue's due commands (flow.queues, flow._drop_queue) reads them lane by lane.
+CREATE VIEW flow._queue_lanes AS
+SELECT q.name AS queue, flow._lane(q.name, n.claimant) AS lane
+FROM flow._queues q
+CROSS JOIN (SELECT '' UNION SELECT d.name FROM flow._definitions d WHERE d.handler IS NULL) n(claimant);
+
 -- Give a run without a row its row (see flow._runs), as enqueue would have
 -- written it, from its root; a run that has one keeps it. The caller holds
 -- the root's row lock (the chunk or client running the root, a cancel or a

@@ -319,11 +319,8 @@ BEGIN
     PERFORM 1 FROM flow._queues x WHERE x.name = q.name FOR UPDATE;
     IF EXISTS (SELECT 1 FROM flow._definitions d WHERE d.queue = q.name)
        OR EXISTS (SELECT 1 FROM flow._commands c                      -- index _commands_due
-                  -- (the queue's lanes, as flow.queues reads them)
                   WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END)
-                            = ANY (ARRAY(SELECT flow._lane(q.name, n.claimant)
-                                         FROM (SELECT '' UNION SELECT d.name FROM flow._definitions d
-                                               WHERE d.handler IS NULL) n(claimant)))
+                            = ANY (ARRAY(SELECT l.lane FROM flow._queue_lanes l WHERE l.queue = q.name))
                     AND c.queue = q.name AND c.status IN ('pending', 'waiting'))
        OR EXISTS (SELECT 1 FROM flow._commands c                      -- index _commands_running
                   WHERE c.queue = q.name AND c.status = 'running') THEN

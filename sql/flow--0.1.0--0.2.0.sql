@@ -324,6 +324,15 @@ SELECT c.id, NULL::text, c.owner, c.name, c.version, c.queue, c.args,
 FROM flow._commands c
 WHERE c.id = c.run_id AND NOT EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = c.id);
 
+-- The lanes of each queue (see _commands_due in sql/schema.sql): in-database
+-- workers' ('') and each external definition's (a command is external as
+-- its definition is, kept so by flow._define). What counts or looks for a
+-- queue's due commands (flow.queues, flow._drop_queue) reads them lane by lane.
+CREATE OR REPLACE VIEW flow._queue_lanes AS
+SELECT q.name AS queue, flow._lane(q.name, n.claimant) AS lane
+FROM flow._queues q
+CROSS JOIN (SELECT '' UNION SELECT d.name FROM flow._definitions d WHERE d.handler IS NULL) n(claimant);
+
 -- Give a run without a row its row (see flow._runs), as enqueue would have
 -- written it, from its root; a run that has one keeps it. The caller holds
 -- the root's row lock (the chunk or client running the root, a cancel or a
@@ -663,11 +672,8 @@ BEGIN
     PERFORM 1 FROM flow._queues x WHERE x.name = q.name FOR UPDATE;
     IF EXISTS (SELECT 1 FROM flow._definitions d WHERE d.queue = q.name)
        OR EXISTS (SELECT 1 FROM flow._commands c                      -- index _commands_due
-                  -- (the queue's lanes, as flow.queues reads them)
                   WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END)
-                            = ANY (ARRAY(SELECT flow._lane(q.name, n.claimant)
-                                         FROM (SELECT '' UNION SELECT d.name FROM flow._definitions d
-                                               WHERE d.handler IS NULL) n(claimant)))
+                            = ANY (ARRAY(SELECT l.lane FROM flow._queue_lanes l WHERE l.queue = q.name))
                     AND c.queue = q.name AND c.status IN ('pending', 'waiting'))
        OR EXISTS (SELECT 1 FROM flow._commands c                      -- index _commands_running
                   WHERE c.queue = q.name AND c.status = 'running') THEN
@@ -2885,13 +2891,8 @@ CROSS JOIN LATERAL (
            count(h.command_id) AS held
     FROM flow._commands c                                           -- index _commands_due
     LEFT JOIN flow._held_attempts h ON h.command_id = c.id
-    -- (the queue's lanes: in-database workers' and each external definition's
-    -- (a command is external as its definition is, see flow._define), as
-    -- flow._drop_queue reads them; see _commands_due in sql/schema.sql)
     WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END)
-              = ANY (ARRAY(SELECT flow._lane(q.name, n.claimant)
-                           FROM (SELECT '' UNION SELECT d.name FROM flow._definitions d WHERE d.handler IS NULL)
-                                n(claimant)))
+              = ANY (ARRAY(SELECT l.lane FROM flow._queue_lanes l WHERE l.queue = q.name))
       AND c.queue = q.name AND c.status IN ('pending', 'waiting')
       AND pg_has_role(current_user, c.owner, 'MEMBER')) u
 CROSS JOIN LATERAL (

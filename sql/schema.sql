@@ -230,7 +230,8 @@ CREATE UNIQUE INDEX _commands_run_key ON flow._commands (run_id, key) WHERE id <
 -- tuple: an enqueue of 1,000 spent 1.8 us per run in this index, 0.9 now).
 -- Statements that read it compare the lane's hash and then its queue and
 -- claimant themselves (a hash is no proof), written out the same in each
--- (flow._claim, flow._next_due_ms, flow.queues, flow._drop_queue).
+-- (flow._claim, flow._next_due_ms; flow.queues and flow._drop_queue read a
+-- queue's lanes from flow._queue_lanes).
 -- (Executable by everyone: the flow.queues view calls it as its reader; it
 -- reads nothing.)
 CREATE FUNCTION flow._lane(queue text, claimant text) RETURNS bigint
