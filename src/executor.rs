@@ -338,8 +338,10 @@ impl Row {
 }
 
 /// Each row of the result the statement just run by `engine_query` left in
-/// SPI_tuptable (`table`), mapped by `each`.
-pub fn rows<R>(table: pgrx::spi::SpiTupleTable, mut each: impl FnMut(&Row) -> R) -> Vec<R> {
+/// SPI_tuptable (`table`), mapped by `each`. `types`: its columns' types
+/// (`PgOid::Invalid` for a composite), checked once per result: a row read
+/// as other types than it has would read memory that is not its own.
+pub fn rows<R>(table: pgrx::spi::SpiTupleTable, types: &[PgOid], mut each: impl FnMut(&Row) -> R) -> Vec<R> {
     let count = table.len();
     if count == 0 {
         return Vec::new();
@@ -348,9 +350,20 @@ pub fn rows<R>(table: pgrx::spi::SpiTupleTable, mut each: impl FnMut(&Row) -> R)
     // with `count` tuples of its descriptor
     unsafe {
         let result = pg_sys::SPI_tuptable;
-        assert!(!result.is_null() && (*result).numvals as usize == count, "flow: no result to read");
+        if result.is_null() || (*result).numvals as usize != count {
+            error!("flow: the engine's statement left no result to read");
+        }
         let tupdesc = (*result).tupdesc;
         let natts = (*tupdesc).natts as usize;
+        let attributes = (*tupdesc).attrs.as_slice(natts);
+        let fits = natts == types.len()
+            && attributes.iter().zip(types).all(|(attribute, expected)| match expected {
+                PgOid::Invalid => pg_sys::type_is_rowtype(attribute.atttypid),
+                expected => attribute.atttypid == expected.value(),
+            });
+        if !fits {
+            error!("flow: the engine's statement returned other columns than this library reads (is the extension's SQL of this release?)");
+        }
         let mut row = Row { values: vec![pg_sys::Datum::from(0); natts], nulls: vec![true; natts] };
         std::slice::from_raw_parts((*result).vals, count)
             .iter()
@@ -389,6 +402,7 @@ const JSONB_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::JSONBARRAYOID);
 const TIMESTAMPTZ_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::TIMESTAMPTZARRAYOID);
 const INT4_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::INT4ARRAYOID);
 const OID_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::OIDARRAYOID);
+const OID: PgOid = PgOid::BuiltIn(PgBuiltInOids::OIDOID);
 const TEXT_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::TEXTARRAYOID);
 
 /// Where a claim ended in each queue: the due time and id of the last command
@@ -476,10 +490,8 @@ pub fn claim(
             // A claim from one queue has no claim order (NULL): its rows come
             // in due order, leased ones and held ones apart, and a stable sort
             // keeps them so.
-            // (the columns' types are the statement's: uuid, uuid, uuid,
-            // bigint, bigint, oid, oid, jsonb, oid, integer, flow.context,
-            // text, timestamptz, integer)
-            let mut claimed: Vec<(Option<i32>, Claimed)> = self::rows(rows, |row| {
+            let types = [UUID, UUID, UUID, INT8, INT8, OID, OID, JSONB, OID, INT4, PgOid::Invalid, TEXT, TIMESTAMPTZ, INT4];
+            let mut claimed: Vec<(Option<i32>, Claimed)> = self::rows(rows, &types, |row| {
                 let command_id = row.get(1).expect("command_id");
                 cursor.advance(row.get(12).expect("queue"), row.get(13).expect("due_at"), command_id);
                 (row.get::<i32>(14), Claimed {
@@ -569,9 +581,10 @@ impl<'a> Chunk<'a> {
             "SELECT command_id, run_locked FROM flow._begin_batch($1, $2)",
             &[UUID_ARRAY, UUID_ARRAY],
             &[ids.into(), tokens.into()],
-            // (uuid, boolean)
             |table| {
-                rows(table, |row| row.get::<pgrx::Uuid>(1).map(|id| (*id.as_bytes(), row.get::<bool>(2).unwrap_or(false))))
+                rows(table, &[UUID, BOOL], |row| {
+                    row.get::<pgrx::Uuid>(1).map(|id| (*id.as_bytes(), row.get::<bool>(2).unwrap_or(false)))
+                })
                     .into_iter()
                     .flatten()
                     .collect()
