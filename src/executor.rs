@@ -327,7 +327,7 @@ pub struct Row {
 
 impl Row {
     /// Column `ordinal` (1-based); None for NULL. `T` must be the column's
-    /// type (the caller's statement says which): nothing checks it here.
+    /// type, as the caller gave it to `rows` (which checked the result's).
     pub fn get<T: FromDatum>(&self, ordinal: usize) -> Option<T> {
         // SAFETY: the datum was deformed from the current result's tuple by
         // its own descriptor, and is read before that result is freed; the
