@@ -1643,35 +1643,42 @@ DECLARE
     hex text := lpad(to_hex((extract(epoch FROM cut) * 1000)::bigint), 12, '0');
     bound uuid := (substr(hex, 1, 8) || '-' || substr(hex, 9, 4) || '-7000-8000-000000000000')::uuid;
     start uuid := coalesce(after, '00000000-0000-0000-0000-000000000000');
-    window_ids uuid[];
+    with_row uuid[];
+    ended_alone uuid[];
     ended_ids uuid[];
 BEGIN
     -- The window: the next max_runs runs, those with a row of their own and
     -- those without, which are their roots (see flow._runs), each part read
     -- in id order from its primary key and cut at max_runs (as one union
-    -- ordered by id, the planner sorted every run after `after`).
-    SELECT array_agg(x.id ORDER BY x.id) INTO window_ids FROM (
-        SELECT w.id FROM (
-            (SELECT r.id FROM flow._runs r WHERE r.id > start AND r.id < bound ORDER BY r.id LIMIT max_runs)
+    -- ordered by id, the planner sorted every run after `after`). A run
+    -- without a row is its root alone, and ended when the root did: that is
+    -- read here, with the root, and such a run is its root's row to delete
+    -- (the common run; no lookup of its run or of its commands). A run with a
+    -- row is read through flow._run_rows below.
+    SELECT (array_agg(x.id ORDER BY x.id DESC))[1], array_agg(x.id) FILTER (WHERE x.has_row),
+           array_agg(x.id) FILTER (WHERE NOT x.has_row AND x.finished_at < cut)
+    INTO last, with_row, ended_alone
+    FROM (
+        SELECT w.id, w.has_row, w.finished_at FROM (
+            (SELECT r.id, true AS has_row, NULL::timestamptz AS finished_at FROM flow._runs r
+             WHERE r.id > start AND r.id < bound ORDER BY r.id LIMIT max_runs)
             UNION ALL
-            (SELECT c.id FROM flow._commands c
+            (SELECT c.id, false, c.finished_at FROM flow._commands c
              WHERE c.id > start AND c.id < bound AND c.id = c.run_id AND NOT EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = c.id)
              ORDER BY c.id LIMIT max_runs)) w
         ORDER BY w.id LIMIT max_runs) x;
-    -- which of them ended (a run of one command ends with its root; finished
-    -- runs never change again, so what ended here is still ended below)
+    -- which of the runs with a row ended (finished runs never change again,
+    -- so what ended here is still ended below)
     SELECT array_agg(v.id) INTO ended_ids FROM flow._run_rows v
-    WHERE v.id = ANY (window_ids) AND v.status <> 'running' AND v.finished_at < cut;
-    last := window_ids[cardinality(window_ids)];
+    WHERE v.id = ANY (with_row) AND v.status <> 'running' AND v.finished_at < cut;
     WITH run_rows AS (
-        -- (a run may have no row of its own: see flow._runs)
         DELETE FROM flow._runs r WHERE r.id = ANY (ended_ids)
     ), commands AS (
         -- (each run's commands by a subquery on its id, not a lateral join:
         -- see flow._commands_of)
         DELETE FROM flow._commands c
         WHERE c.id = ANY (ARRAY(SELECT unnest(ARRAY(SELECT k.id FROM flow._commands_of(gone.id) k))
-                                FROM unnest(ended_ids) AS gone(id)))
+                                FROM unnest(ended_ids) AS gone(id)) || ended_alone)
         RETURNING c.id, c.parent_id IS NULL AS root,
                   -- (a success at its first attempt, settled by 0.2.0 on, has no
                   -- row in _attempts: see sql/schema.sql; 0.1.0 left the command
