@@ -188,6 +188,59 @@ def test_settlements_planned_when_nothing_ran_stay_driven_by_their_commands_thro
     assert read < 10 * wave, f"draining {wave} runs read {read:,} index entries of _runs and _commands"
 
 
+def test_claims_of_a_steady_flow_take_up_where_the_last_one_ended():
+    """Under a steady flow each claim comes back short (it takes all that is
+    due), and the next one takes up where it ended (src/worker.rs, claim), so
+    it does not walk, at its queue's head, the due-index entries of every
+    command claimed since the last VACUUM (off here): counted in pages of
+    _commands_due read while 31 runs are enqueued one at a time and awaited,
+    after 20,000 were drained (about 11,000 when each claim, its queue-head
+    probe and the idle worker's look for the next due time start at the head:
+    120 pages each). A run enqueued by a transaction that began before those 30
+    is due behind where the claims took up: its commit says so
+    (shmem::DueFloors), so it is claimed at once, not when the cursor runs
+    out (CURSOR_SPAN, 1 s). (A cluster of its own: the workers' look at every
+    queue's head, and the queues of the tests before it hold the index
+    entries of hundreds of thousands of commands.)"""
+    pg = Cluster("/tmp/flow-it-steady", 5492)
+    pg.start("flow.workers = 2", "autovacuum = off")
+    try:
+        pg.wait_ready()
+        steady_flow(pg)
+    finally:
+        pg.stop()
+
+
+def steady_flow(pg):
+    pg.one("SELECT flow.define('steady', 'flow.noop'::regproc, queue => 'steady')")
+    # (enqueued while paused, so that the drain leaves whole index pages of
+    # entries behind at the queue's head, as a churn does between autovacuums)
+    pg.one("SELECT flow.set_queue('steady', paused => true)")
+    pg.one("SELECT cardinality(flow.enqueue_many('steady', array_fill('{}'::jsonb, array[20000])))")
+    pg.one("SELECT flow.set_queue('steady', paused => false)")
+    pg.wait_for("SELECT count(*) = 20000 FROM flow.runs WHERE name = 'steady' AND status = 'succeeded'", timeout=120)
+    with pg.connect() as c, pg.connect() as late:
+        late.execute("BEGIN")
+        late.execute("SELECT now()")   # its enqueue will be due at this time
+        # (the workers' reads reach the statistics at most once a second, at
+        # a transaction of theirs: an idle worker makes one every poll interval)
+        time.sleep(2.2)
+        before = due_blocks_read(c)
+        for _ in range(30):
+            run = c.execute("SELECT flow.enqueue('steady')").fetchone()[0]
+            assert c.execute("SELECT status FROM flow.await(%s, '10s')", (run,)).fetchone()[0] == "succeeded"
+        # (at once, while the claims take up where the last one ended)
+        run = late.execute("SELECT flow.enqueue('steady')").fetchone()[0]
+        late.execute("COMMIT")
+        committed = time.monotonic()
+        assert c.execute("SELECT status FROM flow.await(%s, '10s')", (run,)).fetchone()[0] == "succeeded"
+        waited = time.monotonic() - committed
+        time.sleep(2.2)
+        read = due_blocks_read(c) - before
+    assert read < 3000, f"31 runs, one at a time, read {read} pages of _commands_due"
+    assert waited < 0.5, f"a run due behind where the claims took up waited {waited:.2f} s"
+
+
 def test_a_command_due_behind_where_claims_take_up_is_not_left_until_the_backlog_ends(pg):
     """While a backlog drains, each claim takes up where the worker's last one
     ended (flow._claim): a command that becomes due behind that point (here,
@@ -210,7 +263,8 @@ def test_a_command_due_behind_where_claims_take_up_is_not_left_until_the_backlog
                 timeout=180)
     finished = pg.one("SELECT finished_at FROM flow.runs WHERE id = %s", run)
     after = pg.one("SELECT count(*) FROM flow.runs WHERE name = 'backlog' AND finished_at > %s", finished)
-    # claimed within CURSOR_SPAN (250 ms) of its commit, early in a drain of several seconds
+    # claimed at its commit (its due time is before where the claims take up:
+    # shmem::DueFloors), early in a drain of several seconds
     assert after > backlog // 4, f"only {after} of {backlog} backlog runs finished after the late one"
 
 

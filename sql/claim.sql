@@ -279,15 +279,20 @@ END $$;
 -- (plpgsql, not sql: its plan is kept for the worker's session; an sql
 -- function with SET clauses is planned again at every call, a quarter of a
 -- millisecond each time a worker goes idle)
-CREATE FUNCTION flow._next_due_ms() RETURNS bigint
+CREATE FUNCTION flow._next_due_ms(after_queues text[], after_at timestamptz[], after_ids uuid[]) RETURNS bigint
 LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 BEGIN
+    -- (after where the worker's claims take up, in the queues it names, as
+    -- flow._claim's head probe reads it: not through the entries claimed
+    -- since the last VACUUM at the queue's head)
     RETURN (SELECT (extract(epoch FROM min(h.next_run_at) - clock_timestamp()) * 1000)::bigint
-    FROM flow._queues q CROSS JOIN LATERAL (
+    FROM flow._queues q LEFT JOIN unnest(after_queues, after_at, after_ids) AS a(queue, at, id) ON a.queue = q.name
+    CROSS JOIN LATERAL (
         SELECT c.next_run_at FROM flow._commands c                  -- index _commands_due
         WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END) = flow._lane(q.name, '')
           AND c.queue = q.name AND NOT c.external
           AND c.status IN ('pending', 'waiting') AND c.next_run_at < 'infinity'
+          AND (c.next_run_at, c.id) > (coalesce(a.at, '-infinity'), coalesce(a.id, '00000000-0000-0000-0000-000000000000'::uuid))
         ORDER BY c.next_run_at LIMIT 1) h
     WHERE NOT q.paused
       AND (q.concurrency IS NULL

@@ -73,7 +73,7 @@ BEGIN
     SELECT t.run_id, t.run_id, 'root', _insert_roots.name, _insert_roots.version, lane, t.args, '{}',
         'pending', due, due, due, ends, _insert_roots.external, _insert_roots.owner
     FROM unnest(run_ids, args) AS t(run_id, args);
-    PERFORM flow._wake();
+    PERFORM flow._wake_due_from(due);
 END $$;
 
 CREATE FUNCTION flow._enqueue(caller oid, name text, args jsonb, key text, version integer, queue text,

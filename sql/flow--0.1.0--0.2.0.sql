@@ -50,6 +50,7 @@ DROP FUNCTION flow.fail(text);
 DROP FUNCTION flow._decide(text, text, text, bigint);
 DROP FUNCTION flow._begin_batch(uuid[], uuid[]);
 DROP FUNCTION flow._prune(interval, integer);
+DROP FUNCTION flow._next_due_ms();
 -- Enqueue resolves and checks in one function (flow._plan_enqueue, which
 -- returns scalars), and its helpers take scalars, not a flow._definitions row.
 DROP FUNCTION flow._plan_enqueue(oid, text, integer, text, interval, timestamptz, interval);
@@ -818,7 +819,7 @@ BEGIN
     SELECT t.run_id, t.run_id, 'root', _insert_roots.name, _insert_roots.version, lane, t.args, '{}',
         'pending', due, due, due, ends, _insert_roots.external, _insert_roots.owner
     FROM unnest(run_ids, args) AS t(run_id, args);
-    PERFORM flow._wake();
+    PERFORM flow._wake_due_from(due);
 END $$;
 
 CREATE OR REPLACE FUNCTION flow._enqueue(caller oid, name text, args jsonb, key text, version integer, queue text,
@@ -1188,15 +1189,20 @@ END $$;
 -- (plpgsql, not sql: its plan is kept for the worker's session; an sql
 -- function with SET clauses is planned again at every call, a quarter of a
 -- millisecond each time a worker goes idle)
-CREATE OR REPLACE FUNCTION flow._next_due_ms() RETURNS bigint
+CREATE OR REPLACE FUNCTION flow._next_due_ms(after_queues text[], after_at timestamptz[], after_ids uuid[]) RETURNS bigint
 LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 BEGIN
+    -- (after where the worker's claims take up, in the queues it names, as
+    -- flow._claim's head probe reads it: not through the entries claimed
+    -- since the last VACUUM at the queue's head)
     RETURN (SELECT (extract(epoch FROM min(h.next_run_at) - clock_timestamp()) * 1000)::bigint
-    FROM flow._queues q CROSS JOIN LATERAL (
+    FROM flow._queues q LEFT JOIN unnest(after_queues, after_at, after_ids) AS a(queue, at, id) ON a.queue = q.name
+    CROSS JOIN LATERAL (
         SELECT c.next_run_at FROM flow._commands c                  -- index _commands_due
         WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END) = flow._lane(q.name, '')
           AND c.queue = q.name AND NOT c.external
           AND c.status IN ('pending', 'waiting') AND c.next_run_at < 'infinity'
+          AND (c.next_run_at, c.id) > (coalesce(a.at, '-infinity'), coalesce(a.id, '00000000-0000-0000-0000-000000000000'::uuid))
         ORDER BY c.next_run_at LIMIT 1) h
     WHERE NOT q.paused
       AND (q.concurrency IS NULL
@@ -1468,7 +1474,7 @@ BEGIN
     PERFORM flow._observe('attempts_succeeded', settled), flow._observe('runs_succeeded', finished);
     -- a limited queue may have room now (otherwise nobody is waiting for this)
     IF EXISTS (SELECT 1 FROM flow._queues q WHERE q.concurrency IS NOT NULL) THEN
-        PERFORM flow._wake();
+        PERFORM flow._wake_due_from('infinity');   -- (room, nothing made due)
     END IF;
     RETURN settled;
 END $$;
@@ -1892,7 +1898,7 @@ BEGIN
     LOOP
         PERFORM flow._promote_if_satisfied(waiting);
     END LOOP;
-    PERFORM flow._wake();
+    PERFORM flow._wake_due_from(now());   -- (a command promoted is due at now() or later)
     RETURN pos;
 EXCEPTION WHEN SQLSTATE 'FL002' OR SQLSTATE 'FL003' OR SQLSTATE 'FL004' THEN
     -- inside a handler an invalid emit is an invalid decision (see _spawn)
@@ -1985,7 +1991,7 @@ BEGIN
         VALUES (child, spec.name, spec.key, journaled, CASE WHEN journaled IS NOT NULL THEN now() END);
     END LOOP;
     PERFORM flow._promote_if_satisfied(child);
-    PERFORM flow._wake();
+    PERFORM flow._wake_due_from(now());   -- (due at p.due, or when promoted: both now() or later)
     RETURN child;
 EXCEPTION WHEN SQLSTATE 'FL001' OR SQLSTATE 'FL002' OR SQLSTATE 'FL003' OR SQLSTATE 'FL004'
               OR SQLSTATE 'FL005' OR SQLSTATE 'FL006' OR SQLSTATE 'FL011' OR SQLSTATE 'FL016'
@@ -2332,7 +2338,7 @@ AS 'MODULE_PATHNAME', '_args_misfit_as_wrapper';
 -- flow::invariants::_command_row_is_consistent
 -- Skipped due to `#[pgrx(sql = false)]`
 
--- src/api.rs:163
+-- src/api.rs:173
 -- flow::api::_counters
 CREATE OR REPLACE FUNCTION "_counters"() RETURNS TABLE (
 	"name" TEXT,  /* String */
@@ -2342,14 +2348,14 @@ STRICT VOLATILE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_counters_wrapper';
 
--- src/api.rs:122
+-- src/api.rs:132
 -- flow::api::_current_command
 CREATE OR REPLACE FUNCTION "_current_command"() RETURNS uuid /* Option < pgrx :: Uuid > */
 STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_current_command_wrapper';
 
--- src/executor.rs:217
+-- src/executor.rs:220
 -- flow::executor::_decide
 CREATE OR REPLACE FUNCTION "_decide"(
 	"class" TEXT, /* & str */
@@ -2361,7 +2367,7 @@ VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_decide_wrapper';
 
--- src/external.rs:25
+-- src/external.rs:33
 -- flow::external::_external_claim_ended
 CREATE OR REPLACE FUNCTION "_external_claim_ended"(
 	"definition" TEXT, /* Option < & str > */
@@ -2374,7 +2380,7 @@ VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_external_claim_ended_wrapper';
 
--- src/external.rs:10
+-- src/external.rs:18
 -- flow::external::_external_claim_start
 CREATE OR REPLACE FUNCTION "_external_claim_start"(
 	"definition" TEXT /* Option < & str > */
@@ -2387,7 +2393,7 @@ VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_external_claim_start_wrapper';
 
--- src/api.rs:55
+-- src/api.rs:65
 -- flow::api::_interrupt_run
 CREATE OR REPLACE FUNCTION "_interrupt_run"(
 	"run" uuid /* pgrx :: Uuid */
@@ -2396,7 +2402,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_interrupt_run_wrapper';
 
--- src/api.rs:116
+-- src/api.rs:126
 -- flow::api::_lease_duration_s
 CREATE OR REPLACE FUNCTION "_lease_duration_s"() RETURNS INT /* i32 */
 STRICT STABLE PARALLEL SAFE
@@ -2415,21 +2421,21 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_lock_event_key_wrapper';
 
--- src/api.rs:110
+-- src/api.rs:120
 -- flow::api::_max_payload_bytes
 CREATE OR REPLACE FUNCTION "_max_payload_bytes"() RETURNS INT /* i32 */
 STRICT STABLE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_max_payload_bytes_wrapper';
 
--- src/api.rs:78
+-- src/api.rs:88
 -- flow::api::_new_id
 CREATE OR REPLACE FUNCTION "_new_id"() RETURNS uuid /* pgrx :: Uuid */
 STRICT VOLATILE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_new_id_wrapper';
 
--- src/api.rs:169
+-- src/api.rs:179
 -- flow::api::_observe
 CREATE OR REPLACE FUNCTION "_observe"(
 	"metric" TEXT, /* & str */
@@ -2448,7 +2454,7 @@ VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_redeem_wrapper';
 
--- src/api.rs:61
+-- src/api.rs:71
 -- flow::api::_stop_workers_of
 CREATE OR REPLACE FUNCTION "_stop_workers_of"(
 	"run" uuid /* pgrx :: Uuid */
@@ -2457,7 +2463,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_stop_workers_of_wrapper';
 
--- src/api.rs:177
+-- src/api.rs:187
 -- flow::api::_stopped_in
 CREATE OR REPLACE FUNCTION "_stopped_in"(
 	"pid" INT, /* i32 */
@@ -2483,14 +2489,23 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_ticket_wrapper';
 
--- src/api.rs:48
+-- src/api.rs:50
 -- flow::api::_wake
 CREATE OR REPLACE FUNCTION "_wake"() RETURNS void
 STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_wake_wrapper';
 
--- src/api.rs:128
+-- src/api.rs:58
+-- flow::api::_wake_due_from
+CREATE OR REPLACE FUNCTION "_wake_due_from"(
+	"due" timestamp with time zone /* TimestampWithTimeZone */
+) RETURNS void
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', '_wake_due_from_wrapper';
+
+-- src/api.rs:138
 -- flow::api::_worker_states
 CREATE OR REPLACE FUNCTION "_worker_states"() RETURNS TABLE (
 	"worker" INT,  /* i32 */

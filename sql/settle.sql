@@ -258,7 +258,7 @@ BEGIN
     PERFORM flow._observe('attempts_succeeded', settled), flow._observe('runs_succeeded', finished);
     -- a limited queue may have room now (otherwise nobody is waiting for this)
     IF EXISTS (SELECT 1 FROM flow._queues q WHERE q.concurrency IS NOT NULL) THEN
-        PERFORM flow._wake();
+        PERFORM flow._wake_due_from('infinity');   -- (room, nothing made due)
     END IF;
     RETURN settled;
 END $$;

@@ -170,7 +170,7 @@ BEGIN
     LOOP
         PERFORM flow._promote_if_satisfied(waiting);
     END LOOP;
-    PERFORM flow._wake();
+    PERFORM flow._wake_due_from(now());   -- (a command promoted is due at now() or later)
     RETURN pos;
 EXCEPTION WHEN SQLSTATE 'FL002' OR SQLSTATE 'FL003' OR SQLSTATE 'FL004' THEN
     -- inside a handler an invalid emit is an invalid decision (see _spawn)
@@ -263,7 +263,7 @@ BEGIN
         VALUES (child, spec.name, spec.key, journaled, CASE WHEN journaled IS NOT NULL THEN now() END);
     END LOOP;
     PERFORM flow._promote_if_satisfied(child);
-    PERFORM flow._wake();
+    PERFORM flow._wake_due_from(now());   -- (due at p.due, or when promoted: both now() or later)
     RETURN child;
 EXCEPTION WHEN SQLSTATE 'FL001' OR SQLSTATE 'FL002' OR SQLSTATE 'FL003' OR SQLSTATE 'FL004'
               OR SQLSTATE 'FL005' OR SQLSTATE 'FL006' OR SQLSTATE 'FL011' OR SQLSTATE 'FL016'

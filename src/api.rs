@@ -44,10 +44,20 @@ fn _redeem(ticket: Option<i64>) -> pg_sys::Oid {
     role
 }
 
-/// Wake the idle workers when the current transaction commits.
+/// Wake the idle workers when the current transaction commits. What it made
+/// due may be due at any time, even before where the workers' claims ended:
+/// their next claims start from the queues' heads.
 #[pg_extern(volatile, parallel_unsafe)]
 fn _wake() {
-    shmem::wake_at_commit();
+    shmem::wake_at_commit(i64::MIN);
+}
+
+/// `_wake`, for a transaction whose commands made due are all due at `due`
+/// or later ('infinity': it made none due): the workers' claims may go on
+/// from where they ended if that is before `due` (see shmem::DueFloors).
+#[pg_extern(volatile, parallel_unsafe)]
+fn _wake_due_from(due: TimestampWithTimeZone) {
+    shmem::wake_at_commit(due.into_inner());
 }
 
 /// Ask the workers to stop running handlers of `run` (flow.cancel calls this

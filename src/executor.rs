@@ -43,6 +43,9 @@ pub struct Claimed {
     /// Held, not leased (see flow._claim): the number of the attempt it makes,
     /// counted when it is settled in the claim's own transaction.
     pub held_attempt: Option<i32>,
+    /// Its queue and due time: where it is in its queue's claim order (with its id).
+    pub queue: String,
+    pub due_at: TimestampWithTimeZone,
 }
 
 /// What a settlement names: the command, and its lease or held attempt.
@@ -396,19 +399,19 @@ pub(crate) const INT4: PgOid = PgOid::BuiltIn(PgBuiltInOids::INT4OID);
 pub(crate) const FLOAT8: PgOid = PgOid::BuiltIn(PgBuiltInOids::FLOAT8OID);
 const BOOL: PgOid = PgOid::BuiltIn(PgBuiltInOids::BOOLOID);
 const TIMESTAMPTZ: PgOid = PgOid::BuiltIn(PgBuiltInOids::TIMESTAMPTZOID);
-const UUID_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::UUIDARRAYOID);
+pub(crate) const UUID_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::UUIDARRAYOID);
 const JSONB: PgOid = PgOid::BuiltIn(PgBuiltInOids::JSONBOID);
 const JSONB_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::JSONBARRAYOID);
-const TIMESTAMPTZ_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::TIMESTAMPTZARRAYOID);
+pub(crate) const TIMESTAMPTZ_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::TIMESTAMPTZARRAYOID);
 const INT4_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::INT4ARRAYOID);
 const OID_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::OIDARRAYOID);
 const OID: PgOid = PgOid::BuiltIn(PgBuiltInOids::OIDOID);
-const TEXT_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::TEXTARRAYOID);
+pub(crate) const TEXT_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::TEXTARRAYOID);
 
 /// Where a claim ended in each queue: the due time and id of the last command
 /// it took there, in the claim's (next_run_at, id) order. The next claim may
 /// start after it (see flow._claim).
-#[derive(Default)]
+#[derive(Default, Clone)]
 pub struct ClaimCursor(Vec<(String, TimestampWithTimeZone, pgrx::Uuid)>);
 
 impl ClaimCursor {
@@ -419,6 +422,19 @@ impl ClaimCursor {
             Some(last) if key(last.1, &last.2) >= key(due_at, &id) => {}
             Some(last) => (last.1, last.2) = (due_at, id),
             None => self.0.push((queue, due_at, id)),
+        }
+    }
+
+    /// Start at `command` (claimed, not run) in its queue, if it ends after it
+    /// there: the end moves to just before it (the same due time, the id one less).
+    pub fn rewind_to(&mut self, command: &Claimed) {
+        let mut id = u128::from_be_bytes(*command.command_id.as_bytes());
+        id = id.saturating_sub(1);
+        let before = (command.due_at.into_inner(), id.to_be_bytes());
+        if let Some(end) = self.0.iter_mut().find(|(q, _, _)| *q == command.queue) {
+            if (end.1.into_inner(), *end.2.as_bytes()) >= before {
+                (end.1, end.2) = (command.due_at, pgrx::Uuid::from_bytes(before.1));
+            }
         }
     }
 
@@ -437,8 +453,13 @@ impl ClaimCursor {
         self.0.iter().map(|(queue, at, id)| (queue.clone(), at.into_inner(), *id.as_bytes())).collect()
     }
 
-    /// As flow._claim takes it: queues, due times and ids, one array each.
-    fn columns(&self) -> (Vec<String>, Vec<TimestampWithTimeZone>, Vec<pgrx::Uuid>) {
+    /// The earliest of its ends' due times (TimestampTz µs); None: no ends.
+    pub fn earliest(&self) -> Option<i64> {
+        self.0.iter().map(|(_, at, _)| at.into_inner()).min()
+    }
+
+    /// As flow._claim and flow._next_due_ms take it: queues, due times and ids, one array each.
+    pub(crate) fn columns(&self) -> (Vec<String>, Vec<TimestampWithTimeZone>, Vec<pgrx::Uuid>) {
         let mut columns = (Vec::new(), Vec::new(), Vec::new());
         for (queue, at, id) in &self.0 {
             columns.0.push(queue.clone());
@@ -493,7 +514,8 @@ pub fn claim(
             let types = [UUID, UUID, UUID, INT8, INT8, OID, OID, JSONB, OID, INT4, PgOid::Invalid, TEXT, TIMESTAMPTZ, INT4];
             let mut claimed: Vec<(Option<i32>, Claimed)> = self::rows(rows, &types, |row| {
                 let command_id = row.get(1).expect("command_id");
-                cursor.advance(row.get(12).expect("queue"), row.get(13).expect("due_at"), command_id);
+                let (queue, due_at): (String, TimestampWithTimeZone) = (row.get(12).expect("queue"), row.get(13).expect("due_at"));
+                cursor.advance(queue.clone(), due_at, command_id);
                 (row.get::<i32>(14), Claimed {
                     command_id,
                     run_id: row.get(2).expect("run_id"),
@@ -506,6 +528,8 @@ pub fn claim(
                     args_type: row.get::<pg_sys::Oid>(9),
                     held_attempt: row.get::<i32>(10),
                     context: row.get::<Context>(11),
+                    queue,
+                    due_at,
                 })
             });
             claimed.sort_by_key(|(order, _)| *order);

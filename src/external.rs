@@ -2,8 +2,16 @@
 //! definition ended, as in-database workers' claims do (flow.claim in
 //! sql/api.sql; the shared ends are in `shmem::note_external_end`).
 
-use crate::{api, shmem, worker};
+use crate::{api, shmem};
 use pgrx::prelude::*;
+use std::time::Duration;
+
+/// How long external claims of one definition take up where the last full
+/// one ended before one starts from the queue's head again. (In-database
+/// workers keep theirs longer, worker::CURSOR_SPAN: a commit that makes a
+/// command due behind their cursor tells them, shmem::DueFloors; external
+/// claims are not told.)
+const EXTERNAL_CURSOR_SPAN: Duration = Duration::from_millis(250);
 
 /// Where the last full claim of `definition` (claimed alone) ended, while
 /// that is good: no row, or one.
@@ -36,10 +44,9 @@ fn _external_claim_ended(
     let one_queue = queues.windows(2).all(|w| w[0] == w[1]);
     // uuids compare as their bytes, as PostgreSQL compares them
     let last = due_ats.iter().zip(&ids).map(|(at, id)| (at.into_inner(), *id.as_bytes())).max();
-    // as long as in-database workers' claims take up from theirs: the longest a
-    // command that became due behind that point (an expired lease, a claim
-    // rolled back) waits while a backlog drains
-    let span_us = worker::CURSOR_SPAN.as_micros() as i64;
+    // the longest a command that became due behind that point (an expired
+    // lease, a claim rolled back) waits while a backlog drains
+    let span_us = EXTERNAL_CURSOR_SPAN.as_micros() as i64;
     match (full && one_queue, last) {
         (true, Some((due_at, id))) => shmem::note_external_end(definition, Some((&queues[0], due_at, id)), span_us),
         _ => shmem::note_external_end(definition, None, span_us),

@@ -1,8 +1,9 @@
 //! Shared memory: the table of worker slots (who is idle, what each runs) and
 //! the engine's counters, plus the commit-time wake-up of idle workers.
 //!
-//! Waking: enqueue, emit and settlement call `flow._wake()`, which only sets a
-//! backend-local flag; a transaction callback registered once in `_PG_init`
+//! Waking: enqueue, emit and settlement call `flow._wake()` (or
+//! `flow._wake_due_from`, saying from when what they made due is due), which
+//! only sets a backend-local flag; a transaction callback registered once in `_PG_init`
 //! sets every worker's latch when that transaction commits. Nothing is woken
 //! for work that rolled back, and a transaction that enqueues 10,000 runs
 //! wakes the workers once.
@@ -11,7 +12,7 @@ use crate::gucs::MAX_WORKERS;
 use pgrx::prelude::*;
 use pgrx::{pg_shmem_init, PGRXSharedMemory, PgAtomic, PgLwLock};
 use std::cell::Cell;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 
 /// How many cancels a worker remembers at once (more concurrent cancels of
 /// runs it holds than this are served when its chunk commits).
@@ -201,12 +202,32 @@ impl Default for Counters {
 
 unsafe impl PGRXSharedMemory for Counters {}
 
+/// Per worker slot: the earliest time at which the commands made due by
+/// the transactions committed since the worker last looked are due
+/// (TimestampTz µs; i64::MAX: none). A worker's claims take up from where the
+/// last one ended (Worker::claim) only while nothing was made due before
+/// that (`take_due_floor`).
+pub struct DueFloors {
+    values: [AtomicI64; MAX_WORKERS],
+}
+
+impl Default for DueFloors {
+    fn default() -> Self {
+        DueFloors { values: std::array::from_fn(|_| AtomicI64::new(i64::MAX)) }
+    }
+}
+
+unsafe impl PGRXSharedMemory for DueFloors {}
+
 pub static WORKERS: PgLwLock<WorkerTable> = unsafe { PgLwLock::new(c"flow_workers") };
 pub static COUNTERS: PgAtomic<Counters> = unsafe { PgAtomic::new(c"flow_counters") };
+static DUE_FLOORS: PgAtomic<DueFloors> = unsafe { PgAtomic::new(c"flow_due_floors") };
 static EXTERNAL_ENDS_TABLE: PgLwLock<ExternalEnds> = unsafe { PgLwLock::new(c"flow_external_ends") };
 
 thread_local! {
     static WAKE_AT_COMMIT: Cell<bool> = const { Cell::new(false) };
+    /// The earliest due time of what the open transaction made due (see DueFloors).
+    static DUE_FLOOR: Cell<i64> = const { Cell::new(i64::MAX) };
     /// Counter increments of the open transaction: (metric, subtransaction level, n).
     static PENDING: std::cell::RefCell<Vec<(usize, i32, u64)>> = const { std::cell::RefCell::new(Vec::new()) };
 }
@@ -214,6 +235,7 @@ thread_local! {
 pub fn init() {
     pg_shmem_init!(WORKERS);
     pg_shmem_init!(COUNTERS);
+    pg_shmem_init!(DUE_FLOORS);
     pg_shmem_init!(EXTERNAL_ENDS_TABLE);
     unsafe {
         pg_sys::RegisterXactCallback(Some(on_xact_event), std::ptr::null_mut());
@@ -256,16 +278,33 @@ unsafe extern "C-unwind" fn on_subxact_event(
     }
 }
 
-/// Ask for the workers to be woken when the current transaction commits.
-pub fn wake_at_commit() {
+/// Ask for the workers to be woken when the current transaction commits,
+/// and tell them that what it made due is due at `due_from` or later
+/// (TimestampTz µs: i64::MIN when that is not known, i64::MAX when it made
+/// nothing due, only room in a limited queue).
+pub fn wake_at_commit(due_from: i64) {
     WAKE_AT_COMMIT.with(|w| w.set(true));
+    DUE_FLOOR.with(|f| f.set(f.get().min(due_from)));
+}
+
+/// The earliest due time made due by the commits since worker `index` last
+/// asked (see DueFloors), and none from now on.
+pub fn take_due_floor(index: usize) -> i64 {
+    DUE_FLOORS.get().values[index].swap(i64::MAX, Ordering::AcqRel)
 }
 
 #[pg_guard]
 unsafe extern "C-unwind" fn on_xact_event(event: pg_sys::XactEvent::Type, _arg: *mut std::ffi::c_void) {
     match event {
         pg_sys::XactEvent::XACT_EVENT_COMMIT | pg_sys::XactEvent::XACT_EVENT_PARALLEL_COMMIT => {
+            let floor = DUE_FLOOR.with(|f| f.replace(i64::MAX));
             if WAKE_AT_COMMIT.with(|w| w.replace(false)) {
+                // (before the latches are set: a woken worker's claim sees it)
+                if floor < i64::MAX {
+                    for value in &DUE_FLOORS.get().values {
+                        value.fetch_min(floor, Ordering::AcqRel);
+                    }
+                }
                 wake_workers();
             }
             let counters = COUNTERS.get();
@@ -277,6 +316,7 @@ unsafe extern "C-unwind" fn on_xact_event(event: pg_sys::XactEvent::Type, _arg: 
         }
         pg_sys::XactEvent::XACT_EVENT_ABORT | pg_sys::XactEvent::XACT_EVENT_PARALLEL_ABORT => {
             WAKE_AT_COMMIT.with(|w| w.set(false));
+            DUE_FLOOR.with(|f| f.set(i64::MAX));
             PENDING.with(|p| p.borrow_mut().clear());
         }
         _ => {}
@@ -334,18 +374,14 @@ pub fn publish_cursor(index: usize, ends: &[(String, i64, [u8; 16])], until: i64
     (slot.cursor, slot.cursor_len, slot.cursor_until) = (shared, len, until);
 }
 
-/// The ends the other live workers shared (see `publish_cursor`) that are still good.
-pub fn cursors_of_others(index: usize) -> Vec<(String, i64, [u8; 16])> {
+/// The ends the other live workers shared (see `publish_cursor`) that are
+/// still good, and until when the first of them is (TimestampTz µs; i64::MAX: none).
+pub fn cursors_of_others(index: usize) -> (Vec<(String, i64, [u8; 16])>, i64) {
     let now = unsafe { pg_sys::GetCurrentTimestamp() };
     let table = WORKERS.share();
-    table
-        .slots
-        .iter()
-        .enumerate()
-        .filter(|(i, s)| *i != index && s.procno >= 0 && s.cursor_until > now)
-        .flat_map(|(_, s)| s.cursor[..s.cursor_len].iter())
-        .filter_map(CursorEnd::get)
-        .collect()
+    let good = || table.slots.iter().enumerate().filter(|(i, s)| *i != index && s.procno >= 0 && s.cursor_until > now);
+    let ends = good().flat_map(|(_, s)| s.cursor[..s.cursor_len].iter()).filter_map(CursorEnd::get).collect();
+    (ends, good().map(|(_, s)| s.cursor_until).min().unwrap_or(i64::MAX))
 }
 
 /// How many definitions' external claim cursors are shared at once (see

@@ -46,6 +46,7 @@ DROP FUNCTION flow.fail(text);
 DROP FUNCTION flow._decide(text, text, text, bigint);
 DROP FUNCTION flow._begin_batch(uuid[], uuid[]);
 DROP FUNCTION flow._prune(interval, integer);
+DROP FUNCTION flow._next_due_ms();
 -- Enqueue resolves and checks in one function (flow._plan_enqueue, which
 -- returns scalars), and its helpers take scalars, not a flow._definitions row.
 DROP FUNCTION flow._plan_enqueue(oid, text, integer, text, interval, timestamptz, interval);
