@@ -414,12 +414,16 @@ pub(crate) const TEXT_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::TEXTARRAYOID)
 #[derive(Default, Clone)]
 pub struct ClaimCursor(Vec<(String, TimestampWithTimeZone, pgrx::Uuid)>);
 
+/// A command's place in its queue's claim order, (next_run_at, id), as
+/// PostgreSQL compares it (uuids as their bytes).
+fn claim_position(at: TimestampWithTimeZone, id: &pgrx::Uuid) -> (i64, [u8; 16]) {
+    (at.into_inner(), *id.as_bytes())
+}
+
 impl ClaimCursor {
     fn advance(&mut self, queue: String, due_at: TimestampWithTimeZone, id: pgrx::Uuid) {
-        // uuids compare as their bytes, as PostgreSQL compares them
-        let key = |at: TimestampWithTimeZone, id: &pgrx::Uuid| (at.into_inner(), *id.as_bytes());
         match self.0.iter_mut().find(|(q, _, _)| *q == queue) {
-            Some(last) if key(last.1, &last.2) >= key(due_at, &id) => {}
+            Some(last) if claim_position(last.1, &last.2) >= claim_position(due_at, &id) => {}
             Some(last) => (last.1, last.2) = (due_at, id),
             None => self.0.push((queue, due_at, id)),
         }
@@ -428,12 +432,11 @@ impl ClaimCursor {
     /// Start at `command` (claimed, not run) in its queue, if it ends after it
     /// there: the end moves to just before it (the same due time, the id one less).
     pub fn rewind_to(&mut self, command: &Claimed) {
-        let mut id = u128::from_be_bytes(*command.command_id.as_bytes());
-        id = id.saturating_sub(1);
-        let before = (command.due_at.into_inner(), id.to_be_bytes());
+        let id = u128::from_be_bytes(*command.command_id.as_bytes()).saturating_sub(1);
+        let before = pgrx::Uuid::from_bytes(id.to_be_bytes());
         if let Some(end) = self.0.iter_mut().find(|(q, _, _)| *q == command.queue) {
-            if (end.1.into_inner(), *end.2.as_bytes()) >= before {
-                (end.1, end.2) = (command.due_at, pgrx::Uuid::from_bytes(before.1));
+            if claim_position(end.1, &end.2) >= claim_position(command.due_at, &before) {
+                (end.1, end.2) = (command.due_at, before);
             }
         }
     }

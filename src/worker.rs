@@ -643,14 +643,11 @@ impl Worker {
         let (claimed, ended_at) =
             executor::claim(&self.name, self.backend_start, size, turn, excluded, kept.as_ref().map(|(_, at)| at));
         let full = claimed.len() >= size as usize;
-        if full {
+        let (since, cursor) = if full {
             // more may be due: bring in an idle worker
             shmem::wake_workers();
             // and the next claim takes up from here, while a backlog drains
-            let since = kept.map_or_else(Instant::now, |(since, _)| since);
-            let left = CURSOR_SPAN.saturating_sub(since.elapsed()).as_micros() as i64;
-            shmem::publish_cursor(self.index, &ended_at.ends(), unsafe { pg_sys::GetCurrentTimestamp() } + left);
-            self.cursor.replace(Some((since, ended_at)));
+            (kept.map_or_else(Instant::now, |(since, _)| since), ended_at)
         } else {
             // It took what was due after where it started: the next claim
             // may start after where it ended too. Otherwise every claim of a
@@ -659,11 +656,12 @@ impl Worker {
             // pages a claim were seen under a churn of 60,000 runs/s).
             let (since, mut cursor) = kept.unwrap_or_else(|| (started, ClaimCursor::default()));
             cursor.take_up(ended_at.ends());
-            if cursor.earliest().is_some() {
-                let left = CURSOR_SPAN.saturating_sub(since.elapsed()).as_micros() as i64;
-                shmem::publish_cursor(self.index, &cursor.ends(), unsafe { pg_sys::GetCurrentTimestamp() } + left);
-                self.cursor.replace(Some((since, cursor)));
-            }
+            (since, cursor)
+        };
+        if cursor.earliest().is_some() {
+            let left = CURSOR_SPAN.saturating_sub(since.elapsed()).as_micros() as i64;
+            shmem::publish_cursor(self.index, &cursor.ends(), unsafe { pg_sys::GetCurrentTimestamp() } + left);
+            self.cursor.replace(Some((since, cursor)));
         }
         self.took_all_due.set(!full);
         shmem::observe("claims", 1);
