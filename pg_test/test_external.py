@@ -79,6 +79,35 @@ def test_completing_a_root_with_no_child_takes_no_run_lock_and_a_cancel_waits_fo
     assert pg.all("SELECT outcome FROM flow.attempts WHERE run_id = %s", run) == [("succeeded",)]
 
 
+def test_complete_many_of_spawned_commands_takes_their_runs_lock_and_ends_the_run_with_the_last(pg):
+    """Commands spawned in a run are settled under the run's lock (rule 7):
+    complete_many waits for it (here: times out while another session holds
+    it, changing nothing), then settles them, and the last one ends the run."""
+    root, child = external(pg), external(pg)
+    run = pg.one(f"SELECT flow.enqueue('{root}')")
+    with pg.connect() as c:
+        [(cmd, token, *_)] = claim(c, root)
+        children = psycopg.types.json.Jsonb([{"name": child, "key": "a"}, {"name": child, "key": "b"}])
+        c.execute("SELECT flow.complete(%s, %s, '{\"root\": 2}', NULL, %s)", (cmd, token, children))
+    assert pg.one("SELECT status FROM flow.runs WHERE id = %s", run) == "running"
+    with pg.connect(autocommit=False) as c, pg.connect(autocommit=False) as other:
+        rows = claim(c, child, max_=2)
+        assert len(rows) == 2
+        c.commit()
+        other.execute("SELECT 1 FROM flow._runs WHERE id = %s FOR UPDATE", (run,))
+        c.execute("SET lock_timeout = '300ms'")
+        with pytest.raises(psycopg.errors.LockNotAvailable):
+            c.execute("SELECT * FROM flow.complete_many(%s, %s)", ([r[0] for r in rows], [r[1] for r in rows]))
+        c.rollback()
+        other.rollback()
+        assert c.execute("SELECT status FROM flow.complete_many(%s, %s)",
+                         ([r[0] for r in rows], [r[1] for r in rows])).fetchall() == [("succeeded",)] * 2
+        c.commit()
+    assert pg.one("SELECT status FROM flow.runs WHERE id = %s", run) == "succeeded"
+    assert pg.one("SELECT result FROM flow.runs WHERE id = %s", run) == {"root": 2}
+    assert pg.one("SELECT count(*) FROM flow.commands WHERE run_id = %s AND status = 'succeeded'", run) == 3
+
+
 def test_a_claim_of_no_command_takes_nothing_from_a_due_backlog(pg):
     """flow._claim with max_count 0 runs its statements and takes nothing:
     an idle worker claims so to plan them again after an ANALYZE or a

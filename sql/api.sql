@@ -226,17 +226,11 @@ BEGIN
     SELECT s.queue, s.due_at, s.id INTO after_queue, after_at, after_id FROM flow._external_claim_start(alone) s;
     LOOP
         RETURN QUERY
-            WITH c AS MATERIALIZED (
-                SELECT * FROM flow._claim(worker, NULL, NULL, wanted, lease_for, names, (random() * 1000)::integer,
-                                          NULL, NULL, CASE WHEN after_queue IS NOT NULL THEN ARRAY[after_queue] END,
-                                          ARRAY[after_at], ARRAY[after_id]))
             SELECT c.command_id, c.run_id, c.name, c.version, c.queue, c.args, c.attempt, c.lease_token,
                    c.lease_expires_at, c.deadline, c.context
-            FROM c
-            -- (a one-time filter: it runs once, before any row is handed on,
-            -- and notes where this claim ended, src/external.rs)
-            WHERE (SELECT flow._external_claim_ended(alone, wanted, array_agg(e.queue), array_agg(e.due_at),
-                                                     array_agg(e.command_id)) FROM c e);
+            FROM flow._claim(worker, NULL, NULL, wanted, lease_for, names, (random() * 1000)::integer,
+                             NULL, NULL, CASE WHEN after_queue IS NOT NULL THEN ARRAY[after_queue] END,
+                             ARRAY[after_at], ARRAY[after_id]) c;
         GET DIAGNOSTICS taken = ROW_COUNT;
         EXIT WHEN after_queue IS NULL OR taken >= wanted;
         after_queue := NULL;

@@ -143,10 +143,10 @@ $$;
 -- 0.2.0 have ids of their own; their runs are still written when they end.)
 -- "A root with no child" is the settlement's own test (flow._settle_batch,
 -- `alone`): keep the two the same. The claim of a held command
--- (flow._claim) and the locks of a completion (flow._lock_runs_of with
--- successes) leave such a root's run unlocked by the same test. It is
--- written out in each place: an SQL function whose body has a subquery is
--- not inlined, and would run as a call of its own for every row.
+-- (flow._claim) and an external completion of successes
+-- (flow._complete_many) leave such a root's run unlocked by the same test.
+-- It is written out in each place: an SQL function whose body has a subquery
+-- is not inlined, and would run as a call of its own for every row.
 CREATE VIEW flow._run_rows AS
 SELECT r.id, r.key, r.owner, r.name, r.version, r.queue, r.args,
        coalesce(alone.status, r.status) AS status, coalesce(alone.result, r.result) AS result, r.error,

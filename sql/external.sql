@@ -185,6 +185,8 @@ RETURNS TABLE (command_id uuid, status text)
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
     bad record;
+    not_yours uuid;
+    runs uuid[];
 BEGIN
     IF command_ids IS NULL OR lease_tokens IS NULL
        OR cardinality(command_ids) <> cardinality(lease_tokens)
@@ -197,14 +199,24 @@ BEGIN
     IF FOUND THEN
         RAISE EXCEPTION 'flow: results[%] is over flow.max_result_bytes', bad.i USING ERRCODE = 'FL004';
     END IF;
-    SELECT t.id INTO bad FROM unnest(command_ids) AS t(id)
+    -- One read of each command: whether the caller may settle it, and the
+    -- runs to lock first (_lock_runs_of's lock; a root with no child leaves
+    -- its run unlocked: its success is the run's end and writes no run, and a
+    -- cancel waits for the root's own row instead, see flow._run_rows).
+    SELECT (array_agg(t.id) FILTER (WHERE d.owner IS NULL OR NOT pg_has_role(caller, d.owner, 'MEMBER')))[1],
+           array_agg(DISTINCT c.run_id) FILTER (WHERE NOT (c.id = c.run_id
+                                                           AND NOT EXISTS (SELECT 1 FROM flow._commands k
+                                                                           WHERE k.parent_id = c.id)))
+    INTO not_yours, runs
+    FROM unnest(command_ids) AS t(id)
     LEFT JOIN flow._commands c ON c.id = t.id
-    LEFT JOIN flow._definitions d ON d.name = c.name AND d.version = c.version
-    WHERE d.owner IS NULL OR NOT pg_has_role(caller, d.owner, 'MEMBER') LIMIT 1;
-    IF FOUND THEN
-        RAISE EXCEPTION 'flow: no command with id %', bad.id USING ERRCODE = 'FL014';
+    LEFT JOIN flow._definitions d ON d.name = c.name AND d.version = c.version;
+    IF not_yours IS NOT NULL THEN
+        RAISE EXCEPTION 'flow: no command with id %', not_yours USING ERRCODE = 'FL014';
     END IF;
-    PERFORM flow._lock_runs_of(command_ids, successes => true);
+    IF runs IS NOT NULL THEN
+        PERFORM flow._lock_runs(runs, true);
+    END IF;
     RETURN QUERY
     WITH item AS (
         SELECT t.id, t.token, t.result,

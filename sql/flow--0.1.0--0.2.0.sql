@@ -301,10 +301,10 @@ $$;
 -- 0.2.0 have ids of their own; their runs are still written when they end.)
 -- "A root with no child" is the settlement's own test (flow._settle_batch,
 -- `alone`): keep the two the same. The claim of a held command
--- (flow._claim) and the locks of a completion (flow._lock_runs_of with
--- successes) leave such a root's run unlocked by the same test. It is
--- written out in each place: an SQL function whose body has a subquery is
--- not inlined, and would run as a call of its own for every row.
+-- (flow._claim) and an external completion of successes
+-- (flow._complete_many) leave such a root's run unlocked by the same test.
+-- It is written out in each place: an SQL function whose body has a subquery
+-- is not inlined, and would run as a call of its own for every row.
 CREATE OR REPLACE VIEW flow._run_rows AS
 SELECT r.id, r.key, r.owner, r.name, r.version, r.queue, r.args,
        coalesce(alone.status, r.status) AS status, coalesce(alone.result, r.result) AS result, r.error,
@@ -1085,7 +1085,7 @@ BEGIN
             status = 'running',
             attempts = c.attempts + 1,
             attempt_started_at = now(),
-            lease_token = gen_random_uuid(),
+            lease_token = flow._lease_token(),   -- (unguessable: src/api.rs)
             lease_owner = owner_name,
             lease_pid = owner_pid,
             lease_backend_start = owner_started,
@@ -1126,27 +1126,31 @@ BEGIN
            -- that take it, and external workers (built here, in one
            -- expression: a function per command would cost several times more;
            -- in a branch of the CASE, so no-context handlers pay nothing for it)
-           CASE WHEN h.takes_context OR names IS NOT NULL THEN (
-               SELECT ROW(h.run_id, (SELECT r.key FROM flow._runs r WHERE r.id = h.run_id), h.id,
-                          h.key, h.name, h.version, h.queue, h.attempt, h.attempt_deadline,
-                          coalesce(waits.inputs, '[]'), h.timed_out, coalesce(waits.missing, '[]'),
-                          h.created_at, h.budget_start, h.started)::flow.context
-               FROM (
-                   -- the command's waits, met and not: by its own entries of
-                   -- _waits_pkey (a filter on event_position alone would walk
-                   -- every open wait), in that index's order, so the aggregates
-                   -- sort nothing (an ORDER BY in them sets up a sort per
-                   -- command, waits or not); a run's root (id = run_id) waits
-                   -- for nothing, so its index is not probed
-                   SELECT jsonb_agg(jsonb_build_object('name', w.name, 'key', w.key, 'payload', w.payload,
-                                                       'position', w.position))
-                              FILTER (WHERE w.event_position IS NOT NULL) AS inputs,
-                          jsonb_agg(jsonb_build_object('name', w.name, 'key', w.key))
-                              FILTER (WHERE w.event_position IS NULL) AS missing
-                   FROM (SELECT w.name, w.key, w.event_position, e.payload, e.position
-                         FROM flow._waits w LEFT JOIN flow._events e ON e.position = w.event_position
-                         WHERE w.command_id = h.id AND h.id <> h.run_id
-                         ORDER BY w.name, w.key) w) waits)
+           CASE WHEN h.takes_context OR names IS NOT NULL THEN
+               ROW(h.run_id, (SELECT r.key FROM flow._runs r WHERE r.id = h.run_id), h.id,
+                   h.key, h.name, h.version, h.queue, h.attempt, h.attempt_deadline,
+                   -- the command's waits, met (with their events) and not: by
+                   -- its own entries of _waits_pkey (a filter on event_position
+                   -- alone would walk every open wait), in that index's order,
+                   -- so the aggregates sort nothing (an ORDER BY in them sets up
+                   -- a sort per command, waits or not). A run's root (id =
+                   -- run_id) waits for nothing: the CASEs spare it both reads
+                   -- (one subquery for both lists ran for it too, to aggregate
+                   -- no row: 4 % of a writing drain, 2 % of an external one).
+                   coalesce(CASE WHEN h.id <> h.run_id THEN (
+                       SELECT jsonb_agg(jsonb_build_object('name', w.name, 'key', w.key, 'payload', w.payload,
+                                                           'position', w.position))
+                       FROM (SELECT w.name, w.key, e.payload, e.position
+                             FROM flow._waits w LEFT JOIN flow._events e ON e.position = w.event_position
+                             WHERE w.command_id = h.id AND w.event_position IS NOT NULL
+                             ORDER BY w.name, w.key) w) END, '[]'),
+                   h.timed_out,
+                   coalesce(CASE WHEN h.id <> h.run_id THEN (
+                       SELECT jsonb_agg(jsonb_build_object('name', w.name, 'key', w.key))
+                       FROM (SELECT w.name, w.key FROM flow._waits w
+                             WHERE w.command_id = h.id AND w.event_position IS NULL
+                             ORDER BY w.name, w.key) w) END, '[]'),
+                   h.created_at, h.budget_start, h.started)::flow.context
            END,
            h.timeout, least(h.budget_start + h.max_elapsed, h.deadline), h.claim_order, h.args_type, h.next_run_at
     FROM (
@@ -1165,8 +1169,8 @@ BEGIN
         SELECT * FROM claimed
         UNION ALL
         -- (a held attempt's token never leaves the worker: it names the
-        -- attempt, no client presents it, so it need not come from the
-        -- strong generator a lease's does, which costs a microsecond each)
+        -- attempt, no client presents it, so it need not be unguessable as a
+        -- lease's is: a time-ordered id, as cheap)
         SELECT p.*, p.attempts + 1, flow._new_id(), NULL,
                least(now() + p.timeout, p.budget_start + p.max_elapsed, p.deadline), now(),
                flow._wait_timed_out(p.status, p.wait_timed_out)
@@ -1178,7 +1182,14 @@ BEGIN
                         AND NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = p.id)  -- index _commands_parent
                    THEN true
                    ELSE EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = p.run_id FOR UPDATE SKIP LOCKED) END
-    ) h;
+    ) h
+    -- An external claim notes where it ended, for the next claims of its
+    -- definition (src/external.rs): a one-time filter, run once, before any
+    -- row is handed on, and never for an in-database worker's claim.
+    WHERE names IS NULL
+       OR (SELECT flow._external_claim_ended(CASE WHEN cardinality(names) = 1 THEN names[1] END, max_count,
+                                             array_agg(k.queue), array_agg(k.next_run_at), array_agg(k.id))
+           FROM claimed k);
 END $$;
 
 -- Milliseconds until the next command becomes due (NULL: none scheduled), so
@@ -1261,22 +1272,15 @@ END $$;
 
 -- Lock the runs of these commands (flow._lock_runs). Every settlement of a
 -- run takes this lock first, so exactly one of them sees the run's last
--- command finish (rule 7). successes: the commands settle as successes, and
--- the run of a root with no child is left unlocked: it is that root's only
--- command, its success writes no run (_settle_batch), and a cancel waits for
--- the root's own row instead (_lock_run_and_commands). The claim of a held
--- command makes the same exception (flow._claim).
+-- command finish (rule 7). (An external completion of successes leaves the
+-- run of a root with no child unlocked, and locks the others' itself:
+-- flow._complete_many.)
 -- (plpgsql, not sql: its plan is cached per session; an sql function called
 -- from plpgsql is planned again on every call, ~70 µs.)
-CREATE OR REPLACE FUNCTION flow._lock_runs_of(command_ids uuid[], successes boolean DEFAULT false) RETURNS void
+CREATE OR REPLACE FUNCTION flow._lock_runs_of(command_ids uuid[]) RETURNS void
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 BEGIN
-    PERFORM flow._lock_runs(ARRAY(SELECT DISTINCT c.run_id FROM flow._commands c
-                                  WHERE c.id = ANY (command_ids)
-                                    -- (a root with no child: see flow._run_rows)
-                                    AND NOT (successes AND c.id = c.run_id
-                                             AND NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = c.id))),
-                           true);
+    PERFORM flow._lock_runs(ARRAY(SELECT DISTINCT c.run_id FROM flow._commands c WHERE c.id = ANY (command_ids)), true);
 END $$;
 
 -- Lock the run of a command unless another transaction holds it (then
@@ -1376,9 +1380,9 @@ END $$;
 
 -- Settle successful attempts in three set-based statements: a worker chunk's,
 -- or one external completion. A succeeded command is the record of its
--- successful attempt (see sql/schema.sql, _attempts). The caller holds their runs' locks
--- (_lock_runs_of, the claim), but a root's with no child, whose success writes
--- no run (below). Returns how many settled.
+-- successful attempt (see sql/schema.sql, _attempts). The caller holds their
+-- runs' locks (_lock_runs_of, the claim, _complete_many), but a root's with
+-- no child, whose success writes no run (below). Returns how many settled.
 -- handler_started: when each handler started (in-database workers; NULL:
 -- the attempt started at its claim), so an attempt's duration is its own.
 -- held_attempts: for commands an in-database worker holds (see _claim), the
@@ -2268,6 +2272,8 @@ RETURNS TABLE (command_id uuid, status text)
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
     bad record;
+    not_yours uuid;
+    runs uuid[];
 BEGIN
     IF command_ids IS NULL OR lease_tokens IS NULL
        OR cardinality(command_ids) <> cardinality(lease_tokens)
@@ -2280,14 +2286,24 @@ BEGIN
     IF FOUND THEN
         RAISE EXCEPTION 'flow: results[%] is over flow.max_result_bytes', bad.i USING ERRCODE = 'FL004';
     END IF;
-    SELECT t.id INTO bad FROM unnest(command_ids) AS t(id)
+    -- One read of each command: whether the caller may settle it, and the
+    -- runs to lock first (_lock_runs_of's lock; a root with no child leaves
+    -- its run unlocked: its success is the run's end and writes no run, and a
+    -- cancel waits for the root's own row instead, see flow._run_rows).
+    SELECT (array_agg(t.id) FILTER (WHERE d.owner IS NULL OR NOT pg_has_role(caller, d.owner, 'MEMBER')))[1],
+           array_agg(DISTINCT c.run_id) FILTER (WHERE NOT (c.id = c.run_id
+                                                           AND NOT EXISTS (SELECT 1 FROM flow._commands k
+                                                                           WHERE k.parent_id = c.id)))
+    INTO not_yours, runs
+    FROM unnest(command_ids) AS t(id)
     LEFT JOIN flow._commands c ON c.id = t.id
-    LEFT JOIN flow._definitions d ON d.name = c.name AND d.version = c.version
-    WHERE d.owner IS NULL OR NOT pg_has_role(caller, d.owner, 'MEMBER') LIMIT 1;
-    IF FOUND THEN
-        RAISE EXCEPTION 'flow: no command with id %', bad.id USING ERRCODE = 'FL014';
+    LEFT JOIN flow._definitions d ON d.name = c.name AND d.version = c.version;
+    IF not_yours IS NOT NULL THEN
+        RAISE EXCEPTION 'flow: no command with id %', not_yours USING ERRCODE = 'FL014';
     END IF;
-    PERFORM flow._lock_runs_of(command_ids, successes => true);
+    IF runs IS NOT NULL THEN
+        PERFORM flow._lock_runs(runs, true);
+    END IF;
     RETURN QUERY
     WITH item AS (
         SELECT t.id, t.token, t.result,
@@ -2338,7 +2354,7 @@ AS 'MODULE_PATHNAME', '_args_misfit_as_wrapper';
 -- flow::invariants::_command_row_is_consistent
 -- Skipped due to `#[pgrx(sql = false)]`
 
--- src/api.rs:173
+-- src/api.rs:188
 -- flow::api::_counters
 CREATE OR REPLACE FUNCTION "_counters"() RETURNS TABLE (
 	"name" TEXT,  /* String */
@@ -2348,7 +2364,7 @@ STRICT VOLATILE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_counters_wrapper';
 
--- src/api.rs:132
+-- src/api.rs:147
 -- flow::api::_current_command
 CREATE OR REPLACE FUNCTION "_current_command"() RETURNS uuid /* Option < pgrx :: Uuid > */
 STRICT VOLATILE PARALLEL UNSAFE
@@ -2402,12 +2418,19 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_interrupt_run_wrapper';
 
--- src/api.rs:126
+-- src/api.rs:141
 -- flow::api::_lease_duration_s
 CREATE OR REPLACE FUNCTION "_lease_duration_s"() RETURNS INT /* i32 */
 STRICT STABLE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_lease_duration_s_wrapper';
+
+-- src/api.rs:125
+-- flow::api::_lease_token
+CREATE OR REPLACE FUNCTION "_lease_token"() RETURNS uuid /* pgrx :: Uuid */
+STRICT VOLATILE PARALLEL SAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', '_lease_token_wrapper';
 
 -- src/isolation.rs:219
 -- flow::isolation::_lock_event_key
@@ -2421,7 +2444,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_lock_event_key_wrapper';
 
--- src/api.rs:120
+-- src/api.rs:135
 -- flow::api::_max_payload_bytes
 CREATE OR REPLACE FUNCTION "_max_payload_bytes"() RETURNS INT /* i32 */
 STRICT STABLE PARALLEL SAFE
@@ -2435,7 +2458,7 @@ STRICT VOLATILE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_new_id_wrapper';
 
--- src/api.rs:179
+-- src/api.rs:194
 -- flow::api::_observe
 CREATE OR REPLACE FUNCTION "_observe"(
 	"metric" TEXT, /* & str */
@@ -2463,7 +2486,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_stop_workers_of_wrapper';
 
--- src/api.rs:187
+-- src/api.rs:202
 -- flow::api::_stopped_in
 CREATE OR REPLACE FUNCTION "_stopped_in"(
 	"pid" INT, /* i32 */
@@ -2505,7 +2528,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_wake_due_from_wrapper';
 
--- src/api.rs:138
+-- src/api.rs:153
 -- flow::api::_worker_states
 CREATE OR REPLACE FUNCTION "_worker_states"() RETURNS TABLE (
 	"worker" INT,  /* i32 */
@@ -2767,17 +2790,11 @@ BEGIN
     SELECT s.queue, s.due_at, s.id INTO after_queue, after_at, after_id FROM flow._external_claim_start(alone) s;
     LOOP
         RETURN QUERY
-            WITH c AS MATERIALIZED (
-                SELECT * FROM flow._claim(worker, NULL, NULL, wanted, lease_for, names, (random() * 1000)::integer,
-                                          NULL, NULL, CASE WHEN after_queue IS NOT NULL THEN ARRAY[after_queue] END,
-                                          ARRAY[after_at], ARRAY[after_id]))
             SELECT c.command_id, c.run_id, c.name, c.version, c.queue, c.args, c.attempt, c.lease_token,
                    c.lease_expires_at, c.deadline, c.context
-            FROM c
-            -- (a one-time filter: it runs once, before any row is handed on,
-            -- and notes where this claim ended, src/external.rs)
-            WHERE (SELECT flow._external_claim_ended(alone, wanted, array_agg(e.queue), array_agg(e.due_at),
-                                                     array_agg(e.command_id)) FROM c e);
+            FROM flow._claim(worker, NULL, NULL, wanted, lease_for, names, (random() * 1000)::integer,
+                             NULL, NULL, CASE WHEN after_queue IS NOT NULL THEN ARRAY[after_queue] END,
+                             ARRAY[after_at], ARRAY[after_id]) c;
         GET DIAGNOSTICS taken = ROW_COUNT;
         EXIT WHEN after_queue IS NULL OR taken >= wanted;
         after_queue := NULL;

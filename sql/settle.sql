@@ -45,22 +45,15 @@ END $$;
 
 -- Lock the runs of these commands (flow._lock_runs). Every settlement of a
 -- run takes this lock first, so exactly one of them sees the run's last
--- command finish (rule 7). successes: the commands settle as successes, and
--- the run of a root with no child is left unlocked: it is that root's only
--- command, its success writes no run (_settle_batch), and a cancel waits for
--- the root's own row instead (_lock_run_and_commands). The claim of a held
--- command makes the same exception (flow._claim).
+-- command finish (rule 7). (An external completion of successes leaves the
+-- run of a root with no child unlocked, and locks the others' itself:
+-- flow._complete_many.)
 -- (plpgsql, not sql: its plan is cached per session; an sql function called
 -- from plpgsql is planned again on every call, ~70 µs.)
-CREATE FUNCTION flow._lock_runs_of(command_ids uuid[], successes boolean DEFAULT false) RETURNS void
+CREATE FUNCTION flow._lock_runs_of(command_ids uuid[]) RETURNS void
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 BEGIN
-    PERFORM flow._lock_runs(ARRAY(SELECT DISTINCT c.run_id FROM flow._commands c
-                                  WHERE c.id = ANY (command_ids)
-                                    -- (a root with no child: see flow._run_rows)
-                                    AND NOT (successes AND c.id = c.run_id
-                                             AND NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = c.id))),
-                           true);
+    PERFORM flow._lock_runs(ARRAY(SELECT DISTINCT c.run_id FROM flow._commands c WHERE c.id = ANY (command_ids)), true);
 END $$;
 
 -- Lock the run of a command unless another transaction holds it (then
@@ -160,9 +153,9 @@ END $$;
 
 -- Settle successful attempts in three set-based statements: a worker chunk's,
 -- or one external completion. A succeeded command is the record of its
--- successful attempt (see sql/schema.sql, _attempts). The caller holds their runs' locks
--- (_lock_runs_of, the claim), but a root's with no child, whose success writes
--- no run (below). Returns how many settled.
+-- successful attempt (see sql/schema.sql, _attempts). The caller holds their
+-- runs' locks (_lock_runs_of, the claim, _complete_many), but a root's with
+-- no child, whose success writes no run (below). Returns how many settled.
 -- handler_started: when each handler started (in-database workers; NULL:
 -- the attempt started at its claim), so an attempt's duration is its own.
 -- held_attempts: for commands an in-database worker holds (see _claim), the

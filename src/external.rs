@@ -29,7 +29,7 @@ fn _external_claim_start(
 /// asked for and these were taken (their queues, due times and ids). Full
 /// and from one queue, its last command is where the next claims start;
 /// otherwise they start from the head. Returns true (it is called in a
-/// one-time filter, see flow.claim).
+/// one-time filter, see flow._claim).
 #[pg_extern(volatile, parallel_unsafe)]
 fn _external_claim_ended(
     definition: Option<&str>,
