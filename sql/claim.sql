@@ -259,8 +259,8 @@ BEGIN
         SELECT * FROM claimed
         UNION ALL
         -- (a held attempt's token never leaves the worker: it names the
-        -- attempt, no client presents it, so it need not be unguessable as a
-        -- lease's is: a time-ordered id, as cheap)
+        -- attempt, and no client presents it, so it need not be unguessable
+        -- as a lease's: a time-ordered id does)
         SELECT p.*, p.attempts + 1, flow._new_id(), NULL,
                least(now() + p.timeout, p.budget_start + p.max_elapsed, p.deadline), now(),
                flow._wait_timed_out(p.status, p.wait_timed_out)
