@@ -212,6 +212,23 @@ def test_a_temp_table_with_a_trigger_never_catches_another_roles_rows(pg):
 
 # ---------------------------------------------------------------- 2. who may start what
 
+def test_internal_functions_are_not_callable_by_ordinary_roles(pg):
+    """flow._* are the engine's own (lease tokens, settlements, locks, claims):
+    an ordinary role may call none of them but the few that run in the
+    caller's own context (sql/api.sql names them), so no role can mint a lease
+    token, settle or claim past the public functions' checks."""
+    callable_ = {r[0] for r in pg.all(
+        "SELECT p.proname FROM pg_proc p WHERE p.pronamespace = 'flow'::regnamespace AND p.proname LIKE '\\_%'"
+        " AND has_function_privilege('mallory', p.oid, 'EXECUTE')")}
+    assert "_ticket" in callable_   # (runs in the caller's context: everyone's)
+    assert callable_ <= {"_ticket", "_decide", "_worker_states", "_counters", "_args_misfit", "_among", "_lane"}
+    for name in ("_lease_token", "_claim", "_settle_batch", "_complete_many", "_lock_runs", "_external_claim_ended"):
+        assert pg.one("SELECT count(*) FROM pg_proc p WHERE p.pronamespace = 'flow'::regnamespace"
+                      " AND p.proname = %s", name) >= 1
+        assert name not in callable_
+    assert pg.sqlstate("SELECT flow._lease_token()", user="mallory") == "42501"
+
+
 def test_run_sql_is_not_for_everyone_and_never_opened_to_others(pg):
     assert pg.one("SELECT has_function_privilege('bob', 'flow.run_sql(jsonb)', 'EXECUTE')") is False
     name = unique("dba")
