@@ -37,10 +37,12 @@ $$;
 -- the index entries of the commands claimed and settled before it, which
 -- cannot be cleaned while any snapshot older than their settlement lives
 -- (a session's long transaction would make every claim walk the whole
--- backlog drained since it began). The worker claims from the head again
--- once a claim comes back short, and at least every few hundred
--- milliseconds, for what became due behind the cursor (a command handed
--- back, an enqueue that committed late).
+-- backlog drained since it began). An in-database worker claims from the
+-- heads again once a commit says it made commands due before that point (a
+-- command handed back, an enqueue whose transaction began earlier:
+-- shmem::DueFloors), and at least every second (src/worker.rs,
+-- CURSOR_SPAN); an external claim every 250 ms, and for the rest of a claim
+-- that came back short (flow.claim, src/external.rs).
 CREATE FUNCTION flow._claim(owner_name text, owner_pid integer, owner_started timestamptz,
     max_count integer, lease interval, names text[], turn integer,
     fast_handlers oid[] DEFAULT NULL, excluded uuid[] DEFAULT NULL,

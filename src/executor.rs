@@ -416,7 +416,7 @@ pub struct ClaimCursor(Vec<(String, TimestampWithTimeZone, pgrx::Uuid)>);
 
 /// A command's place in its queue's claim order, (next_run_at, id), as
 /// PostgreSQL compares it (uuids as their bytes).
-fn claim_position(at: TimestampWithTimeZone, id: &pgrx::Uuid) -> (i64, [u8; 16]) {
+pub(crate) fn claim_position(at: TimestampWithTimeZone, id: &pgrx::Uuid) -> (i64, [u8; 16]) {
     (at.into_inner(), *id.as_bytes())
 }
 

@@ -2,7 +2,7 @@
 //! definition ended, as in-database workers' claims do (flow.claim in
 //! sql/api.sql; the shared ends are in `shmem::note_external_end`).
 
-use crate::{api, shmem};
+use crate::{api, executor, shmem};
 use pgrx::prelude::*;
 use std::time::Duration;
 
@@ -42,8 +42,7 @@ fn _external_claim_ended(
     let (queues, due_ats, ids) = (queues.unwrap_or_default(), due_ats.unwrap_or_default(), ids.unwrap_or_default());
     let full = queues.len() >= asked.max(1) as usize && due_ats.len() == queues.len() && ids.len() == queues.len();
     let one_queue = queues.windows(2).all(|w| w[0] == w[1]);
-    // uuids compare as their bytes, as PostgreSQL compares them
-    let last = due_ats.iter().zip(&ids).map(|(at, id)| (at.into_inner(), *id.as_bytes())).max();
+    let last = due_ats.iter().zip(&ids).map(|(at, id)| executor::claim_position(*at, id)).max();
     // the longest a command that became due behind that point (an expired
     // lease, a claim rolled back) waits while a backlog drains
     let span_us = EXTERNAL_CURSOR_SPAN.as_micros() as i64;

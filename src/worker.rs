@@ -62,7 +62,13 @@ const MIN_CHUNK_WINDOW: usize = 8;
 /// (shmem::DueFloors). A claim from a queue's head walks the index entries of
 /// every command claimed since the last VACUUM: under a churn of 60,000
 /// runs/s, 7,500 pages and 16 ms each.
-pub(crate) const CURSOR_SPAN: Duration = Duration::from_millis(1000);
+const CURSOR_SPAN: Duration = Duration::from_millis(1000);
+
+/// How much longer claims may take up where a chain of them begun at `since`
+/// ended (zero: the next starts from the queues' heads).
+fn cursor_time_left(since: Instant) -> Duration {
+    CURSOR_SPAN.saturating_sub(since.elapsed())
+}
 
 unsafe extern "C-unwind" {
     /// PostgreSQL's SIGTERM handler for backends: a fast shutdown cancels a
@@ -242,7 +248,7 @@ impl Worker {
             Some(false) => {}
         }
         // (from where the claims take up, while they may: see claim)
-        let cursor = self.cursor.borrow().as_ref().filter(|(since, _)| since.elapsed() < CURSOR_SPAN).cloned();
+        let cursor = self.cursor.borrow().as_ref().filter(|(since, _)| !cursor_time_left(*since).is_zero()).cloned();
         let sleep = match transaction(|| next_due_ms(cursor.as_ref().map(|(_, at)| at))) {
             Some(Some(ms)) if ms > 0 => idle.min(Duration::from_millis(ms as u64)),
             // Due now in a queue with room: it came due after the claim (or the
@@ -254,7 +260,7 @@ impl Worker {
             None => return self.failed_turn(),
         };
         // what is due behind the cursor is seen once it runs out
-        let sleep = cursor.map_or(sleep, |(since, _)| sleep.min(CURSOR_SPAN.saturating_sub(since.elapsed())));
+        let sleep = cursor.map_or(sleep, |(since, _)| sleep.min(cursor_time_left(since)));
         if !sleep.is_zero() && executor::plans_may_be_stale() {
             // (a failure is logged; the plans are then made at the next claim, as before)
             let _ = transaction(|| executor::warm_plans(&self.name, self.backend_start));
@@ -621,7 +627,7 @@ impl Worker {
         let before_floor = |cursor: &ClaimCursor| cursor.earliest().is_some_and(|at| at <= floor);
         let (others, others_until) = shmem::cursors_of_others(self.index);
         let mut kept =
-            self.cursor.take().filter(|(since, cursor)| since.elapsed() < CURSOR_SPAN && before_floor(cursor));
+            self.cursor.take().filter(|(since, cursor)| !cursor_time_left(*since).is_zero() && before_floor(cursor));
         match kept.as_mut() {
             // and after the commands the other workers hold (see shmem::publish_cursor)
             Some((_, cursor)) => cursor.take_up(others),
@@ -659,7 +665,7 @@ impl Worker {
             (since, cursor)
         };
         if cursor.earliest().is_some() {
-            let left = CURSOR_SPAN.saturating_sub(since.elapsed()).as_micros() as i64;
+            let left = cursor_time_left(since).as_micros() as i64;
             shmem::publish_cursor(self.index, &cursor.ends(), unsafe { pg_sys::GetCurrentTimestamp() } + left);
             self.cursor.replace(Some((since, cursor)));
         }
