@@ -334,10 +334,6 @@ pub fn wake_workers() {
     let table = WORKERS.share();
     let me = unsafe { pg_sys::MyProcPid };
     let live = || table.slots.iter().filter(move |s| s.procno >= 0 && s.pid != me);
-    let set_latch = |slot: &WorkerSlot| unsafe {
-        let proc_ = (*pg_sys::ProcGlobal).allProcs.add(slot.procno as usize);
-        pg_sys::SetLatch(&mut (*proc_).procLatch);
-    };
     // The first one waiting on its latch: under light load the same worker
     // keeps serving, with its caches warm (a quarter of a millisecond of
     // pickup here). Not merely idle: an idle worker that is pruning or
@@ -345,6 +341,21 @@ pub fn wake_workers() {
     match live().find(|s| s.sleeping) {
         Some(idle) => set_latch(idle),
         None => live().for_each(set_latch),
+    }
+}
+
+/// Wake every other worker that waits on its latch (see Worker::turn: after a
+/// relation changed, so that each plans again while idle).
+pub fn wake_sleeping_workers() {
+    let table = WORKERS.share();
+    let me = unsafe { pg_sys::MyProcPid };
+    table.slots.iter().filter(|s| s.procno >= 0 && s.pid != me && s.sleeping).for_each(set_latch);
+}
+
+fn set_latch(slot: &WorkerSlot) {
+    unsafe {
+        let proc_ = (*pg_sys::ProcGlobal).allProcs.add(slot.procno as usize);
+        pg_sys::SetLatch(&mut (*proc_).procLatch);
     }
 }
 
