@@ -117,7 +117,7 @@ def drain(pg, name, n=None, watch=None):
         c.execute("SELECT flow.set_queue('drain', paused => false)")
         if watcher:
             watcher.start()
-        while (done := finished_count(c) - before) < n:
+        while (done := int(finished_count(c) - before)) < n:
             # every 10 ms, and down to every millisecond near the end (by the
             # pace so far): a 20,000-drain takes about 150 ms, so 10 ms steps
             # would add 5 ms on average; a query every millisecond
