@@ -589,6 +589,25 @@ def test_a_handler_without_rights_fails_and_the_worker_goes_on(app):
     assert app.await_run(enqueue(app, define(app, "app.hello")), "10s")[0] == "succeeded"
 
 
+def test_a_cancel_interrupts_a_held_handler_at_once(app):
+    """A cancel finds the worker that runs a held handler of the run (from
+    the worker's own note of what it runs, read without a lock) and
+    interrupts it: the cancel returns and the run ends long before the
+    handler's 5 s would have."""
+    name = define(app, "app.decides")
+    seen_fast(app, name)
+    run = enqueue(app, name, '{"do": "sleep", "seconds": 5, "tag": "held_interrupted"}')
+    app.wait_for("SELECT count(*) = 1 FROM flow.workers WHERE state = 'busy' AND command_id ="
+                 " (SELECT id FROM flow.commands WHERE run_id = %s)", run)
+    assert app.one("SELECT status FROM flow._commands WHERE run_id = %s", run) == "pending"   # held
+    started = time.monotonic()
+    assert app.one("SELECT flow.cancel(%s)", run) is True
+    assert app.await_run(run, "3s")[0] == "cancelled"
+    assert time.monotonic() - started < 3.0
+    assert app.one("SELECT count(*) FROM app.effects WHERE run_key = 'held_interrupted'") == 0
+    app.wait_for("SELECT count(*) = 0 FROM flow.workers WHERE command_id IS NOT NULL")
+
+
 # ---------------------------------------------------------------- observe and operate
 
 def test_observability_views(app):

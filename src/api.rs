@@ -166,15 +166,16 @@ fn _worker_states() -> TableIterator<
     let rows: Vec<_> = (0..gucs::workers())
         .map(|i| {
             let slot = table.slots[i];
+            let now = shmem::activity(i);
             let alive = slot.procno >= 0;
-            let state = match (alive, slot.busy) {
+            let state = match (alive, now.busy) {
                 (false, _) => "stopped",
                 (true, false) => "idle",
                 (true, true) => "busy",
             };
-            let command = (slot.command != [0; 16]).then(|| pgrx::Uuid::from_bytes(slot.command));
-            let since = alive.then(|| timestamp_from_pg(slot.since)).flatten();
-            (i as i32, alive.then_some(slot.pid), state.to_string(), command, since, slot.handled as i64)
+            let command = (now.command != [0; 16]).then(|| pgrx::Uuid::from_bytes(now.command));
+            let since = alive.then(|| timestamp_from_pg(now.since)).flatten();
+            (i as i32, alive.then_some(slot.pid), state.to_string(), command, since, now.handled as i64)
         })
         .collect();
     TableIterator::new(rows)

@@ -12,7 +12,7 @@ use crate::gucs::MAX_WORKERS;
 use pgrx::prelude::*;
 use pgrx::{pg_shmem_init, PGRXSharedMemory, PgAtomic, PgLwLock};
 use std::cell::Cell;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{fence, AtomicBool, AtomicI64, AtomicU32, AtomicU64, Ordering};
 
 /// How many cancels a worker remembers at once (more concurrent cancels of
 /// runs it holds than this are served when its chunk commits).
@@ -84,22 +84,14 @@ pub struct WorkerSlot {
     /// PGPROC number of the worker's backend, -1 while the slot is empty.
     pub procno: i32,
     pub pid: i32,
-    /// true while running a batch, false while idle on its latch.
-    pub busy: bool,
     /// Waiting on its latch right now (an idle worker is awake between its
     /// waits, for upkeep: pruning, recovery, the next due time).
     pub sleeping: bool,
-    /// The command whose handler runs right now, and its run (all zero when none).
-    pub command: [u8; 16],
-    pub run: [u8; 16],
     /// Runs flow.cancel asked this worker to stop working on (see
-    /// `interrupt_run`): a ring, so concurrent cancels never overwrite each other.
+    /// `interrupt_run`): a ring, so concurrent cancels never overwrite each
+    /// other. (How many entries are set: ActivitySlot::cancels.)
     pub cancel_runs: [[u8; 16]; CANCEL_SLOTS],
     pub next_cancel: usize,
-    /// When the worker entered its current state (TimestampTz, µs).
-    pub since: i64,
-    /// Handlers this process has run since it started.
-    pub handled: u64,
     /// Where its last full claim ended, per queue, until `cursor_until`
     /// (TimestampTz, µs; see `publish_cursor`).
     pub cursor: [CursorEnd; CURSOR_QUEUES],
@@ -112,14 +104,9 @@ impl Default for WorkerSlot {
         WorkerSlot {
             procno: -1,
             pid: 0,
-            busy: false,
             sleeping: false,
-            command: [0; 16],
-            run: [0; 16],
             cancel_runs: [[0; 16]; CANCEL_SLOTS],
             next_cancel: 0,
-            since: 0,
-            handled: 0,
             cursor: [CursorEnd::NONE; CURSOR_QUEUES],
             cursor_len: 0,
             cursor_until: 0,
@@ -219,9 +206,73 @@ impl Default for DueFloors {
 
 unsafe impl PGRXSharedMemory for DueFloors {}
 
+/// What one worker is doing, written by that worker alone before every
+/// handler it runs: in atomics of its own, under a sequence number, not in
+/// the WORKERS table under its lock (which every worker would take three
+/// times per command, each on the same lock). 128 bytes each, so that two
+/// workers' slots share no cache line (PostgreSQL aligns shared memory
+/// structures so). (Not `repr(align)`: shared memory is not guaranteed
+/// to honour a Rust alignment above 8, and an atomic that straddles cache
+/// lines is a bus error on kernels that detect split locks.)
+#[derive(Default)]
+#[repr(C)]
+pub struct ActivitySlot {
+    /// Odd while the worker writes the fields below (a seqlock: see `activity`).
+    seq: AtomicU64,
+    /// true while running a batch, false while idle on its latch.
+    busy: AtomicBool,
+    /// The command whose handler runs right now, and its run (all zero when none).
+    command: [AtomicU64; 2],
+    run: [AtomicU64; 2],
+    /// When the worker entered its current state (TimestampTz, µs).
+    since: AtomicI64,
+    /// Handlers this process has run since it started.
+    handled: AtomicU64,
+    /// How many of WorkerSlot::cancel_runs are set (changed under the WORKERS
+    /// lock; read without it: none set, no cancel to look for).
+    cancels: AtomicU32,
+    _pad: [u64; 7],
+}
+
+const _: () = assert!(std::mem::size_of::<ActivitySlot>() == 128);
+
+pub struct Activities {
+    slots: [ActivitySlot; MAX_WORKERS],
+}
+
+impl Default for Activities {
+    fn default() -> Self {
+        Activities { slots: std::array::from_fn(|_| ActivitySlot::default()) }
+    }
+}
+
+unsafe impl PGRXSharedMemory for Activities {}
+
+/// A worker's activity as `activity` read it.
+#[derive(Copy, Clone, Default)]
+pub struct Activity {
+    pub busy: bool,
+    pub command: [u8; 16],
+    pub run: [u8; 16],
+    pub since: i64,
+    pub handled: u64,
+}
+
+fn id_words(id: &[u8; 16]) -> [u64; 2] {
+    [u64::from_ne_bytes(id[..8].try_into().unwrap()), u64::from_ne_bytes(id[8..].try_into().unwrap())]
+}
+
+fn id_bytes(words: &[AtomicU64; 2]) -> [u8; 16] {
+    let mut id = [0; 16];
+    id[..8].copy_from_slice(&words[0].load(Ordering::Relaxed).to_ne_bytes());
+    id[8..].copy_from_slice(&words[1].load(Ordering::Relaxed).to_ne_bytes());
+    id
+}
+
 pub static WORKERS: PgLwLock<WorkerTable> = unsafe { PgLwLock::new(c"flow_workers") };
 pub static COUNTERS: PgAtomic<Counters> = unsafe { PgAtomic::new(c"flow_counters") };
 static DUE_FLOORS: PgAtomic<DueFloors> = unsafe { PgAtomic::new(c"flow_due_floors") };
+static ACTIVITIES: PgAtomic<Activities> = unsafe { PgAtomic::new(c"flow_worker_activities") };
 static EXTERNAL_ENDS_TABLE: PgLwLock<ExternalEnds> = unsafe { PgLwLock::new(c"flow_external_ends") };
 
 thread_local! {
@@ -236,6 +287,7 @@ pub fn init() {
     pg_shmem_init!(WORKERS);
     pg_shmem_init!(COUNTERS);
     pg_shmem_init!(DUE_FLOORS);
+    pg_shmem_init!(ACTIVITIES);
     pg_shmem_init!(EXTERNAL_ENDS_TABLE);
     unsafe {
         pg_sys::RegisterXactCallback(Some(on_xact_event), std::ptr::null_mut());
@@ -476,11 +528,20 @@ pub fn register_worker(index: usize) {
     unsafe {
         slot.procno = (*pg_sys::MyProc).pgprocno;
         slot.pid = pg_sys::MyProcPid;
-        slot.since = pg_sys::GetCurrentTimestamp();
     }
-    slot.busy = false;
-    slot.command = [0; 16];
-    slot.handled = 0;
+    clear_activity(index, slot);
+}
+
+/// A slot taken or given up: nothing running, nothing handled, no cancel.
+fn clear_activity(index: usize, slot: &mut WorkerSlot) {
+    slot.cancel_runs = [[0; 16]; CANCEL_SLOTS];
+    slot.next_cancel = 0;
+    let activity = &ACTIVITIES.get().slots[index];
+    activity.cancels.store(0, Ordering::SeqCst);
+    write_activity(activity, |a| {
+        a.handled.store(0, Ordering::Relaxed);
+        set_activity(a, false, [0; 16], [0; 16]);
+    });
 }
 
 /// Called at process exit so a dead worker is never woken or shown.
@@ -498,6 +559,7 @@ pub fn unregister_worker(index: usize, stopped_in: Option<Option<[u8; 16]>>) {
     let slot = &mut table.slots[index];
     if slot.pid == me {
         *slot = WorkerSlot::default();
+        clear_activity(index, slot);
     }
 }
 
@@ -510,17 +572,61 @@ pub fn stopped_in(pid: i32, backend_start: i64) -> Option<[u8; 16]> {
 
 /// Record what worker `index` is doing now: the command (and its run) it is
 /// about to run, or none.
+/// (Called by that worker only: the one writer of its activity.)
 pub fn set_worker_state(index: usize, busy: bool, command: Option<([u8; 16], [u8; 16])>, handled: u64) {
     let (command, run) = command.unwrap_or(([0; 16], [0; 16]));
-    let mut table = WORKERS.exclusive();
-    let slot = &mut table.slots[index];
-    if slot.busy != busy || slot.command != command {
-        slot.since = unsafe { pg_sys::GetCurrentTimestamp() };
+    write_activity(&ACTIVITIES.get().slots[index], |a| {
+        a.handled.fetch_add(handled, Ordering::Relaxed);
+        set_activity(a, busy, command, run);
+    });
+}
+
+fn set_activity(a: &ActivitySlot, busy: bool, command: [u8; 16], run: [u8; 16]) {
+    if a.busy.load(Ordering::Relaxed) != busy || id_bytes(&a.command) != command {
+        a.since.store(unsafe { pg_sys::GetCurrentTimestamp() }, Ordering::Relaxed);
     }
-    slot.busy = busy;
-    slot.command = command;
-    slot.run = run;
-    slot.handled += handled;
+    a.busy.store(busy, Ordering::Relaxed);
+    for (word, value) in a.command.iter().zip(id_words(&command)) {
+        word.store(value, Ordering::Relaxed);
+    }
+    for (word, value) in a.run.iter().zip(id_words(&run)) {
+        word.store(value, Ordering::Relaxed);
+    }
+}
+
+/// Write a slot's activity: readers that see the sequence number odd, or
+/// changed while they read, read again.
+fn write_activity(a: &ActivitySlot, write: impl FnOnce(&ActivitySlot)) {
+    let seq = a.seq.load(Ordering::Relaxed);
+    a.seq.store(seq.wrapping_add(1), Ordering::Relaxed);
+    fence(Ordering::Release);
+    write(a);
+    a.seq.store(seq.wrapping_add(2), Ordering::Release);
+    // (before any look at the cancels that follows: see interrupt_run)
+    fence(Ordering::SeqCst);
+}
+
+/// What worker `index` is doing, as one consistent reading.
+pub fn activity(index: usize) -> Activity {
+    let a = &ACTIVITIES.get().slots[index];
+    loop {
+        let seq = a.seq.load(Ordering::Acquire);
+        if seq % 2 == 1 {
+            std::hint::spin_loop();
+            continue;
+        }
+        let read = Activity {
+            busy: a.busy.load(Ordering::Relaxed),
+            command: id_bytes(&a.command),
+            run: id_bytes(&a.run),
+            since: a.since.load(Ordering::Relaxed),
+            handled: a.handled.load(Ordering::Relaxed),
+        };
+        fence(Ordering::Acquire);
+        if a.seq.load(Ordering::Relaxed) == seq {
+            return read;
+        }
+    }
 }
 
 /// flow.cancel: every worker is told not to run or settle commands of
@@ -532,13 +638,22 @@ pub fn interrupt_run(run: [u8; 16]) {
     let mut table = WORKERS.exclusive();
     // This backend's own slot is left alone: a handler cancelling its own run
     // holds the run's lock, and its cancel commits with its attempt.
-    for slot in table.slots.iter_mut().filter(|s| s.procno >= 0 && s.pid != me) {
+    for (index, slot) in table.slots.iter_mut().enumerate().filter(|(_, s)| s.procno >= 0 && s.pid != me) {
         if !slot.cancel_runs.contains(&run) {
             let at = slot.next_cancel % CANCEL_SLOTS;
+            if slot.cancel_runs[at] == [0; 16] {
+                ACTIVITIES.get().slots[index].cancels.fetch_add(1, Ordering::SeqCst);
+            }
             slot.cancel_runs[at] = run;
             slot.next_cancel = at + 1;
         }
-        if slot.busy && slot.run == run {
+        // The worker notes the command it is about to run before it looks
+        // for cancels (write_activity, cancel_requested), and this looks at
+        // that note after setting the cancel: either the worker sees the
+        // cancel before the handler starts, or this sees the handler's run.
+        fence(Ordering::SeqCst);
+        let now = activity(index);
+        if now.busy && now.run == run {
             unsafe { libc_kill(slot.pid, SIGINT) };
         }
     }
@@ -551,25 +666,35 @@ pub fn stop_workers_of(run: [u8; 16]) -> i32 {
     let me = unsafe { pg_sys::MyProcPid };
     let table = WORKERS.share();
     let mut stopped = 0;
-    for slot in table.slots.iter().filter(|s| s.procno >= 0 && s.busy && s.run == run && s.pid != me) {
-        unsafe { libc_kill(slot.pid, SIGTERM) };
-        stopped += 1;
+    for (index, slot) in table.slots.iter().enumerate().filter(|(_, s)| s.procno >= 0 && s.pid != me) {
+        let now = activity(index);
+        if now.busy && now.run == run {
+            unsafe { libc_kill(slot.pid, SIGTERM) };
+            stopped += 1;
+        }
     }
     stopped
 }
 
 /// Whether flow.cancel asked worker `index` to leave `run` alone.
 pub fn cancel_requested(index: usize, run: &[u8; 16]) -> bool {
-    WORKERS.share().slots[index].cancel_runs.contains(run)
+    // (the common case, no cancel set for this worker, takes no lock)
+    ACTIVITIES.get().slots[index].cancels.load(Ordering::SeqCst) > 0
+        && WORKERS.share().slots[index].cancel_runs.contains(run)
 }
 
 /// A chunk committed: the cancels of its runs can take their locks now; the
 /// cancels of other runs stay for the chunks that hold them.
 pub fn clear_cancels(index: usize, runs: &[[u8; 16]]) {
+    let cancels = &ACTIVITIES.get().slots[index].cancels;
+    if cancels.load(Ordering::SeqCst) == 0 {
+        return;
+    }
     let mut table = WORKERS.exclusive();
     for entry in table.slots[index].cancel_runs.iter_mut() {
-        if runs.contains(entry) {
+        if *entry != [0; 16] && runs.contains(entry) {
             *entry = [0; 16];
+            cancels.fetch_sub(1, Ordering::SeqCst);
         }
     }
 }
