@@ -268,8 +268,8 @@ impl Worker {
             let _ = transaction(|| executor::warm_plans(&self.name, self.backend_start));
             // A sleeping worker learns of the change only at its next
             // transaction, and would plan at its first claim of the next
-            // burst: milliseconds after the worker that woke it (5-10 ms of
-            // a 150 ms drain of 20,000 was the second worker planning).
+            // burst, after the worker that woke it (3-4 ms of a 150 ms
+            // drain of 20,000 was the second worker planning its claim).
             // Wake them to plan now; one whose plans are fresh sleeps again.
             shmem::wake_sleeping_workers();
         }
