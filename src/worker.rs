@@ -53,8 +53,8 @@ const DUE_AGAIN_PAUSE: Duration = Duration::from_millis(10);
 
 /// The smallest chunk window (see Worker::chunk_window).
 const MIN_CHUNK_WINDOW: usize = 8;
-/// The chunk window of a worker's first claim after it slept (see Worker::turn).
-const WINDOW_AFTER_SLEEP: usize = 128;
+/// The most a worker's first claim after it slept takes (see Worker::claim).
+const FIRST_CLAIM_AFTER_SLEEP: i32 = 128;
 /// How long claims may take up where the last one ended (see flow._claim)
 /// before one starts from the queues' heads again: the longest a command that
 /// became due behind the cursor waits when no commit said so (a command whose
@@ -169,6 +169,8 @@ struct Worker {
     prune_after: Option<pgrx::Uuid>,
     /// The last claim came back short of its size (see turn).
     took_all_due: Cell<bool>,
+    /// The worker slept since its last claim (see claim).
+    slept: Cell<bool>,
     /// Since when claims have taken up from a cursor, and where the last full
     /// claim ended in each queue (None: the next claim starts at the heads).
     cursor: RefCell<Option<(Instant, ClaimCursor)>>,
@@ -203,6 +205,7 @@ impl Worker {
             left_to_cancels: RefCell::new(Vec::new()),
             chunk_window: usize::MAX,
             took_all_due: Cell::new(false),
+            slept: Cell::new(false),
             cursor: RefCell::new(None),
         }
     }
@@ -274,12 +277,7 @@ impl Worker {
             shmem::wake_sleeping_workers();
         }
         if !sleep.is_zero() {
-            // A burst into sleeping workers: the first one woken claims a
-            // little, and its full claim wakes the next (Worker::claim) a
-            // fraction of a millisecond later, not after it claimed a whole
-            // batch (4 ms for 1,000); the window doubles with each chunk
-            // that ran all it had (next_window).
-            self.chunk_window = self.chunk_window.min(WINDOW_AFTER_SLEEP);
+            self.slept.set(true);
         }
         sleep
     }
@@ -626,6 +624,11 @@ impl Worker {
         // no more than a chunk is likely to run: held commands it does not
         // reach are claimed again
         let size = self.claim_size().min(self.chunk_window.min(i32::MAX as usize) as i32).max(1);
+        // A burst into sleeping workers: the first one woken claims a little,
+        // and its full claim wakes the next a fraction of a millisecond in,
+        // not once it has claimed a whole batch (4 ms for 1,000); the claims
+        // after that are whole again.
+        let size = if self.slept.replace(false) { size.min(FIRST_CLAIM_AFTER_SLEEP) } else { size };
         let mut excluded = attempt_record::held_elsewhere(self.index);
         // and the held commands this worker left to a cancel lately (see executor::Chunk::finish)
         let mut left = self.left_to_cancels.borrow_mut();
