@@ -541,6 +541,7 @@ fn clear_activity(index: usize, slot: &mut WorkerSlot) {
     write_activity(activity, |a| {
         a.handled.store(0, Ordering::Relaxed);
         set_activity(a, false, [0; 16], [0; 16]);
+        a.since.store(unsafe { pg_sys::GetCurrentTimestamp() }, Ordering::Relaxed);
     });
 }
 
