@@ -2356,7 +2356,7 @@ AS 'MODULE_PATHNAME', '_args_misfit_as_wrapper';
 -- flow::invariants::_command_row_is_consistent
 -- Skipped due to `#[pgrx(sql = false)]`
 
--- src/api.rs:188
+-- src/api.rs:189
 -- flow::api::_counters
 CREATE OR REPLACE FUNCTION "_counters"() RETURNS TABLE (
 	"name" TEXT,  /* String */
@@ -2460,7 +2460,7 @@ STRICT VOLATILE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_new_id_wrapper';
 
--- src/api.rs:194
+-- src/api.rs:195
 -- flow::api::_observe
 CREATE OR REPLACE FUNCTION "_observe"(
 	"metric" TEXT, /* & str */
@@ -2488,7 +2488,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_stop_workers_of_wrapper';
 
--- src/api.rs:202
+-- src/api.rs:203
 -- flow::api::_stopped_in
 CREATE OR REPLACE FUNCTION "_stopped_in"(
 	"pid" INT, /* i32 */
