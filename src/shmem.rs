@@ -384,8 +384,7 @@ unsafe extern "C-unwind" fn on_xact_event(event: pg_sys::XactEvent::Type, _arg: 
 /// instead of the worker sleeping a whole poll interval.
 pub fn wake_workers() {
     let table = WORKERS.share();
-    let me = unsafe { pg_sys::MyProcPid };
-    let live = || table.slots.iter().filter(move |s| s.procno >= 0 && s.pid != me);
+    let live = || table.slots.iter().filter(|s| is_another_worker(s));
     // The first one waiting on its latch: under light load the same worker
     // keeps serving, with its caches warm (a quarter of a millisecond of
     // pickup here). Not merely idle: an idle worker that is pruning or
@@ -400,8 +399,12 @@ pub fn wake_workers() {
 /// relation changed, so that each plans again while idle).
 pub fn wake_sleeping_workers() {
     let table = WORKERS.share();
-    let me = unsafe { pg_sys::MyProcPid };
-    table.slots.iter().filter(|s| s.procno >= 0 && s.pid != me && s.sleeping).for_each(set_latch);
+    table.slots.iter().filter(|s| is_another_worker(s) && s.sleeping).for_each(set_latch);
+}
+
+/// A live worker's slot, and not this process's own.
+fn is_another_worker(slot: &WorkerSlot) -> bool {
+    slot.procno >= 0 && slot.pid != unsafe { pg_sys::MyProcPid }
 }
 
 fn set_latch(slot: &WorkerSlot) {
@@ -635,11 +638,10 @@ pub fn activity(index: usize) -> Activity {
 /// (SIGINT), so the run's lock is released soon. A handler cancelling its own
 /// run is not signalled: it holds the run's lock already.
 pub fn interrupt_run(run: [u8; 16]) {
-    let me = unsafe { pg_sys::MyProcPid };
     let mut table = WORKERS.exclusive();
     // This backend's own slot is left alone: a handler cancelling its own run
     // holds the run's lock, and its cancel commits with its attempt.
-    for (index, slot) in table.slots.iter_mut().enumerate().filter(|(_, s)| s.procno >= 0 && s.pid != me) {
+    for (index, slot) in table.slots.iter_mut().enumerate().filter(|(_, s)| is_another_worker(s)) {
         if !slot.cancel_runs.contains(&run) {
             let at = slot.next_cancel % CANCEL_SLOTS;
             if slot.cancel_runs[at] == [0; 16] {
@@ -653,8 +655,7 @@ pub fn interrupt_run(run: [u8; 16]) {
         // that note after setting the cancel: either the worker sees the
         // cancel before the handler starts, or this sees the handler's run.
         fence(Ordering::SeqCst);
-        let now = activity(index);
-        if now.busy && now.run == run {
+        if runs_handler_of(index, &run) {
             unsafe { libc_kill(slot.pid, SIGINT) };
         }
     }
@@ -664,17 +665,19 @@ pub fn interrupt_run(run: [u8; 16]) {
 /// PostgreSQL's pg_terminate_backend would; recovery concludes the attempt).
 /// Returns how many workers were told to stop.
 pub fn stop_workers_of(run: [u8; 16]) -> i32 {
-    let me = unsafe { pg_sys::MyProcPid };
     let table = WORKERS.share();
     let mut stopped = 0;
-    for (index, slot) in table.slots.iter().enumerate().filter(|(_, s)| s.procno >= 0 && s.pid != me) {
-        let now = activity(index);
-        if now.busy && now.run == run {
-            unsafe { libc_kill(slot.pid, SIGTERM) };
-            stopped += 1;
-        }
+    for (_, slot) in table.slots.iter().enumerate().filter(|(i, s)| is_another_worker(s) && runs_handler_of(*i, &run)) {
+        unsafe { libc_kill(slot.pid, SIGTERM) };
+        stopped += 1;
     }
     stopped
+}
+
+/// Whether worker `index` runs a handler of `run` right now.
+fn runs_handler_of(index: usize, run: &[u8; 16]) -> bool {
+    let now = activity(index);
+    now.busy && now.run == *run
 }
 
 /// Whether flow.cancel asked worker `index` to leave `run` alone.
