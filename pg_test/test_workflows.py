@@ -173,6 +173,30 @@ def test_a_retried_spawner_does_not_duplicate_children(pg):
     assert pg.one("SELECT count(*) FROM app.effects WHERE run_id = %s", run) == 1
 
 
+def test_a_root_that_spawns_in_its_first_attempt_ends_its_run_only_with_its_child(pg):
+    # A root in its first attempt is taken to have no child without a look
+    # (flow._claim, flow._settle_batch's `alone`) unless its chunk spawned:
+    # a root that spawns in that attempt must leave its run running.
+    children, roots = unique("late_child"), unique("first_spawner")
+    pg.one(f"SELECT flow.set_queue('{children}', paused => true)")
+    pg.one(f"SELECT flow.define('{children}', 'app.leaf'::regproc, queue => '{children}')")
+    pg.all(f"""CREATE FUNCTION app.{roots}(args jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
+                   BEGIN PERFORM flow.spawn('{children}', '{{}}', key => 'child'); RETURN '{{"root": 1}}'; END $$""")
+    pg.one(f"SELECT flow.define('{roots}', 'app.{roots}'::regproc)")
+    succeeded = "SELECT value FROM flow.stats WHERE name = 'runs_succeeded'"
+    before = pg.one(succeeded)
+    runs = pg.one(f"SELECT flow.enqueue_many('{roots}', array_fill('{{}}'::jsonb, array[40]))")
+    pg.wait_for("SELECT count(*) = 40 FROM flow.commands WHERE run_id = ANY(%s) AND key = 'root'"
+                " AND status = 'succeeded' AND attempts = 1", runs)
+    assert pg.one("SELECT count(*) FROM flow.runs WHERE id = ANY(%s) AND status = 'running'", runs) == 40
+    assert pg.one(succeeded) == before
+    pg.one(f"SELECT flow.set_queue('{children}', paused => false)")
+    pg.wait_for("SELECT count(*) = 40 FROM flow.runs WHERE id = ANY(%s) AND status = 'succeeded'", runs)
+    assert pg.one("SELECT count(DISTINCT result) FROM flow.runs WHERE id = ANY(%s)", runs) == 1
+    assert pg.one("SELECT result FROM flow.runs WHERE id = %s", runs[0]) == {"root": 1}
+    pg.wait_for(f"SELECT ({succeeded}) = %s", before + 40)
+
+
 def test_a_conflicting_respawn_is_an_invalid_decision(pg):
     run = pg.one("SELECT flow.enqueue('respawn', '{\"conflict\": true}')")
     status, _, error = pg.await_run(run, "20s")

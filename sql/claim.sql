@@ -269,9 +269,13 @@ BEGIN
         FROM picked p
         WHERE p.held
           -- (a CASE: the lock is taken only when the first test fails; a root
-          -- with no child: see flow._run_rows)
+          -- with no child: see flow._run_rows. A root no attempt was counted
+          -- for has none, without a probe: only its own attempt can spawn,
+          -- and an attempt that kept its spawns is counted, see
+          -- flow._settle_batch's `alone`)
           AND CASE WHEN p.id = p.run_id
-                        AND NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = p.id)  -- index _commands_parent
+                        AND (p.attempts = 0
+                             OR NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = p.id))  -- index _commands_parent
                    THEN true
                    ELSE EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = p.run_id FOR UPDATE SKIP LOCKED) END
     ) h

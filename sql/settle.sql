@@ -161,12 +161,16 @@ END $$;
 -- held_attempts: for commands an in-database worker holds (see _claim), the
 -- number of the attempt it made (NULL for leased ones), and owner_name the
 -- worker: the claim's writes are made here, with the settlement's.
+-- chunk_spawned: whether any handler in the caller's transaction may have
+-- spawned a command (an in-database worker knows, flow._note_spawn; true
+-- when unknown): see `alone` below.
 -- (Generic plans: every statement here is driven by the ids it is given,
 -- whatever they are; a custom plan per call re-planned the statement that
 -- completes runs of several commands, with its inlined _commands_of, for
 -- half a millisecond per settlement, runs of one command or not.)
 CREATE FUNCTION flow._settle_batch(command_ids uuid[], lease_tokens uuid[], results jsonb[],
-    handler_started timestamptz[] DEFAULT NULL, held_attempts integer[] DEFAULT NULL, owner_name text DEFAULT NULL)
+    handler_started timestamptz[] DEFAULT NULL, held_attempts integer[] DEFAULT NULL, owner_name text DEFAULT NULL,
+    chunk_spawned boolean DEFAULT true)
 RETURNS integer
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off
     SET plan_cache_mode = force_generic_plan AS $$
@@ -196,7 +200,7 @@ BEGIN
           -- (one-time filters: a worker's chunk is all held or all leased,
           -- and the branch with none of its commands reads no item)
           AND (held_attempts IS NULL OR array_position(held_attempts, NULL) IS NOT NULL)
-        RETURNING c.id, c.run_id, c.result, c.parent_id
+        RETURNING c.id, c.run_id, c.result, c.parent_id, NULL::integer AS held
     ), held_done AS (
         -- held (locked by this transaction's claim): the command must not have
         -- moved on (a cancel in the handler's own transaction); the writes the
@@ -209,14 +213,22 @@ BEGIN
         WHERE c.id = ANY (ARRAY[t.id]) AND t.held IS NOT NULL AND c.status::text IN ('pending', 'waiting')
           AND c.attempts = t.held - 1
           AND cardinality(array_remove(held_attempts, NULL)) > 0
-        RETURNING c.id, c.run_id, c.result, c.parent_id
+        RETURNING c.id, c.run_id, c.result, c.parent_id, t.held
     ), done AS (
         SELECT d.*,
                -- a root without children: the run's only command (spawned ones descend
                -- from it). flow._run_rows recognizes such a run by the same test; the two
                -- must agree, or a run whose row is not written here is never seen ended
                -- (the places that make this test are listed there).
-               d.parent_id IS NULL AND NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = d.id) AS alone
+               -- A held root in its first attempt (none counted before) has no
+               -- child unless a handler of this transaction spawned one, so
+               -- it needs no probe: a child is spawned only by its parent's
+               -- attempt (flow._spawn), and an attempt whose spawns were kept
+               -- is counted (one given back by flow._release kept nothing of
+               -- its transaction). The claim's held test takes the same step.
+               d.parent_id IS NULL
+               AND CASE WHEN d.held = 1 AND NOT chunk_spawned THEN true
+                        ELSE NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = d.id) END AS alone
         FROM (SELECT * FROM leased_done UNION ALL SELECT * FROM held_done) d
         OFFSET 0   -- (kept a subquery: pulled up, its probe ran once per aggregate below, three times a command)
     )

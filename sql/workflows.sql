@@ -233,6 +233,9 @@ BEGIN
         PERFORM 1 FROM flow._commands c WHERE c.id = parent.run_id FOR UPDATE;
         PERFORM flow._run_row_needed(parent.run_id);
     END IF;
+    -- (tells an in-database worker's settlement that this transaction has
+    -- children: see flow._settle_batch's `alone`)
+    PERFORM flow._note_spawn();
     INSERT INTO flow._commands (id, run_id, parent_id, key, name, version, queue, args, declaration, status,
         next_run_at, not_before, budget_started_at, deadline, external, owner)
     VALUES (child, parent.run_id, parent.id, key, _spawn.name, p.def_version, p.lane, args, declared,

@@ -118,6 +118,10 @@ thread_local! {
     /// A relation's description changed since the engine's plans were last
     /// warmed (see `warm_plans`).
     static PLANS_MAY_BE_STALE: Cell<bool> = const { Cell::new(false) };
+    /// A command was spawned in this backend since the current chunk began
+    /// (flow._note_spawn): its settlement must look for children (see
+    /// flow._settle_batch's `alone`).
+    static SPAWNED_IN_CHUNK: Cell<bool> = const { Cell::new(false) };
     /// Handlers whose last attempt in this worker took under FAST_HANDLER:
     /// their commands are held, not leased (see flow._claim).
     static FAST_HANDLERS: RefCell<HashSet<u32>> = RefCell::new(HashSet::new());
@@ -214,6 +218,13 @@ pub fn current_command() -> Option<[u8; 16]> {
     CURRENT_COMMAND.with(|c| c.get())
 }
 
+/// Called by flow._spawn before it inserts a child (in any backend; only an
+/// in-database worker's chunk reads it).
+#[pg_extern(volatile, parallel_unsafe)]
+fn _note_spawn() {
+    SPAWNED_IN_CHUNK.with(|s| s.set(true));
+}
+
 /// Called by flow.fail / flow.retry_after / an invalid spawn or emit. Returns
 /// whether a handler is running in this backend (flow.fail with keep_writes
 /// needs one).
@@ -284,13 +295,14 @@ pub fn warm_plans(owner: &str, backend_start: Option<TimestampWithTimeZone>) {
         return;
     }
     claim(owner, backend_start, 0, 0, Vec::new(), None);
-    let none: [DatumWithOid; 6] = [
+    let none: [DatumWithOid; 7] = [
         Vec::<pgrx::Uuid>::new().into(),
         Vec::<pgrx::Uuid>::new().into(),
         Vec::<Option<Jsonb>>::new().into(),
         Vec::<Option<TimestampWithTimeZone>>::new().into(),
         Vec::<Option<i32>>::new().into(),
         owner.into(),
+        false.into(),
     ];
     settle_batch(&none);
 }
@@ -588,6 +600,7 @@ impl<'a> Chunk<'a> {
     }
 
     fn with(worker: &'a str, live: HashSet<[u8; 16]>, handed_back: Vec<(pgrx::Uuid, pgrx::Uuid)>, held: bool) -> Self {
+        SPAWNED_IN_CHUNK.with(|s| s.set(false));
         Chunk {
             worker,
             live,
@@ -752,7 +765,8 @@ impl<'a> Chunk<'a> {
         }
         // Built once, in the chunk's memory context: every try reuses them.
         // (flow._settle_batch counts what it settled, at commit.)
-        let args = [ids.into(), tokens.into(), results.into(), starts.into(), held.into(), self.worker.into()];
+        let spawned = SPAWNED_IN_CHUNK.with(|s| s.get());
+        let args = [ids.into(), tokens.into(), results.into(), starts.into(), held.into(), self.worker.into(), spawned.into()];
         let settle = || {
             gucs::inject_fault("settle_success");
             settle_batch(&args)
@@ -773,11 +787,12 @@ impl<'a> Chunk<'a> {
     }
 }
 
-/// Settle successes: (ids, lease tokens, results, handler starts, held attempts, worker).
-fn settle_batch(args: &[DatumWithOid; 6]) {
+/// Settle successes: (ids, lease tokens, results, handler starts, held
+/// attempts, worker, whether this chunk spawned a command).
+fn settle_batch(args: &[DatumWithOid; 7]) {
     engine_query(
-        "SELECT flow._settle_batch($1, $2, $3, $4, $5, $6)",
-        &[UUID_ARRAY, UUID_ARRAY, JSONB_ARRAY, TIMESTAMPTZ_ARRAY, INT4_ARRAY, TEXT],
+        "SELECT flow._settle_batch($1, $2, $3, $4, $5, $6, $7)",
+        &[UUID_ARRAY, UUID_ARRAY, JSONB_ARRAY, TIMESTAMPTZ_ARRAY, INT4_ARRAY, TEXT, BOOL],
         args,
         |_| (),
     )
