@@ -120,7 +120,7 @@ BEGIN
         -- carried as one composite value through the steps below is built,
         -- copied and taken apart again for every command)
         SELECT h.id, h.run_id, h.key, h.name, h.version, h.queue, h.args, h.status, h.attempts, h.next_run_at,
-               h.deadline, h.wait_timed_out, h.created_at, h.budget_start, l.ord,
+               h.deadline, h.wait_timed_out, h.created_at, h.row_at, h.budget_start, l.ord,
                coalesce(l.unlimited AND h.handler = ANY (fast_handlers), false) AS held,
                h.handler, h.owner, h.takes_context, h.timeout, h.max_elapsed, h.args_type,
                l.room
@@ -129,7 +129,7 @@ BEGIN
         -- others are left to other claims once its transaction ends)
         FROM lane l CROSS JOIN unnest(claimants) AS w(claimant) CROSS JOIN LATERAL (
             SELECT c.id, c.run_id, c.key, c.name, c.version, c.queue, c.args, c.status, c.attempts, c.next_run_at,
-                   c.deadline, c.wait_timed_out, c.created_at,
+                   c.deadline, c.wait_timed_out, c.created_at, c.ctid AS row_at,
                    d.handler::oid AS handler, d.owner::oid AS owner, d.takes_context,
                    d.timeout, d.max_elapsed, d.args_type,
                    flow._budget_start(c.status, c.attempts, c.next_run_at, c.budget_started_at) AS budget_start
@@ -244,7 +244,8 @@ BEGIN
                              ORDER BY w.name, w.key) w) END, '[]'),
                    h.created_at, h.budget_start, h.started)::flow.context
            END,
-           h.timeout, least(h.budget_start + h.max_elapsed, h.deadline), h.claim_order, h.args_type, h.next_run_at
+           h.timeout, least(h.budget_start + h.max_elapsed, h.deadline), h.claim_order, h.args_type, h.next_run_at,
+           CASE WHEN h.lease_expires_at IS NULL THEN h.row_at END   -- (held: the row this statement locked)
     FROM (
         -- (a subquery, not a CTE: that would be one more copy of every row)
         -- the attempt as a leased claim wrote it, or as the held attempt's

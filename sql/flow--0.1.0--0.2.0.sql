@@ -134,6 +134,8 @@ DROP INDEX flow._commands_running;
 CREATE INDEX _commands_running ON flow._commands (queue, lease_expires_at) WHERE status = 'running';
 -- A claim tells where it ended in each queue, and takes up from there (see flow._claim).
 ALTER TYPE flow.claimed_command ADD ATTRIBUTE due_at timestamptz;
+-- A held command's settlement writes the row its claim locked, found by its tid (see flow._settle_batch).
+ALTER TYPE flow.claimed_command ADD ATTRIBUTE row_at tid;
 -- flow.queues counts what is live by the claim's indexes; flow.queue_history
 -- counts what is finished (both created below).
 ALTER TABLE flow._queues SET (autovacuum_analyze_threshold = 0, autovacuum_analyze_scale_factor = 0);
@@ -1030,7 +1032,7 @@ BEGIN
         -- carried as one composite value through the steps below is built,
         -- copied and taken apart again for every command)
         SELECT h.id, h.run_id, h.key, h.name, h.version, h.queue, h.args, h.status, h.attempts, h.next_run_at,
-               h.deadline, h.wait_timed_out, h.created_at, h.budget_start, l.ord,
+               h.deadline, h.wait_timed_out, h.created_at, h.row_at, h.budget_start, l.ord,
                coalesce(l.unlimited AND h.handler = ANY (fast_handlers), false) AS held,
                h.handler, h.owner, h.takes_context, h.timeout, h.max_elapsed, h.args_type,
                l.room
@@ -1039,7 +1041,7 @@ BEGIN
         -- others are left to other claims once its transaction ends)
         FROM lane l CROSS JOIN unnest(claimants) AS w(claimant) CROSS JOIN LATERAL (
             SELECT c.id, c.run_id, c.key, c.name, c.version, c.queue, c.args, c.status, c.attempts, c.next_run_at,
-                   c.deadline, c.wait_timed_out, c.created_at,
+                   c.deadline, c.wait_timed_out, c.created_at, c.ctid AS row_at,
                    d.handler::oid AS handler, d.owner::oid AS owner, d.takes_context,
                    d.timeout, d.max_elapsed, d.args_type,
                    flow._budget_start(c.status, c.attempts, c.next_run_at, c.budget_started_at) AS budget_start
@@ -1154,7 +1156,8 @@ BEGIN
                              ORDER BY w.name, w.key) w) END, '[]'),
                    h.created_at, h.budget_start, h.started)::flow.context
            END,
-           h.timeout, least(h.budget_start + h.max_elapsed, h.deadline), h.claim_order, h.args_type, h.next_run_at
+           h.timeout, least(h.budget_start + h.max_elapsed, h.deadline), h.claim_order, h.args_type, h.next_run_at,
+           CASE WHEN h.lease_expires_at IS NULL THEN h.row_at END   -- (held: the row this statement locked)
     FROM (
         -- (a subquery, not a CTE: that would be one more copy of every row)
         -- the attempt as a leased claim wrote it, or as the held attempt's
@@ -1394,6 +1397,11 @@ END $$;
 -- held_attempts: for commands an in-database worker holds (see _claim), the
 -- number of the attempt it made (NULL for leased ones), and owner_name the
 -- worker: the claim's writes are made here, with the settlement's.
+-- held_rows: where each held command's row is (its tid, from the claim that
+-- locked it): the settlement writes it there, not through a probe of the
+-- primary key for each (the lock kept the row where it was; a row this
+-- transaction moved since, as a handler's cancel of its own run does, is not
+-- there for it any more, and stays unsettled, as one whose status moved on).
 -- chunk_spawned: whether any handler in the caller's transaction may have
 -- spawned a command (an in-database worker knows, flow._note_spawn; true
 -- when unknown): see `alone` below.
@@ -1403,7 +1411,7 @@ END $$;
 -- half a millisecond per settlement, runs of one command or not.)
 CREATE OR REPLACE FUNCTION flow._settle_batch(command_ids uuid[], lease_tokens uuid[], results jsonb[],
     handler_started timestamptz[] DEFAULT NULL, held_attempts integer[] DEFAULT NULL, owner_name text DEFAULT NULL,
-    chunk_spawned boolean DEFAULT true)
+    held_rows tid[] DEFAULT NULL, chunk_spawned boolean DEFAULT true)
 RETURNS integer
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off
     SET plan_cache_mode = force_generic_plan AS $$
@@ -1418,8 +1426,8 @@ BEGIN
     -- (the commands are looked up by id: their status is compared as text,
     -- see sql/common.sql)
     WITH item AS (
-        SELECT * FROM unnest(command_ids, lease_tokens, results, handler_started, held_attempts)
-                      AS t(id, token, result, started, held)
+        SELECT * FROM unnest(command_ids, lease_tokens, results, handler_started, held_attempts, held_rows)
+                      AS t(id, token, result, started, held, row_at)
     ), leased_done AS (
         -- leased: the lease token must still be the command's. The command
         -- keeps the token, owner and start of its successful attempt: that is
@@ -1443,7 +1451,10 @@ BEGIN
             budget_started_at = flow._budget_start(c.status, c.attempts, c.next_run_at, c.budget_started_at),
             wait_timed_out = flow._wait_timed_out(c.status, c.wait_timed_out)
         FROM item t
-        WHERE c.id = ANY (ARRAY[t.id]) AND t.held IS NOT NULL AND c.status::text IN ('pending', 'waiting')
+        -- (by its tid: a probe of the row per command, whatever the table's
+        -- statistics; the id is compared as a filter the planner cannot join by)
+        WHERE c.ctid = t.row_at AND NOT (c.id IS DISTINCT FROM t.id)
+          AND t.held IS NOT NULL AND c.status::text IN ('pending', 'waiting')
           AND c.attempts = t.held - 1
           AND cardinality(array_remove(held_attempts, NULL)) > 0
         RETURNING c.id, c.run_id, c.result, c.parent_id, t.held
@@ -2392,7 +2403,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_current_command_wrapper';
 
--- src/executor.rs:231
+-- src/executor.rs:233
 -- flow::executor::_decide
 CREATE OR REPLACE FUNCTION "_decide"(
 	"class" TEXT, /* & str */
@@ -2479,7 +2490,7 @@ STRICT VOLATILE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_new_id_wrapper';
 
--- src/executor.rs:223
+-- src/executor.rs:225
 -- flow::executor::_note_spawn
 CREATE OR REPLACE FUNCTION "_note_spawn"() RETURNS void
 STRICT VOLATILE PARALLEL UNSAFE

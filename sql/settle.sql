@@ -161,6 +161,11 @@ END $$;
 -- held_attempts: for commands an in-database worker holds (see _claim), the
 -- number of the attempt it made (NULL for leased ones), and owner_name the
 -- worker: the claim's writes are made here, with the settlement's.
+-- held_rows: where each held command's row is (its tid, from the claim that
+-- locked it): the settlement writes it there, not through a probe of the
+-- primary key for each (the lock kept the row where it was; a row this
+-- transaction moved since, as a handler's cancel of its own run does, is not
+-- there for it any more, and stays unsettled, as one whose status moved on).
 -- chunk_spawned: whether any handler in the caller's transaction may have
 -- spawned a command (an in-database worker knows, flow._note_spawn; true
 -- when unknown): see `alone` below.
@@ -170,7 +175,7 @@ END $$;
 -- half a millisecond per settlement, runs of one command or not.)
 CREATE FUNCTION flow._settle_batch(command_ids uuid[], lease_tokens uuid[], results jsonb[],
     handler_started timestamptz[] DEFAULT NULL, held_attempts integer[] DEFAULT NULL, owner_name text DEFAULT NULL,
-    chunk_spawned boolean DEFAULT true)
+    held_rows tid[] DEFAULT NULL, chunk_spawned boolean DEFAULT true)
 RETURNS integer
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off
     SET plan_cache_mode = force_generic_plan AS $$
@@ -185,8 +190,8 @@ BEGIN
     -- (the commands are looked up by id: their status is compared as text,
     -- see sql/common.sql)
     WITH item AS (
-        SELECT * FROM unnest(command_ids, lease_tokens, results, handler_started, held_attempts)
-                      AS t(id, token, result, started, held)
+        SELECT * FROM unnest(command_ids, lease_tokens, results, handler_started, held_attempts, held_rows)
+                      AS t(id, token, result, started, held, row_at)
     ), leased_done AS (
         -- leased: the lease token must still be the command's. The command
         -- keeps the token, owner and start of its successful attempt: that is
@@ -210,7 +215,10 @@ BEGIN
             budget_started_at = flow._budget_start(c.status, c.attempts, c.next_run_at, c.budget_started_at),
             wait_timed_out = flow._wait_timed_out(c.status, c.wait_timed_out)
         FROM item t
-        WHERE c.id = ANY (ARRAY[t.id]) AND t.held IS NOT NULL AND c.status::text IN ('pending', 'waiting')
+        -- (by its tid: a probe of the row per command, whatever the table's
+        -- statistics; the id is compared as a filter the planner cannot join by)
+        WHERE c.ctid = t.row_at AND NOT (c.id IS DISTINCT FROM t.id)
+          AND t.held IS NOT NULL AND c.status::text IN ('pending', 'waiting')
           AND c.attempts = t.held - 1
           AND cardinality(array_remove(held_attempts, NULL)) > 0
         RETURNING c.id, c.run_id, c.result, c.parent_id, t.held

@@ -43,6 +43,8 @@ pub struct Claimed {
     /// Held, not leased (see flow._claim): the number of the attempt it makes,
     /// counted when it is settled in the claim's own transaction.
     pub held_attempt: Option<i32>,
+    /// A held command's row, locked by the claim: where its settlement writes.
+    pub row_at: Option<pg_sys::ItemPointerData>,
     /// Its queue and due time: where it is in its queue's claim order (with its id).
     pub queue: String,
     pub due_at: TimestampWithTimeZone,
@@ -295,13 +297,14 @@ pub fn warm_plans(owner: &str, backend_start: Option<TimestampWithTimeZone>) {
         return;
     }
     claim(owner, backend_start, 0, 0, Vec::new(), None);
-    let none: [DatumWithOid; 7] = [
+    let none: [DatumWithOid; 8] = [
         Vec::<pgrx::Uuid>::new().into(),
         Vec::<pgrx::Uuid>::new().into(),
         Vec::<Option<Jsonb>>::new().into(),
         Vec::<Option<TimestampWithTimeZone>>::new().into(),
         Vec::<Option<i32>>::new().into(),
         owner.into(),
+        Vec::<Option<pg_sys::ItemPointerData>>::new().into(),
         false.into(),
     ];
     settle_batch(&none);
@@ -418,6 +421,8 @@ pub(crate) const TIMESTAMPTZ_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::TIMEST
 const INT4_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::INT4ARRAYOID);
 const OID_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::OIDARRAYOID);
 const OID: PgOid = PgOid::BuiltIn(PgBuiltInOids::OIDOID);
+const TID: PgOid = PgOid::BuiltIn(PgBuiltInOids::TIDOID);
+const TID_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::TIDARRAYOID);
 pub(crate) const TEXT_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::TEXTARRAYOID);
 
 /// Where a claim ended in each queue: the due time and id of the last command
@@ -504,7 +509,7 @@ pub fn claim(
                 (extract(epoch FROM hard_deadline) * 1000000)::bigint - 946684800000000,
                 (extract(epoch FROM attempt_timeout) * 1000000)::bigint,
                 handler, handler_owner, args, args_type::oid, CASE WHEN lease_expires_at IS NULL THEN attempt END,
-                context, queue, due_at, claim_order
+                context, queue, due_at, claim_order, row_at
          FROM flow._claim($1, $2, $3, $4, NULL, NULL, $5, $6, $7, $8, $9, $10)",
         &[TEXT, INT4, TIMESTAMPTZ, INT4, INT4, OID_ARRAY, UUID_ARRAY, TEXT_ARRAY, TIMESTAMPTZ_ARRAY, UUID_ARRAY],
         &[
@@ -526,7 +531,7 @@ pub fn claim(
             // A claim from one queue has no claim order (NULL): its rows come
             // in due order, leased ones and held ones apart, and a stable sort
             // keeps them so.
-            let types = [UUID, UUID, UUID, INT8, INT8, OID, OID, JSONB, OID, INT4, PgOid::Invalid, TEXT, TIMESTAMPTZ, INT4];
+            let types = [UUID, UUID, UUID, INT8, INT8, OID, OID, JSONB, OID, INT4, PgOid::Invalid, TEXT, TIMESTAMPTZ, INT4, TID];
             let mut claimed: Vec<(Option<i32>, Claimed)> = self::rows(rows, &types, |row| {
                 let command_id = row.get(1).expect("command_id");
                 let (queue, due_at): (String, TimestampWithTimeZone) = (row.get(12).expect("queue"), row.get(13).expect("due_at"));
@@ -545,6 +550,7 @@ pub fn claim(
                     context: row.get::<Context>(11),
                     queue,
                     due_at,
+                    row_at: row.get::<pg_sys::ItemPointerData>(15),
                 })
             });
             claimed.sort_by_key(|(order, _)| *order);
@@ -565,8 +571,8 @@ pub struct Chunk<'a> {
     live: HashSet<[u8; 16]>,
     /// Runs that failed in this chunk: their other commands were cancelled.
     failed_runs: HashSet<[u8; 16]>,
-    /// (command, lease token, result, when its handler started, held attempt)
-    successes: Vec<(pgrx::Uuid, pgrx::Uuid, Option<Jsonb>, Option<TimestampWithTimeZone>, Option<i32>)>,
+    /// (command, result, when its handler started)
+    successes: Vec<(&'a Claimed, Option<Jsonb>, Option<TimestampWithTimeZone>)>,
     /// Commands to hand back uncharged (see `finish`).
     handed_back: Vec<(pgrx::Uuid, pgrx::Uuid)>,
     /// Held commands left to a cancel: nothing of them was written, so they
@@ -683,7 +689,7 @@ impl<'a> Chunk<'a> {
         let started = crate::api::timestamp_from_pg(now);
         let outcome = attempt(index, command, self.group.as_ref().filter(|_| grouped).map(|g| &g.subtransaction), now);
         if let Attempted::Succeeded(result) = outcome {
-            self.successes.push((command.command_id, command.lease_token, result, started, command.held_attempt));
+            self.successes.push((command, result, started));
             if let Some(group) = self.group.as_mut().filter(|_| grouped) {
                 group.members.push(command);
             }
@@ -754,19 +760,33 @@ impl<'a> Chunk<'a> {
         if self.successes.is_empty() {
             return;
         }
-        let (mut ids, mut tokens, mut results, mut starts, mut held) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        for (id, token, result, started, held_attempt) in self.successes.drain(..) {
-            ids.push(id);
-            tokens.push(token);
+        let (mut ids, mut tokens, mut results, mut starts, mut held, mut rows) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for (command, result, started) in self.successes.drain(..) {
+            if command.held_attempt.is_some() && command.row_at.is_none() {
+                // (settled by its row: without it, its writes would commit unsettled)
+                error!("flow: a held command was claimed without its row");
+            }
+            ids.push(command.command_id);
+            tokens.push(command.lease_token);
             results.push(result);
             starts.push(started);
-            held.push(held_attempt);
+            held.push(command.held_attempt);
+            rows.push(command.row_at);
         }
         // Built once, in the chunk's memory context: every try reuses them.
         // (flow._settle_batch counts what it settled, at commit.)
         let spawned = SPAWNED_IN_CHUNK.with(|s| s.get());
-        let args = [ids.into(), tokens.into(), results.into(), starts.into(), held.into(), self.worker.into(), spawned.into()];
+        let args = [
+            ids.into(),
+            tokens.into(),
+            results.into(),
+            starts.into(),
+            held.into(),
+            self.worker.into(),
+            rows.into(),
+            spawned.into(),
+        ];
         let settle = || {
             gucs::inject_fault("settle_success");
             settle_batch(&args)
@@ -788,11 +808,11 @@ impl<'a> Chunk<'a> {
 }
 
 /// Settle successes: (ids, lease tokens, results, handler starts, held
-/// attempts, worker, whether this chunk spawned a command).
-fn settle_batch(args: &[DatumWithOid; 7]) {
+/// attempts, worker, held commands' rows, whether this chunk spawned a command).
+fn settle_batch(args: &[DatumWithOid; 8]) {
     engine_query(
-        "SELECT flow._settle_batch($1, $2, $3, $4, $5, $6, $7)",
-        &[UUID_ARRAY, UUID_ARRAY, JSONB_ARRAY, TIMESTAMPTZ_ARRAY, INT4_ARRAY, TEXT, BOOL],
+        "SELECT flow._settle_batch($1, $2, $3, $4, $5, $6, $7, $8)",
+        &[UUID_ARRAY, UUID_ARRAY, JSONB_ARRAY, TIMESTAMPTZ_ARRAY, INT4_ARRAY, TEXT, TID_ARRAY, BOOL],
         args,
         |_| (),
     )

@@ -130,6 +130,8 @@ DROP INDEX flow._commands_running;
 CREATE INDEX _commands_running ON flow._commands (queue, lease_expires_at) WHERE status = 'running';
 -- A claim tells where it ended in each queue, and takes up from there (see flow._claim).
 ALTER TYPE flow.claimed_command ADD ATTRIBUTE due_at timestamptz;
+-- A held command's settlement writes the row its claim locked, found by its tid (see flow._settle_batch).
+ALTER TYPE flow.claimed_command ADD ATTRIBUTE row_at tid;
 -- flow.queues counts what is live by the claim's indexes; flow.queue_history
 -- counts what is finished (both created below).
 ALTER TABLE flow._queues SET (autovacuum_analyze_threshold = 0, autovacuum_analyze_scale_factor = 0);
