@@ -205,7 +205,11 @@ ALTER TABLE flow._commands ALTER COLUMN owner SET NOT NULL;
 -- VACUUM ANALYZE, then an idle worker plans its statements again, see
 -- executor::warm_plans): met with a burst, that plan reads the table once per
 -- command (each settlement of 500 took 2.3 s). Neither form is an equality,
--- so the only plan is a probe of the index per listed id.
+-- so the only plan is a probe of the index per listed id. Rows this
+-- transaction has locked may be joined by their tid instead (`c.ctid =
+-- t.row_at`, a held command's settlement, sql/settle.sql): no index orders
+-- by ctid, so the only plan is a TID scan per listed row; any other column
+-- compared there must not be an equality the planner could join by.
 
 CREATE OR REPLACE FUNCTION flow._require_name(what text, value text) RETURNS text
 LANGUAGE plpgsql IMMUTABLE AS $$
