@@ -115,10 +115,12 @@ BEGIN
                coalesce(a.at, '-infinity') AS after_at, coalesce(a.id, '00000000-0000-0000-0000-000000000000'::uuid) AS after_id
         FROM flow._queues q LEFT JOIN unnest(after_queues, after_at, after_ids) AS a(queue, at, id) ON a.queue = q.name
         WHERE q.name = ANY (lanes)
-    ), candidate AS (
+    ), candidate AS NOT MATERIALIZED (
         -- (the columns each later step needs, not the whole row: a row
         -- carried as one composite value through the steps below is built,
-        -- copied and taken apart again for every command)
+        -- copied and taken apart again for every command. Not materialized:
+        -- each branch of `picked` reads the lanes itself, and only one of
+        -- them runs, so no row is copied into a store first)
         SELECT h.id, h.run_id, h.key, h.name, h.version, h.queue, h.args, h.status, h.attempts, h.next_run_at,
                h.deadline, h.wait_timed_out, h.created_at, h.row_at, h.budget_start, l.ord,
                coalesce(l.unlimited AND h.handler = ANY (fast_handlers), false) AS held,

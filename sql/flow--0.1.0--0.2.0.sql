@@ -136,6 +136,10 @@ CREATE INDEX _commands_running ON flow._commands (queue, lease_expires_at) WHERE
 ALTER TYPE flow.claimed_command ADD ATTRIBUTE due_at timestamptz;
 -- A held command's settlement writes the row its claim locked, found by its tid (see flow._settle_batch).
 ALTER TYPE flow.claimed_command ADD ATTRIBUTE row_at tid;
+-- Room in the primary key's leaves for a settlement's second entry (see
+-- sql/schema.sql; pages split from now on leave it, existing ones get it at
+-- the next REINDEX).
+ALTER INDEX flow._commands_pkey SET (fillfactor = 50);
 -- flow.queues counts what is live by the claim's indexes; flow.queue_history
 -- counts what is finished (both created below).
 ALTER TABLE flow._queues SET (autovacuum_analyze_threshold = 0, autovacuum_analyze_scale_factor = 0);
@@ -1031,10 +1035,12 @@ BEGIN
                coalesce(a.at, '-infinity') AS after_at, coalesce(a.id, '00000000-0000-0000-0000-000000000000'::uuid) AS after_id
         FROM flow._queues q LEFT JOIN unnest(after_queues, after_at, after_ids) AS a(queue, at, id) ON a.queue = q.name
         WHERE q.name = ANY (lanes)
-    ), candidate AS (
+    ), candidate AS NOT MATERIALIZED (
         -- (the columns each later step needs, not the whole row: a row
         -- carried as one composite value through the steps below is built,
-        -- copied and taken apart again for every command)
+        -- copied and taken apart again for every command. Not materialized:
+        -- each branch of `picked` reads the lanes itself, and only one of
+        -- them runs, so no row is copied into a store first)
         SELECT h.id, h.run_id, h.key, h.name, h.version, h.queue, h.args, h.status, h.attempts, h.next_run_at,
                h.deadline, h.wait_timed_out, h.created_at, h.row_at, h.budget_start, l.ord,
                coalesce(l.unlimited AND h.handler = ANY (fast_handlers), false) AS held,
@@ -1429,7 +1435,7 @@ DECLARE
 BEGIN
     -- (the commands are looked up by id: their status is compared as text,
     -- see sql/common.sql)
-    WITH item AS (
+    WITH item AS NOT MATERIALIZED (   -- (read by each branch below that runs, one for a chunk all held or all leased: not copied first)
         SELECT * FROM unnest(command_ids, lease_tokens, results, handler_started, held_attempts, held_rows)
                       AS t(id, token, result, started, held, row_at)
     ), leased_done AS (
@@ -2375,7 +2381,7 @@ BEGIN
         coalesce(message, 'failed by its external worker'), retry_after);
 END $$;
 
--- src/isolation.rs:202
+-- src/isolation.rs:247
 -- flow::isolation::_args_misfit_as
 CREATE OR REPLACE FUNCTION "_args_misfit_as"(
 	"owner" oid, /* pg_sys :: Oid */
@@ -2468,7 +2474,7 @@ STRICT VOLATILE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_lease_token_wrapper';
 
--- src/isolation.rs:219
+-- src/isolation.rs:264
 -- flow::isolation::_lock_event_key
 CREATE OR REPLACE FUNCTION "_lock_event_key"(
 	"name" TEXT, /* & str */
@@ -2539,7 +2545,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_stopped_in_wrapper';
 
--- src/handlers.rs:33
+-- src/handlers.rs:43
 -- flow::handlers::_test_panic
 CREATE OR REPLACE FUNCTION "_test_panic"(
 	"_args" jsonb /* JsonB */
@@ -2585,8 +2591,9 @@ STRICT VOLATILE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_worker_states_wrapper';
 
--- src/handlers.rs:10
+-- src/handlers.rs:13
 -- flow::handlers::noop
+
 CREATE OR REPLACE FUNCTION "noop"(
 	"_args" jsonb /* JsonB */
 ) RETURNS jsonb /* Option < JsonB > */
@@ -2594,7 +2601,7 @@ IMMUTABLE STRICT PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', 'noop_wrapper';
 
--- src/handlers.rs:18
+-- src/handlers.rs:28
 -- flow::handlers::run_sql
 CREATE OR REPLACE FUNCTION "run_sql"(
 	"args" jsonb /* JsonB */

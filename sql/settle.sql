@@ -189,7 +189,7 @@ DECLARE
 BEGIN
     -- (the commands are looked up by id: their status is compared as text,
     -- see sql/common.sql)
-    WITH item AS (
+    WITH item AS NOT MATERIALIZED (   -- (read by each branch below that runs, one for a chunk all held or all leased: not copied first)
         SELECT * FROM unnest(command_ids, lease_tokens, results, handler_started, held_attempts, held_rows)
                       AS t(id, token, result, started, held, row_at)
     ), leased_done AS (

@@ -132,6 +132,10 @@ CREATE INDEX _commands_running ON flow._commands (queue, lease_expires_at) WHERE
 ALTER TYPE flow.claimed_command ADD ATTRIBUTE due_at timestamptz;
 -- A held command's settlement writes the row its claim locked, found by its tid (see flow._settle_batch).
 ALTER TYPE flow.claimed_command ADD ATTRIBUTE row_at tid;
+-- Room in the primary key's leaves for a settlement's second entry (see
+-- sql/schema.sql; pages split from now on leave it, existing ones get it at
+-- the next REINDEX).
+ALTER INDEX flow._commands_pkey SET (fillfactor = 50);
 -- flow.queues counts what is live by the claim's indexes; flow.queue_history
 -- counts what is finished (both created below).
 ALTER TABLE flow._queues SET (autovacuum_analyze_threshold = 0, autovacuum_analyze_scale_factor = 0);
