@@ -198,6 +198,36 @@ def test_session_leftovers_do_not_survive_the_attempt(pg):
     assert probe
 
 
+def test_a_handlers_search_path_is_its_own_and_never_outlives_its_attempt(pg):
+    """A handler starts with `"$user", public` and may change it as its own
+    (SET, set_config, RESET); whatever it did is gone with its attempt, failed
+    or not: every worker's next handler starts with `"$user", public` again,
+    and the engine's own SQL (which pins its own path) keeps working."""
+    mallory_on_every_worker(pg, """
+        SET search_path = pg_temp, public;
+        DO $d$ BEGIN
+            IF current_setting('search_path') <> 'pg_temp, public' THEN RAISE EXCEPTION 'SET not seen'; END IF;
+        END $d$""")
+    mallory_on_every_worker(pg, "SELECT set_config('search_path', 'nowhere', false); RESET search_path")
+    for _ in range(4):
+        run, (status, _, _) = run_sql_as(pg, "mallory", """DO $d$ BEGIN
+            PERFORM set_config('search_path', 'nowhere', false);
+            IF current_setting('search_path') <> 'nowhere' THEN RAISE EXCEPTION 'set_config not seen'; END IF;
+            RAISE EXCEPTION 'boom';
+        END $d$""")
+        assert status == "failed"
+        assert error_of(pg, run)[1] == "boom"
+    mallory_on_every_worker(pg, """
+        DO $d$ BEGIN
+            IF current_setting('search_path') <> '"$user", public' THEN
+                RAISE EXCEPTION 'search_path left behind: %', current_setting('search_path');
+            END IF;
+        END $d$""")
+    for i in range(4):
+        assert alice_runs(pg, "app.alice_ledger", f'{{"v": {600 + i}}}')[1][0] == "succeeded"
+    assert pg.one("SELECT count(*) FROM public.ledger WHERE who = 'alice' AND v BETWEEN 600 AND 603") == 4
+
+
 def test_a_temp_table_with_a_trigger_never_catches_another_roles_rows(pg):
     mallory_on_every_worker(pg, """
         CREATE TEMP TABLE ledger (who text, v int);
