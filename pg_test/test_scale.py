@@ -321,7 +321,10 @@ def test_workers_draining_one_queue_claim_after_what_the_others_hold():
     cluster.start("flow.workers = 6")
     try:
         cluster.wait_ready()
-        backlog, stretch = 60_000, 15_000
+        # (a stretch ends with the chunks the workers hold when the queue is
+        # paused: up to six claims of 1,000 past it, so the backlog keeps
+        # what three such stretches take, and some)
+        backlog, stretch = 90_000, 15_000
         cluster.one("SELECT flow.define('shared', 'flow.noop'::regproc, queue => 'shared')")
         cluster.one("SELECT flow.set_queue('shared', paused => true)")
         for _ in range(backlog // 1000):
@@ -333,7 +336,9 @@ def test_workers_draining_one_queue_claim_after_what_the_others_hold():
             for _ in range(3):
                 entries_before, finished_before = entries_read(cluster, "flow._commands"), c.execute(finished).fetchone()[0]
                 c.execute("SELECT flow.set_queue('shared', paused => false)")
+                deadline = time.monotonic() + 60
                 while c.execute(finished).fetchone()[0] - finished_before < stretch:
+                    assert time.monotonic() < deadline, f"a stretch of {stretch} did not finish: {per_run}"
                     time.sleep(0.005)
                 c.execute("SELECT flow.set_queue('shared', paused => true)")
                 time.sleep(2.5)   # the workers finish their chunks and report their statistics (at most once a second)
