@@ -336,6 +336,26 @@ def churn(pg, seconds, rate, every, retention):
 
 # ---------------------------------------------------------------- graphile-worker, in the same sitting
 
+PEERS_DSN = "host=127.0.0.1 port=5433 user=postgres dbname=postgres"   # ../shared/peers/pg.sh's cluster
+
+
+def quiet(pg, timeout=15.0):
+    """Start one side's measurement with both clusters at rest: no autovacuum
+    worker at work in either (waited for, up to `timeout` in all) and a
+    CHECKPOINT of each. The side measured before leaves dirty pages and tables
+    to vacuum behind it, which would otherwise be written and vacuumed on the
+    same 2 cores during the next side's run (in run BF, flow's first drain
+    after graphile-worker's ran 0.74-0.89x the one after it, at the same
+    CPU per command)."""
+    deadline = time.monotonic() + timeout
+    for dsn in (f"host=127.0.0.1 port={pg.port} user=postgres dbname=postgres", PEERS_DSN):
+        with psycopg.connect(dsn, autocommit=True) as c:
+            while (c.execute("SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'autovacuum worker'")
+                   .fetchone()[0] and time.monotonic() < deadline):
+                time.sleep(0.1)
+            c.execute("CHECKPOINT")
+
+
 def graphile(workload, round_):
     done = subprocess.run([str(PEERS / "graphile-worker" / "run.sh"), workload, str(round_)],
                           capture_output=True, text=True)
@@ -364,9 +384,11 @@ def main():
     try:
         for r in range(1, rounds + 1):
             print(f"-- round {r}", flush=True)
+            quiet(pg)
             g = graphile("drain", r)
             add("graphile drain (jobs/s)", g["drain_rate"])
             add("graphile addJobs x1000 (jobs/s)", g["enqueue_rate"])
+            quiet(pg)
             add("flow drain flow.noop (jobs/s)", drain(pg, "rust_noop"))
             add("flow drain PL/pgSQL no-op (jobs/s)", drain(pg, "plpgsql_noop"))
             # the ratio's drain runs alone, as graphile-worker's does; a second
@@ -380,9 +402,11 @@ def main():
             add("reader during the writing drain (queries/s)", read_during)
             add("flow enqueue_many x1000 (runs/s)", enqueue_many_rate(pg, N_DRAIN))
             add("flow external, 4 clients (cmds/s)", external_clients(pg, 4, N_DRAIN))
+            quiet(pg)
             g = graphile("latency", r)
             add("graphile pickup p50 (ms)", g["p50_ms"])
             add("graphile pickup p99 (ms)", g["p99_ms"])
+            quiet(pg)
             p50, p99, p999, (commit_ms, worker_ms), worker_pct = pickup(pg)
             add("flow pickup p50 (ms)", p50)
             add("flow pickup p99 (ms)", p99)
