@@ -348,8 +348,8 @@ def quiet(pg, timeout=15.0):
     after graphile-worker's ran 0.74-0.89x the one after it, at the same
     CPU per command)."""
     deadline = time.monotonic() + timeout
-    for dsn in (f"host=127.0.0.1 port={pg.port} user=postgres dbname=postgres", PEERS_DSN):
-        with psycopg.connect(dsn, autocommit=True) as c:
+    for connect in (pg.connect, lambda: psycopg.connect(PEERS_DSN, autocommit=True)):
+        with connect() as c:
             while (c.execute("SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'autovacuum worker'")
                    .fetchone()[0] and time.monotonic() < deadline):
                 time.sleep(0.1)
