@@ -191,7 +191,10 @@ BEGIN
             lease_interval = CASE WHEN owner_pid IS NULL THEN lease END,
             wait_timed_out = flow._wait_timed_out(c.status, c.wait_timed_out)
         FROM picked p
-        WHERE c.id = ANY (ARRAY[p.id]) AND NOT p.held   -- (a probe per command: sql/common.sql)
+        -- (by the tid `candidate` locked, as LockRows left it: the row's
+        -- latest version; a TID scan per command, not a second descent of
+        -- the primary key: sql/common.sql)
+        WHERE c.ctid = p.row_at AND NOT (c.id IS DISTINCT FROM p.id) AND NOT p.held
         RETURNING p.*, c.attempts AS attempt, c.lease_token, c.lease_expires_at, c.attempt_deadline,
                   c.attempt_started_at AS started, c.wait_timed_out AS timed_out
     ), leased_runs AS (

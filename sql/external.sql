@@ -180,9 +180,13 @@ END $$;
 -- children). Returns each command's outcome: 'succeeded', or 'lease_lost'
 -- when its token no longer holds it (nothing changed for that command), or
 -- 'already_completed' for a second completion under the same token.
+-- (Generic plans, as flow._settle_batch's: every statement is driven by the
+-- ids given; a custom plan per call planned them all again, 150 us of a
+-- call's 270 with nothing to settle, 0.5 us per command of a client's 100.)
 CREATE FUNCTION flow._complete_many(caller oid, command_ids uuid[], lease_tokens uuid[], results jsonb[])
 RETURNS TABLE (command_id uuid, status text)
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off
+    SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     bad record;
     not_yours uuid;

@@ -1111,7 +1111,10 @@ BEGIN
             lease_interval = CASE WHEN owner_pid IS NULL THEN lease END,
             wait_timed_out = flow._wait_timed_out(c.status, c.wait_timed_out)
         FROM picked p
-        WHERE c.id = ANY (ARRAY[p.id]) AND NOT p.held   -- (a probe per command: sql/common.sql)
+        -- (by the tid `candidate` locked, as LockRows left it: the row's
+        -- latest version; a TID scan per command, not a second descent of
+        -- the primary key: sql/common.sql)
+        WHERE c.ctid = p.row_at AND NOT (c.id IS DISTINCT FROM p.id) AND NOT p.held
         RETURNING p.*, c.attempts AS attempt, c.lease_token, c.lease_expires_at, c.attempt_deadline,
                   c.attempt_started_at AS started, c.wait_timed_out AS timed_out
     ), leased_runs AS (
@@ -2309,9 +2312,13 @@ END $$;
 -- children). Returns each command's outcome: 'succeeded', or 'lease_lost'
 -- when its token no longer holds it (nothing changed for that command), or
 -- 'already_completed' for a second completion under the same token.
+-- (Generic plans, as flow._settle_batch's: every statement is driven by the
+-- ids given; a custom plan per call planned them all again, 150 us of a
+-- call's 270 with nothing to settle, 0.5 us per command of a client's 100.)
 CREATE OR REPLACE FUNCTION flow._complete_many(caller oid, command_ids uuid[], lease_tokens uuid[], results jsonb[])
 RETURNS TABLE (command_id uuid, status text)
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off
+    SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     bad record;
     not_yours uuid;
