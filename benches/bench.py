@@ -28,6 +28,7 @@ Targets (each a ratio measured here, never an absolute time):
               '1 min' (--quick: 2 minutes, '20 s'): sizes per interval (plateau)
 It is a benchmark, not a test: CI runs none of it.
 """
+import importlib.util
 import json
 import os
 import statistics
@@ -336,7 +337,16 @@ def churn(pg, seconds, rate, every, retention):
 
 # ---------------------------------------------------------------- graphile-worker, in the same sitting
 
-PEERS_DSN = "host=127.0.0.1 port=5433 user=postgres dbname=postgres"   # ../shared/peers/pg.sh's cluster
+def _peers_dsn():
+    """The peers' cluster (../shared/peers/pg.sh), as the peers' own helpers
+    reach it: their port follows PEERS_PGPORT, as pg.sh's does."""
+    spec = importlib.util.spec_from_file_location("peers_common", PEERS / "lib" / "common.py")
+    common = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(common)
+    return common.dsn("postgres")
+
+
+PEERS_DSN = _peers_dsn()
 
 
 def quiet(pg, timeout=15.0):
