@@ -711,6 +711,20 @@ def test_finished_runs_are_pruned_after_the_retention(app):
     assert app.one("SELECT status FROM flow.runs WHERE id = %s", waiting) == "running"
 
 
+def test_pruning_commits_without_waiting_for_its_flush(app):
+    """A pass of pruning (or of retiring events) commits without waiting for
+    its WAL to reach disk: a deletion a crash loses is done again. Only its own
+    transaction does: the session's setting is back at the next."""
+    with app.connect() as c:
+        session = c.execute("SHOW synchronous_commit").fetchone()[0]
+        assert session != "off"
+        for pass_ in ("SELECT * FROM flow._prune('1 hour', 10, NULL)", "SELECT flow._retire_events('1 hour', 10)"):
+            with c.transaction():
+                c.execute(pass_)
+                assert c.execute("SHOW synchronous_commit").fetchone()[0] == "off"
+            assert c.execute("SHOW synchronous_commit").fetchone()[0] == session
+
+
 def test_pruning_moves_past_a_backlog_of_unfinished_runs(app):
     """A backlog of old unfinished runs does not stop, or slow down, the pruning
     of the finished runs after it: each pass looks at the next window of runs."""
