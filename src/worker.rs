@@ -37,7 +37,7 @@ const CLAIM_TARGET: Duration = Duration::from_millis(100);
 /// How often worker 0 deletes runs past `flow.retention` and journal entries
 /// past `flow.event_retention` when it last found nothing more to delete, how
 /// many at most per transaction (each short, so pruning never holds up the
-/// queue: ~10 ms for 5,000 runs; batches of 1,000 cost a third more per run),
+/// queue: ~10 ms for 5,000 runs; batches of 1,000 cost a quarter more per run),
 /// and how long one pass may go on while more is due: between two
 /// batches of its own, worker 0 deletes about as many runs as the engine
 /// finishes at its peak, so retention keeps pace under load.
