@@ -508,6 +508,7 @@ impl Worker {
         // Chunks commit at least every CHUNK_BUDGET, so a slow handler does not
         // hold back the results of the fast ones claimed with it.
         let mut rest: &[Claimed] = &claimed;
+        let mut ran_in_all = 0;
         let isolating = self.isolating();
         while !rest.is_empty() {
             // The commands this chunk may run (it begins by locking their runs):
@@ -528,6 +529,7 @@ impl Worker {
                     let runs: Vec<[u8; 16]> = rest[..ran].iter().map(|c| *c.run_id.as_bytes()).collect();
                     shmem::clear_cancels(self.index, &runs);
                     rest = &rest[ran..];
+                    ran_in_all += ran;
                 }
                 Err((message, sqlstate)) => {
                     let batch: Vec<AttemptId> = rest.iter().map(|c| c.id()).collect();
@@ -537,7 +539,8 @@ impl Worker {
             }
         }
         shmem::set_worker_state(self.index, true, None, 0);
-        self.note_time_per_command(count);
+        // (the commands run: those a failed chunk left to `contain` were not)
+        self.note_time_per_command(ran_in_all);
     }
 
     /// How many commands to claim: `flow.batch_size` for fast handlers, fewer
