@@ -23,7 +23,8 @@ Targets (each a ratio measured here, never an absolute time):
   scale       drain with 1,000,000 pending (--quick: 100,000) >= 0.8x the drain
               with 1,000 pending; the claim's plan is printed
   snapshot    drain while another session holds a snapshot >= 0.8x without
-  external    4 clients claiming 100 + complete_many >= 1x graphile's drain
+  external    4 clients claiming 100 + complete_many >= 1x graphile's drain; beside
+              it, the floor of the same clients with two bare writes per command
   churn       10 minutes at half the peak drain rate with flow.retention =
               '1 min' (--quick: 2 minutes, '20 s'): sizes per interval (plateau)
 It is a benchmark, not a test: CI runs none of it.
@@ -228,8 +229,37 @@ def subtrans_slru(pg):
         return c.execute("SELECT blks_hit + blks_read FROM pg_stat_slru WHERE name = 'Subtrans'").fetchone()[0]
 
 
-def external_clients(pg, clients, n):
-    """`clients` concurrent external workers claiming 100 and settling with complete_many."""
+# The floor under the external target: what 4 clients reach when a command
+# costs only a write at its claim and one at its completion (two bare UPDATEs
+# of flow's own table, through the same client loop), with none of flow's
+# rules: no ownership check, no attempt or retry budget, no context, no run.
+# Each client's claims take up after the last command it claimed (claims from
+# the head would walk the index entries of every command claimed before them
+# that VACUUM has not removed: the floor fell from ~55,000 to ~30,000 cmds/s in
+# some runs), as flow's own claims take up where the last full one ended.
+EXTERNAL_FLOOR_CLAIM = """
+    WITH p AS (SELECT c.id FROM flow._commands c
+               WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END)
+                         = flow._lane('external', 'external_noop')
+                 AND c.queue = 'external' AND c.external
+                 AND (CASE WHEN c.external THEN c.name ELSE '' END) = 'external_noop'
+                 AND c.status IN ('pending', 'waiting') AND c.next_run_at <= now()
+                 AND (c.next_run_at, c.id) > (%s::timestamptz, %s::uuid)
+               ORDER BY c.next_run_at, c.id LIMIT 100 FOR UPDATE SKIP LOCKED)
+    UPDATE flow._commands c SET status = 'running', attempts = c.attempts + 1, attempt_started_at = now(),
+        lease_token = gen_random_uuid(), lease_owner = 'bench', lease_expires_at = now() + interval '30 s',
+        lease_interval = interval '30 s'
+    FROM p WHERE c.id = p.id RETURNING c.id, c.lease_token, c.next_run_at"""
+EXTERNAL_FLOOR_COMPLETE = """
+    UPDATE flow._commands c SET status = 'succeeded', finished_at = clock_timestamp(), lease_expires_at = NULL,
+        lease_interval = NULL
+    FROM unnest(%s::uuid[], %s::uuid[]) t(id, token) WHERE c.id = t.id AND c.status = 'running'
+      AND c.lease_token = t.token"""
+
+
+def external_clients(pg, clients, n, bare=False):
+    """`clients` concurrent external workers claiming 100 and settling with
+    complete_many (bare: with EXTERNAL_FLOOR_CLAIM and _COMPLETE instead)."""
     with pg.connect() as c:
         for _ in range(n // 1000):
             c.execute("SELECT flow.enqueue_many('external_noop', array_fill('{}'::jsonb, array[1000]))")
@@ -237,12 +267,20 @@ def external_clients(pg, clients, n):
 
     def work(i):
         with psycopg.connect(f"host=127.0.0.1 port={pg.port} user=postgres dbname=postgres", autocommit=True) as c:
+            if bare:   # (the index plans flow's functions pin)
+                c.execute("SET enable_seqscan = off; SET enable_bitmapscan = off; SET enable_hashjoin = off;"
+                          " SET enable_mergejoin = off")
+            after = ("-infinity", "00000000-0000-0000-0000-000000000000")
             while True:
-                claimed = c.execute("SELECT command_id, lease_token FROM flow.claim(array['external_noop'],"
-                                    " 'bench', 100)").fetchall()
+                if bare:
+                    claimed = c.execute(EXTERNAL_FLOOR_CLAIM, after).fetchall()
+                    after = max(((r[2], r[0]) for r in claimed), default=after)
+                else:
+                    claimed = c.execute("SELECT command_id, lease_token FROM flow.claim(array['external_noop'],"
+                                        " 'bench', 100)").fetchall()
                 if not claimed:
                     return
-                c.execute("SELECT count(*) FROM flow.complete_many(%s, %s)",
+                c.execute(EXTERNAL_FLOOR_COMPLETE if bare else "SELECT count(*) FROM flow.complete_many(%s, %s)",
                           ([r[0] for r in claimed], [r[1] for r in claimed]))
                 done[i] += len(claimed)
 
@@ -412,6 +450,7 @@ def main():
             add("reader during the writing drain (queries/s)", read_during)
             add("flow enqueue_many x1000 (runs/s)", enqueue_many_rate(pg, N_DRAIN))
             add("flow external, 4 clients (cmds/s)", external_clients(pg, 4, N_DRAIN))
+            add("external floor, 4 clients, two bare writes (cmds/s)", external_clients(pg, 4, N_DRAIN, bare=True))
             quiet(pg)
             g = graphile("latency", r)
             add("graphile pickup p50 (ms)", g["p50_ms"])
@@ -476,6 +515,10 @@ def main():
     print(f"\nplain-SQL floor of an in-database engine (../shared/peers/floor/indb.sql, batch 100, 2 sessions): "
           f"{m['plain-SQL floor, 2 sessions (jobs/s)']:,.0f} jobs/s; flow.noop drains at "
           f"{m['flow drain flow.noop (jobs/s)'] / m['plain-SQL floor, 2 sessions (jobs/s)']:.2f}x of it")
+    floor_ext = m["external floor, 4 clients, two bare writes (cmds/s)"]
+    print(f"\nfloor under the external target (4 clients, two bare UPDATEs of flow's table per command, a claim "
+          f"and a completion, no rule kept): {floor_ext:,.0f} cmds/s, {floor_ext / g_drain:.2f}x graphile-worker's "
+          f"drain; flow's external clients run at {m['flow external, 4 clients (cmds/s)'] / floor_ext:.2f}x of it")
     print(f"\ntwo writing drains of {N_DRAIN:,}: pg_subtrans SLRU accesses {m['subtrans SLRU accesses during both']:,.0f} "
           "(each subtransaction id that writes takes one entry; an overflowed snapshot would add "
           "reads for every visibility check of every session); "
