@@ -89,9 +89,7 @@ thread_local! {
 pub(crate) fn _new_id() -> pgrx::Uuid {
     use rand::Rng;
     const COUNTER_MAX: u64 = (1 << 42) - 1;
-    let now_ms = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64);
+    let now_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
     let mut rng = rand::thread_rng();
     let (ms, counter) = LAST_ID.with(|last| {
         let (last_ms, last_counter) = last.get();
@@ -112,7 +110,7 @@ pub(crate) fn _new_id() -> pgrx::Uuid {
         | (u128::from(counter >> 30) << 64)                 // rand_a: the counter's top 12 bits
         | (0b10 << 62)                                      // variant
         | (u128::from(counter & 0x3FFF_FFFF) << 32)         // rand_b: the counter's low 30 bits,
-        | u128::from(rng.gen::<u32>());                     // then random ones
+        | u128::from(rng.gen::<u32>()); // then random ones
     pgrx::Uuid::from_bytes(bits.to_be_bytes())
 }
 

@@ -57,8 +57,14 @@ pub fn open(slot: usize) {
             // SAFETY: a fresh shared mapping of the file's first SIZE bytes,
             // kept for the worker's life (the mapping outlives the descriptor)
             let at = unsafe {
-                libc::mmap(std::ptr::null_mut(), SIZE, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED,
-                           file.as_raw_fd(), 0)
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    SIZE,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_SHARED,
+                    file.as_raw_fd(),
+                    0,
+                )
             };
             if at == libc::MAP_FAILED {
                 return Err(std::io::Error::last_os_error());
@@ -133,9 +139,7 @@ pub fn remove(slot: usize) {
 
 fn slots() -> Vec<usize> {
     let Ok(entries) = std::fs::read_dir(DIR) else { return Vec::new() };
-    entries
-        .filter_map(|e| e.ok()?.file_name().to_str()?.strip_prefix(PREFIX)?.parse().ok())
-        .collect()
+    entries.filter_map(|e| e.ok()?.file_name().to_str()?.strip_prefix(PREFIX)?.parse().ok()).collect()
 }
 
 /// The commands other workers' records name: in an attempt of a live worker

@@ -11,12 +11,12 @@
 //! set-based statements (flow._settle_batch). Handlers' writes, events and
 //! children commit with their settlement in the chunk's transaction, or not at all.
 
+use crate::payload::{Context, Jsonb, RawDatum};
 use crate::{gucs, isolation, shmem};
 use pgrx::datum::DatumWithOid;
 use pgrx::pg_sys::{self, PgBuiltInOids, PgOid};
 use pgrx::prelude::*;
 use pgrx::spi::OwnedPreparedStatement;
-use crate::payload::{Context, Jsonb, RawDatum};
 use pgrx::{FromDatum, PgTryBuilder};
 use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, HashSet};
@@ -317,20 +317,22 @@ pub fn engine_query<R>(
     args: &[DatumWithOid],
     read: impl FnOnce(pgrx::spi::SpiTupleTable) -> R,
 ) -> R {
-    holding_off_cancels(|| Spi::connect_mut(|client| {
-        ENGINE_PLANS.with(|plans| {
-            let mut plans = plans.borrow_mut();
-            if !plans.contains_key(sql) {
-                let plan = client.prepare_mut(sql, types).unwrap_or_else(|e| error!("flow: {e}")).keep();
-                plans.insert(sql, plan);
-            }
-            // select, not update: the plan was prepared mutating (it runs
-            // read-write), and `update` would also force a transaction id on
-            // the current (sub)transaction (see call_handler)
-            let table = client.select(&plans[sql], None, args).unwrap_or_else(|e| error!("flow: {e}"));
-            read(table)
+    holding_off_cancels(|| {
+        Spi::connect_mut(|client| {
+            ENGINE_PLANS.with(|plans| {
+                let mut plans = plans.borrow_mut();
+                if !plans.contains_key(sql) {
+                    let plan = client.prepare_mut(sql, types).unwrap_or_else(|e| error!("flow: {e}")).keep();
+                    plans.insert(sql, plan);
+                }
+                // select, not update: the plan was prepared mutating (it runs
+                // read-write), and `update` would also force a transaction id on
+                // the current (sub)transaction (see call_handler)
+                let table = client.select(&plans[sql], None, args).unwrap_or_else(|e| error!("flow: {e}"));
+                read(table)
+            })
         })
-    }))
+    })
 }
 
 /// One row of the result `engine_query` just produced, taken apart once.
@@ -531,27 +533,47 @@ pub fn claim(
             // A claim from one queue has no claim order (NULL): its rows come
             // in due order, leased ones and held ones apart, and a stable sort
             // keeps them so.
-            let types = [UUID, UUID, UUID, INT8, INT8, OID, OID, JSONB, OID, INT4, PgOid::Invalid, TEXT, TIMESTAMPTZ, INT4, TID];
+            let types = [
+                UUID,
+                UUID,
+                UUID,
+                INT8,
+                INT8,
+                OID,
+                OID,
+                JSONB,
+                OID,
+                INT4,
+                PgOid::Invalid,
+                TEXT,
+                TIMESTAMPTZ,
+                INT4,
+                TID,
+            ];
             let mut claimed: Vec<(Option<i32>, Claimed)> = self::rows(rows, &types, |row| {
                 let command_id = row.get(1).expect("command_id");
-                let (queue, due_at): (String, TimestampWithTimeZone) = (row.get(12).expect("queue"), row.get(13).expect("due_at"));
+                let (queue, due_at): (String, TimestampWithTimeZone) =
+                    (row.get(12).expect("queue"), row.get(13).expect("due_at"));
                 cursor.advance(queue.clone(), due_at, command_id);
-                (row.get::<i32>(14), Claimed {
-                    command_id,
-                    run_id: row.get(2).expect("run_id"),
-                    lease_token: row.get(3).expect("lease_token"),
-                    hard_deadline: row.get::<i64>(4),
-                    timeout_us: row.get::<i64>(5),
-                    handler: row.get::<pg_sys::Oid>(6).expect("handler"),
-                    owner: row.get::<pg_sys::Oid>(7).expect("handler_owner"),
-                    args: row.get::<Jsonb>(8).expect("args"),
-                    args_type: row.get::<pg_sys::Oid>(9),
-                    held_attempt: row.get::<i32>(10),
-                    context: row.get::<Context>(11),
-                    queue,
-                    due_at,
-                    row_at: row.get::<pg_sys::ItemPointerData>(15),
-                })
+                (
+                    row.get::<i32>(14),
+                    Claimed {
+                        command_id,
+                        run_id: row.get(2).expect("run_id"),
+                        lease_token: row.get(3).expect("lease_token"),
+                        hard_deadline: row.get::<i64>(4),
+                        timeout_us: row.get::<i64>(5),
+                        handler: row.get::<pg_sys::Oid>(6).expect("handler"),
+                        owner: row.get::<pg_sys::Oid>(7).expect("handler_owner"),
+                        args: row.get::<Jsonb>(8).expect("args"),
+                        args_type: row.get::<pg_sys::Oid>(9),
+                        held_attempt: row.get::<i32>(10),
+                        context: row.get::<Context>(11),
+                        queue,
+                        due_at,
+                        row_at: row.get::<pg_sys::ItemPointerData>(15),
+                    },
+                )
             });
             claimed.sort_by_key(|(order, _)| *order);
             (claimed.into_iter().map(|(_, command)| command).collect(), cursor)
@@ -631,9 +653,9 @@ impl<'a> Chunk<'a> {
                 rows(table, &[UUID, BOOL], |row| {
                     row.get::<pgrx::Uuid>(1).map(|id| (*id.as_bytes(), row.get::<bool>(2).unwrap_or(false)))
                 })
-                    .into_iter()
-                    .flatten()
-                    .collect()
+                .into_iter()
+                .flatten()
+                .collect()
             },
         );
         // held under a run we locked: live; held under a run locked elsewhere: handed back
@@ -889,7 +911,10 @@ impl Subtransaction {
 /// Run `body`, turning an ERROR it raises into `on_error(caught)`, with the
 /// caller's memory context and resource owner back. The (sub)transaction the
 /// ERROR happened in must then be rolled back before anything else runs.
-fn catching<R, E>(body: impl FnOnce() -> Result<R, E>, on_error: impl FnOnce(pg_sys::panic::CaughtError) -> E) -> Result<R, E> {
+fn catching<R, E>(
+    body: impl FnOnce() -> Result<R, E>,
+    on_error: impl FnOnce(pg_sys::panic::CaughtError) -> E,
+) -> Result<R, E> {
     let (outer_context, outer_owner) = unsafe { (pg_sys::CurrentMemoryContext, pg_sys::CurrentResourceOwner) };
     // catch_others wants an FnMut; on_error runs at most once.
     let on_error = std::panic::AssertUnwindSafe(Cell::new(Some(on_error)));
@@ -1377,8 +1402,8 @@ fn settle_failure(
     wait_for_run: bool,
 ) -> Settled {
     let status: Option<String> = with_settlement_retries(|| {
-    gucs::inject_fault("settle_failure");
-    engine_query(
+        gucs::inject_fault("settle_failure");
+        engine_query(
         "SELECT flow._settle_failure($1, $2, $3, $4, $5,
                 CASE WHEN $6 IS NULL THEN NULL ELSE pg_catalog.make_interval(secs => $6 / 1000000.0) END, $7, $8, $9, $10)",
         &[UUID, UUID, TEXT, TEXT, TEXT, INT8, TIMESTAMPTZ, INT4, TEXT, BOOL],
@@ -1414,12 +1439,14 @@ pub fn settle_engine_error(command: &AttemptId, message: &str, sqlstate: &str, w
     // violated constraint) cannot succeed when retried: an invalid decision.
     let invalid = sqlstate.starts_with("FL") || sqlstate.starts_with("22") || sqlstate.starts_with("23");
     if invalid {
-        let decision = Failure { class: "permanent", code: "invalid_decision".into(), message: message.into(), delay_us: None };
+        let decision =
+            Failure { class: "permanent", code: "invalid_decision".into(), message: message.into(), delay_us: None };
         if in_subtransaction(|| Ok::<_, ()>(settle_failure(command, &decision, None, worker, true)), |_| ()).is_ok() {
             return true;
         }
     }
-    let retryable = Failure { class: "retryable", code: "engine_error".into(), message: message.into(), delay_us: None };
+    let retryable =
+        Failure { class: "retryable", code: "engine_error".into(), message: message.into(), delay_us: None };
     if in_subtransaction(|| Ok::<_, ()>(settle_failure(command, &retryable, None, worker, true)), |_| ()).is_ok() {
         return true;
     }

@@ -19,9 +19,9 @@ const EXTERNAL_CURSOR_SPAN: Duration = Duration::from_millis(250);
 fn _external_claim_start(
     definition: Option<&str>,
 ) -> TableIterator<'static, (name!(queue, String), name!(due_at, TimestampWithTimeZone), name!(id, pgrx::Uuid))> {
-    let end = definition.and_then(shmem::external_end).and_then(|(queue, due_at, id)| {
-        Some((queue, api::timestamp_from_pg(due_at)?, pgrx::Uuid::from_bytes(id)))
-    });
+    let end = definition
+        .and_then(shmem::external_end)
+        .and_then(|(queue, due_at, id)| Some((queue, api::timestamp_from_pg(due_at)?, pgrx::Uuid::from_bytes(id))));
     TableIterator::new(end)
 }
 

@@ -140,10 +140,7 @@ pub fn init() {
 }
 
 pub fn database_name() -> String {
-    DATABASE_NAME
-        .get()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "postgres".into())
+    DATABASE_NAME.get().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "postgres".into())
 }
 
 pub fn workers() -> usize {
@@ -259,7 +256,11 @@ pub fn inject_fault(name: &str) {
     match fault_point(name) {
         None => {}
         Some(Fault::Error) => {
-            pgrx::ereport!(ERROR, pgrx::PgSqlErrorCode::ERRCODE_SYSTEM_ERROR, format!("flow: fault injected at {name}"));
+            pgrx::ereport!(
+                ERROR,
+                pgrx::PgSqlErrorCode::ERRCODE_SYSTEM_ERROR,
+                format!("flow: fault injected at {name}")
+            );
         }
         Some(Fault::Transient) => {
             pgrx::ereport!(

@@ -57,7 +57,9 @@ mod tests {
 
     #[pg_test]
     fn ticket_names_the_calling_role() {
-        let me = Spi::get_one::<bool>("SELECT flow._redeem(flow._ticket()) = (SELECT oid FROM pg_roles WHERE rolname = current_user)");
+        let me = Spi::get_one::<bool>(
+            "SELECT flow._redeem(flow._ticket()) = (SELECT oid FROM pg_roles WHERE rolname = current_user)",
+        );
         assert_eq!(me, Ok(Some(true)));
     }
 

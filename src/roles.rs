@@ -51,9 +51,7 @@ pub fn before_utility(stmt: *mut pg_sys::Node) {
         return;
     }
     for role in role_oids(roles) {
-        let owns = as_superuser(|| {
-            Spi::get_one_with_args::<bool>("SELECT flow._owns_anything($1)", &[role.into()])
-        });
+        let owns = as_superuser(|| Spi::get_one_with_args::<bool>("SELECT flow._owns_anything($1)", &[role.into()]));
         if let Ok(Some(true)) = owns {
             let name = unsafe { std::ffi::CStr::from_ptr(pg_sys::GetUserNameFromId(role, false)) }
                 .to_string_lossy()

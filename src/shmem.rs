@@ -500,7 +500,8 @@ pub fn external_end(definition: &str) -> Option<(String, i64, [u8; 16])> {
 /// back short, and every claim once the span is over, starts from the head.
 pub fn note_external_end(definition: &str, end: Option<(&str, i64, [u8; 16])>, span_us: i64) {
     let now = unsafe { pg_sys::GetCurrentTimestamp() };
-    let noted = end.and_then(|(queue, due_at, id)| Some((SharedName::new(definition)?, CursorEnd::new(queue, due_at, id)?)));
+    let noted =
+        end.and_then(|(queue, due_at, id)| Some((SharedName::new(definition)?, CursorEnd::new(queue, due_at, id)?)));
     let mut ends = EXTERNAL_ENDS_TABLE.exclusive();
     let found = ends.slots.iter().position(|s| s.is(definition));
     let Some((name, end)) = noted else {
@@ -557,7 +558,8 @@ pub fn unregister_worker(index: usize, stopped_in: Option<Option<[u8; 16]>>) {
     let me = unsafe { pg_sys::MyProcPid };
     if let Some(command) = stopped_in {
         let at = table.next_exit % EXITS;
-        table.exits[at] = Exit { pid: me, backend_start: unsafe { pg_sys::MyStartTimestamp }, command: command.unwrap_or([0; 16]) };
+        table.exits[at] =
+            Exit { pid: me, backend_start: unsafe { pg_sys::MyStartTimestamp }, command: command.unwrap_or([0; 16]) };
         table.next_exit = at + 1;
     }
     let slot = &mut table.slots[index];

@@ -318,11 +318,11 @@ impl Worker {
         if due.is_empty() {
             return;
         }
-        self.forget_cursor();   // what goes back to its queue is behind it
+        self.forget_cursor(); // what goes back to its queue is behind it
         let (ids, tokens): (Vec<_>, Vec<_>) = due.iter().map(|(id, token, _)| (*id, *token)).unzip();
         let still_locked = transaction(|| executor::release(ids, tokens))
             .unwrap_or_else(|| due.iter().map(|(id, token, _)| (*id, *token)).collect());
-        let at = Instant::now() - HAND_BACK_DELAY;   // locked elsewhere: try again next turn
+        let at = Instant::now() - HAND_BACK_DELAY; // locked elsewhere: try again next turn
         self.unreleased.extend(still_locked.into_iter().map(|(id, token)| (id, token, at)));
     }
 
@@ -383,7 +383,7 @@ impl Worker {
         attempt_record::clear();
         shmem::set_worker_state(self.index, true, None, 0);
         if outcome.is_err() {
-            self.forget_cursor();   // its claims rolled back: they are behind it
+            self.forget_cursor(); // its claims rolled back: they are behind it
         }
         match outcome {
             Ok((count, held, ran, cut, runs, leased, not_run)) => {
@@ -418,7 +418,13 @@ impl Worker {
     /// Run the commands of `window` in `chunk`, in the current transaction,
     /// until the chunk's limits; returns how many were entered.
     /// (The chunk window follows: see `next_window`.)
-    fn run_chunk<'a>(&self, chunk: &mut executor::Chunk<'a>, window: &'a [Claimed], entered: &Cell<Option<AttemptId>>, isolating: bool) -> (usize, bool) {
+    fn run_chunk<'a>(
+        &self,
+        chunk: &mut executor::Chunk<'a>,
+        window: &'a [Claimed],
+        entered: &Cell<Option<AttemptId>>,
+        isolating: bool,
+    ) -> (usize, bool) {
         let chunk_started = Instant::now();
         let mut ran = 0;
         let _noted = RunningTime(&self.running, chunk_started);
@@ -457,7 +463,7 @@ impl Worker {
     /// a while. A one-command chunk that fails is the culprit: it alone is
     /// settled, with the real error, and retried by its policy.
     fn contain(&mut self, entered: Option<AttemptId>, message: &str, sqlstate: &str, batch: &[AttemptId]) {
-        self.forget_cursor();   // what goes back to its queue is behind it
+        self.forget_cursor(); // what goes back to its queue is behind it
         let culprit = if self.isolating() { entered } else { None };
         self.isolate_until = Some(Instant::now() + ISOLATION_PERIOD);
         let name = self.name.clone();
@@ -467,7 +473,10 @@ impl Worker {
                     .iter()
                     .filter(|o| o.held_attempt.is_none() && culprit.is_none_or(|k| k.command_id != o.command_id))
                     .collect();
-                executor::release(others.iter().map(|c| c.command_id).collect(), others.iter().map(|c| c.lease_token).collect())
+                executor::release(
+                    others.iter().map(|c| c.command_id).collect(),
+                    others.iter().map(|c| c.lease_token).collect(),
+                )
             })
         });
         if let Ok(Some(locked_elsewhere)) = contained {
@@ -496,7 +505,8 @@ impl Worker {
         }
         // (never 0, which claim_size reads as nothing measured yet)
         let per_command = (elapsed.as_secs_f64() * 1e6 / count as f64).max(0.001);
-        self.per_command_us = if self.per_command_us == 0.0 { per_command } else { 0.7 * self.per_command_us + 0.3 * per_command };
+        self.per_command_us =
+            if self.per_command_us == 0.0 { per_command } else { 0.7 * self.per_command_us + 0.3 * per_command };
         executor::log(&format!("flow: ran {count} commands in {} ms (their chunks' runs)", elapsed.as_millis()));
     }
 
@@ -682,8 +692,10 @@ impl Worker {
                 let mut theirs = ClaimCursor::default();
                 theirs.take_up(others);
                 if before_floor(&theirs) {
-                    let left = Duration::from_micros((others_until - unsafe { pg_sys::GetCurrentTimestamp() }).max(0) as u64);
-                    let since = Instant::now().checked_sub(CURSOR_SPAN.saturating_sub(left)).unwrap_or_else(Instant::now);
+                    let left =
+                        Duration::from_micros((others_until - unsafe { pg_sys::GetCurrentTimestamp() }).max(0) as u64);
+                    let since =
+                        Instant::now().checked_sub(CURSOR_SPAN.saturating_sub(left)).unwrap_or_else(Instant::now);
                     kept = Some((since, theirs));
                 }
             }
