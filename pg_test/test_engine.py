@@ -713,6 +713,28 @@ def test_finished_runs_are_pruned_after_the_retention(app):
     assert app.one("SELECT status FROM flow.runs WHERE id = %s", waiting) == "running"
 
 
+def test_pruned_runs_are_counted_when_the_pruning_commits(app):
+    """flow.stats counts the runs pruning deleted (pruned_runs, also in
+    flow.prometheus), when its transaction commits: a pass rolled back counts
+    none."""
+    name = define(app, "app.hello")
+    runs = [enqueue(app, name) for _ in range(3)]
+    for run in runs:
+        assert app.await_run(run, "10s")[0] == "succeeded"
+    counted = "SELECT value FROM flow.stats WHERE name = 'pruned_runs'"
+    before = app.one(counted)
+    with app.connect() as c:
+        with c.transaction(force_rollback=True):
+            assert c.execute("SELECT pruned FROM flow._prune('0 s', 1000, NULL)").fetchone()[0] >= 3
+    assert app.one(counted) == before
+    pruned = app.one("SELECT pruned FROM flow._prune('0 s', 1000, NULL)")
+    assert pruned >= 3
+    assert app.one("SELECT count(*) FROM flow._run_rows WHERE id = ANY (%s)", runs) == 0
+    assert app.one(counted) == before + pruned
+    assert app.one("SELECT line FROM flow.prometheus WHERE line LIKE 'flow\\_pruned\\_runs\\_total %%'") == \
+        f"flow_pruned_runs_total {before + pruned}"
+
+
 def test_pruning_commits_without_waiting_for_its_flush(app):
     """A pass of pruning (or of retiring events) commits without waiting for
     its WAL to reach disk: a deletion a crash loses is done again. Only its own

@@ -1758,6 +1758,7 @@ BEGIN
     )
     -- (every run has one root: its runs pruned here, not by a concurrent prune)
     SELECT count(*) FILTER (WHERE commands.root) INTO pruned FROM commands;
+    PERFORM flow._observe('pruned_runs', pruned);
 END $$;
 
 -- Retire up to max_events journal entries emitted more than `older_than` ago
@@ -3072,7 +3073,7 @@ lines (family, ord, line) AS (
     UNION ALL SELECT 'flow_' || m.metric, 1, format('# TYPE flow_%s counter', m.metric)
               FROM (VALUES ('events_total'), ('claims_total'), ('claims_empty_total'), ('claimed_total'),
                            ('claim_seconds_total'), ('handler_seconds_total'), ('handed_back_total'),
-                           ('recovered_total'), ('group_reruns_total')) m(metric)
+                           ('recovered_total'), ('group_reruns_total'), ('pruned_runs_total')) m(metric)
     UNION ALL SELECT 'flow_' || c.name || CASE WHEN c.name LIKE '%\_us' THEN '' ELSE '_total' END, 2,
               CASE WHEN c.name LIKE '%\_us'
                    THEN format('flow_%s_seconds_total %s', left(c.name, -3), round(c.value / 1e6, 6))

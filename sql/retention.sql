@@ -79,6 +79,7 @@ BEGIN
     )
     -- (every run has one root: its runs pruned here, not by a concurrent prune)
     SELECT count(*) FILTER (WHERE commands.root) INTO pruned FROM commands;
+    PERFORM flow._observe('pruned_runs', pruned);
 END $$;
 
 -- Retire up to max_events journal entries emitted more than `older_than` ago

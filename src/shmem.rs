@@ -174,6 +174,7 @@ pub const METRICS: &[&str] = &[
     "handed_back",
     "recovered",
     "group_reruns",
+    "pruned_runs",
 ];
 const METRIC_SLOTS: usize = 32;
 
