@@ -1404,23 +1404,23 @@ fn settle_failure(
     let status: Option<String> = with_settlement_retries(|| {
         gucs::inject_fault("settle_failure");
         engine_query(
-        "SELECT flow._settle_failure($1, $2, $3, $4, $5,
-                CASE WHEN $6 IS NULL THEN NULL ELSE pg_catalog.make_interval(secs => $6 / 1000000.0) END, $7, $8, $9, $10)",
-        &[UUID, UUID, TEXT, TEXT, TEXT, INT8, TIMESTAMPTZ, INT4, TEXT, BOOL],
-        &[
-            command.command_id.into(),
-            command.lease_token.into(),
-            failure.class.into(),
-            failure.code.as_str().into(),
-            failure.message.as_str().into(),
-            failure.delay_us.into(),
-            started.into(),
-            command.held_attempt.into(),
-            worker.into(),
-            wait_for_run.into(),
-        ],
-        |t| t.first().get_one().unwrap_or_else(|e| error!("flow: {e}")),
-    )
+            "SELECT flow._settle_failure($1, $2, $3, $4, $5,
+                    CASE WHEN $6 IS NULL THEN NULL ELSE pg_catalog.make_interval(secs => $6 / 1000000.0) END, $7, $8, $9, $10)",
+            &[UUID, UUID, TEXT, TEXT, TEXT, INT8, TIMESTAMPTZ, INT4, TEXT, BOOL],
+            &[
+                command.command_id.into(),
+                command.lease_token.into(),
+                failure.class.into(),
+                failure.code.as_str().into(),
+                failure.message.as_str().into(),
+                failure.delay_us.into(),
+                started.into(),
+                command.held_attempt.into(),
+                worker.into(),
+                wait_for_run.into(),
+            ],
+            |t| t.first().get_one().unwrap_or_else(|e| error!("flow: {e}")),
+        )
     });
     match status.as_deref() {
         Some("retry") => Settled::Failed { retry: true },
