@@ -326,6 +326,35 @@ def test_fairness_across_queues(app):
     assert a_before_b_done < 1000, a_before_b_done
 
 
+def test_a_claim_from_several_queues_locks_only_what_it_claims(app):
+    # A row the claim locked and left out stays locked for its transaction (a
+    # held chunk's whole run): the other workers' claims skip it and take up
+    # after it, and it waited a second while its queue's later commands ran.
+    name = define(app, "app.record")
+    queues = [unique("lq"), unique("lq")]
+    app.all("ALTER SYSTEM SET flow.enabled = off")
+    app.all("SELECT pg_reload_conf()")
+    try:
+        time.sleep(1.5)
+        for q in queues:
+            app.one(f"SELECT flow.enqueue_many('{name}', array_agg(jsonb_build_object('tag', 'lock')),"
+                    f" queue => '{q}') FROM generate_series(1, 10)")
+        with app.connect(autocommit=False) as claimer:
+            claimed = claimer.execute(
+                "SELECT queue, count(*) FROM flow._claim('t', pg_backend_pid(), now(), 4, NULL, NULL, 0)"
+                " WHERE queue = ANY (%s) GROUP BY queue ORDER BY queue", (queues,)).fetchall()
+            assert claimed == [(q, 2) for q in sorted(queues)]    # each queue's share, interleaved
+            free = app.one("SELECT count(*) FROM (SELECT 1 FROM flow._commands WHERE queue = ANY (%s)"
+                           " FOR UPDATE SKIP LOCKED) c", queues)
+            assert free == 16, free     # 4 locked: the 4 claimed, no more
+            claimer.rollback()
+    finally:
+        app.all("ALTER SYSTEM RESET flow.enabled")
+        app.all("SELECT pg_reload_conf()")
+    app.wait_for("SELECT count(*) = 0 FROM flow.commands WHERE queue = ANY (%s) AND status <> 'succeeded'", queues,
+                 timeout=30)
+
+
 def test_concurrency_one_never_runs_two_at_once(app):
     name = define(app, "app.record", queue="'single'")
     app.one("SELECT flow.set_queue('single', concurrency => 1)")

@@ -1035,6 +1035,26 @@ BEGIN
                coalesce(a.at, '-infinity') AS after_at, coalesce(a.id, '00000000-0000-0000-0000-000000000000'::uuid) AS after_id
         FROM flow._queues q LEFT JOIN unnest(after_queues, after_at, after_ids) AS a(queue, at, id) ON a.queue = q.name
         WHERE q.name = ANY (lanes)
+    ), share AS (
+        -- What each lane may give an in-database worker's claim: its equal
+        -- share of max_count (the remainder one each to the lanes first in
+        -- this claim's turn), within its room. Every row `candidate` locks is
+        -- then claimed: a row locked and left out would stay locked for the
+        -- claim's transaction (a held chunk's whole run), and the other
+        -- workers' claims, skipping it, would take up after it and leave it
+        -- behind until their cursors ran out (CURSOR_SPAN, a second), while
+        -- its queue's later commands ran. A lane with less than its share
+        -- leaves the claim short; the worker claims again at once (see
+        -- Worker::claim). An external claim, which its client's commit ends,
+        -- takes up to its max from each lane and keeps the earliest, so it
+        -- gets its max whenever that many are due.
+        SELECT l.*,
+               CASE WHEN names IS NULL
+                    THEN least(l.room, max_count / cardinality(lanes)
+                                       + (((l.ord - turn) % cardinality(lanes) + cardinality(lanes)) % cardinality(lanes)
+                                          < max_count % cardinality(lanes))::integer)
+                    ELSE least(l.room, max_count) END AS take
+        FROM lane l
     ), candidate AS NOT MATERIALIZED (
         -- (the columns each later step needs, not the whole row: a row
         -- carried as one composite value through the steps below is built,
@@ -1049,7 +1069,7 @@ BEGIN
         -- (an external claim naming several definitions reads and locks up to
         -- the lane's room of each and keeps the lane's earliest, below: the
         -- others are left to other claims once its transaction ends)
-        FROM lane l CROSS JOIN unnest(claimants) AS w(claimant) CROSS JOIN LATERAL (
+        FROM share l CROSS JOIN unnest(claimants) AS w(claimant) CROSS JOIN LATERAL (
             SELECT c.id, c.run_id, c.key, c.name, c.version, c.queue, c.args, c.status, c.attempts, c.next_run_at,
                    c.deadline, c.wait_timed_out, c.created_at, c.ctid AS row_at,
                    d.handler::oid AS handler, d.owner::oid AS owner, d.takes_context,
@@ -1064,10 +1084,10 @@ BEGIN
               AND (c.next_run_at, c.id) > (l.after_at, l.after_id)
               AND (excluded IS NULL OR c.id <> ALL (excluded))
             ORDER BY c.next_run_at, c.id
-            LIMIT least(l.room, max_count)
+            LIMIT l.take
             FOR UPDATE OF c SKIP LOCKED
         ) h
-        WHERE l.room > 0
+        WHERE l.take > 0
     ), picked AS (
         -- From one queue and for one claimant (an in-database worker, or an
         -- external one naming one definition: the common claim), the

@@ -495,7 +495,9 @@ impl ClaimCursor {
 /// Claim up to `max` due commands for this worker process (flow._claim), in
 /// claim order: leased ones, and held ones of the handlers known to be fast
 /// (`fast_handlers`), which must run in this same transaction. Commands named
-/// in `excluded` are left alone.
+/// in `excluded` are left alone. Also returns where the claim ended in each
+/// queue, and whether it interleaved several queues: each then gave no more
+/// than its share, so a claim short of `max` may have left some due.
 pub fn claim(
     owner: &str,
     backend_start: Option<TimestampWithTimeZone>,
@@ -503,7 +505,7 @@ pub fn claim(
     turn: i32,
     excluded: Vec<pgrx::Uuid>,
     after: Option<&ClaimCursor>,
-) -> (Vec<Claimed>, ClaimCursor) {
+) -> (Vec<Claimed>, ClaimCursor, bool) {
     let (after_queues, after_at, after_ids) = after.map(ClaimCursor::columns).unwrap_or_default();
     let fast: Vec<pg_sys::Oid> = FAST_HANDLERS.with(|f| f.borrow().iter().map(|oid| pg_sys::Oid::from(*oid)).collect());
     engine_query(
@@ -576,7 +578,8 @@ pub fn claim(
                 )
             });
             claimed.sort_by_key(|(order, _)| *order);
-            (claimed.into_iter().map(|(_, command)| command).collect(), cursor)
+            let interleaved = claimed.iter().any(|(order, _)| order.is_some());
+            (claimed.into_iter().map(|(_, command)| command).collect(), cursor, interleaved)
         },
     )
 }

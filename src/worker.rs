@@ -701,9 +701,10 @@ impl Worker {
             }
         }
         gucs::inject_fault("claim");
-        let (claimed, ended_at) =
+        let (claimed, ended_at, interleaved) =
             executor::claim(&self.name, self.backend_start, size, turn, excluded, kept.as_ref().map(|(_, at)| at));
-        let full = claimed.len() >= size as usize;
+        // (a claim from several queues took each one's share only: more may be due)
+        let full = claimed.len() >= size as usize || interleaved;
         let (since, cursor) = if full {
             // more may be due: bring in an idle worker
             shmem::wake_workers();
