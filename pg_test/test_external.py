@@ -146,6 +146,30 @@ def test_commands_left_behind_where_claims_take_up_are_claimed_by_the_next_short
     assert pg.one(f"SELECT count(*) FROM flow.commands WHERE name = '{name}' AND status = 'running'") == 300
 
 
+def test_a_claim_from_several_queues_and_definitions_gets_its_max_and_locks_only_that(pg):
+    """A claim reads each queue's share for each definition it names, then the
+    rest from those that have more: it gets its max while that many are due,
+    interleaved, and locks no command it does not take (one locked and left
+    out stayed locked for the client's transaction, skipped by other claims)."""
+    first, second = external(pg), external(pg)
+    queues = [unique("xq"), unique("xq")]
+    for name, queue, count in ((first, queues[0], 10), (first, queues[1], 1), (second, queues[0], 2)):
+        pg.one(f"SELECT cardinality(flow.enqueue_many('{name}', array_fill('{{}}'::jsonb, array[{count}]),"
+               f" queue => '{queue}'))")
+    with pg.connect(autocommit=False) as c:
+        rows = c.execute("SELECT name, queue FROM flow.claim(%s, 'w', 8)", ([first, second],)).fetchall()
+        taken = {(n, q): rows.count((n, q)) for n, q in set(rows)}
+        # 2 each of its 4 shares, the lone command and both of second's in
+        # queues[0]; the rest (3) of first's in queues[0]
+        assert taken == {(first, queues[0]): 5, (first, queues[1]): 1, (second, queues[0]): 2}, taken
+        free = pg.one("SELECT count(*) FROM (SELECT 1 FROM flow._commands WHERE name = ANY (%s)"
+                      " FOR UPDATE SKIP LOCKED) c", [first, second])
+        assert free == 13 - 8, free
+        c.rollback()
+    with pg.connect() as c:
+        assert len(c.execute("SELECT 1 FROM flow.claim(%s, 'w', 100)", ([first, second],)).fetchall()) == 13
+
+
 def test_claim_complete_round_trip(pg):
     name = external(pg)
     run = pg.one(f"SELECT flow.enqueue('{name}', '{{\"x\": 1}}')")
