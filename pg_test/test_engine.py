@@ -330,15 +330,21 @@ def test_a_claim_from_several_queues_locks_only_what_it_claims(app):
     # A row the claim locked and left out stays locked for its transaction (a
     # held chunk's whole run): the other workers' claims skip it and take up
     # after it, and it waited a second while its queue's later commands ran.
+    # A full limited queue takes no share.
     name = define(app, "app.record")
-    queues = [unique("lq"), unique("lq")]
+    queues, full = [unique("lq"), unique("lq")], unique("lq")
+    app.one(f"SELECT flow.set_queue('{full}', concurrency => 1)")
+    enqueue_tagged = lambda q, n: app.one(f"SELECT flow.enqueue_many('{name}', array_agg(jsonb_build_object('tag',"
+                                          f" 'lock')), queue => '{q}') FROM generate_series(1, {n})")
     app.all("ALTER SYSTEM SET flow.enabled = off")
     app.all("SELECT pg_reload_conf()")
     try:
         time.sleep(1.5)
+        enqueue_tagged(full, 2)
+        assert app.one("SELECT count(*) FROM flow._claim('t', pg_backend_pid(), now(), 1, NULL, NULL, 0)"
+                       " WHERE queue = %s", full) == 1     # its one running: full
         for q in queues:
-            app.one(f"SELECT flow.enqueue_many('{name}', array_agg(jsonb_build_object('tag', 'lock')),"
-                    f" queue => '{q}') FROM generate_series(1, 10)")
+            enqueue_tagged(q, 10)
         with app.connect(autocommit=False) as claimer:
             claimed = claimer.execute(
                 "SELECT queue, count(*) FROM flow._claim('t', pg_backend_pid(), now(), 4, NULL, NULL, 0)"
@@ -351,8 +357,8 @@ def test_a_claim_from_several_queues_locks_only_what_it_claims(app):
     finally:
         app.all("ALTER SYSTEM RESET flow.enabled")
         app.all("SELECT pg_reload_conf()")
-    app.wait_for("SELECT count(*) = 0 FROM flow.commands WHERE queue = ANY (%s) AND status <> 'succeeded'", queues,
-                 timeout=30)
+    app.wait_for("SELECT count(*) = 0 FROM flow.commands WHERE queue = ANY (%s) AND status <> 'succeeded'",
+                 queues + [full], timeout=30)
 
 
 def test_concurrency_one_never_runs_two_at_once(app):

@@ -1067,12 +1067,14 @@ BEGIN
             -- no other claim reads it.) A slot with less than its share leaves
             -- the claim short: an external claim then claims the rest (the
             -- loop below), a worker claims again at once (Worker::claim).
-            SELECT l.*, least(l.room, max_count / cardinality(slot_queues)
-                                      + (l.slot < max_count % cardinality(slot_queues))::integer) AS take
+            -- (A full limited lane takes no share.)
+            SELECT l.*, least(l.room, max_count / l.slots + (l.slot < max_count % l.slots)::integer) AS take
             FROM (SELECT l.*, s.claimant,
                          (row_number() OVER (ORDER BY ((l.ord - turn) % cardinality(lanes) + cardinality(lanes))
-                                                          % cardinality(lanes), s.claimant) - 1)::integer AS slot
-                  FROM lane l JOIN unnest(slot_queues, slot_claimants) AS s(queue, claimant) ON s.queue = l.name) l
+                                                          % cardinality(lanes), s.claimant) - 1)::integer AS slot,
+                         (count(*) OVER ())::integer AS slots
+                  FROM lane l JOIN unnest(slot_queues, slot_claimants) AS s(queue, claimant) ON s.queue = l.name
+                  WHERE l.room > 0) l
         ), candidate AS NOT MATERIALIZED (
             -- (the columns each later step needs, not the whole row: a row
             -- carried as one composite value through the steps below is built,
