@@ -85,7 +85,7 @@ def touch_shared_buffers(cluster, blocks=25_000):
     """Fault in the first `blocks` of the new server's shared buffers, as
     graphile-worker's long-lived server has its own: the operating system maps
     a page of shared memory at its first use, and the first drain after a start
-    paid for ~200 MB of them (its rounds ran 10-17 % below the later ones, in
+    paid for ~200 MB of them (its rounds ran 7-16 % below the later ones, in
     line with them once touched). A scratch table is read into the buffers and
     dropped, which puts them first on the free list; flow's state is untouched."""
     with cluster.connect() as c:

@@ -332,7 +332,9 @@ def test_a_claim_from_several_queues_locks_only_what_it_claims(app):
     # after it, and it waited a second while its queue's later commands ran.
     # A full limited queue takes no share.
     name = define(app, "app.record")
-    queues, full = [unique("lq"), unique("lq")], unique("lq")
+    # (`full` first in name order: a claim of one with turn 0 takes from it,
+    # whatever other queue has due work)
+    queues, full = [unique("lq"), unique("lq")], "0" + unique("lq")
     app.one(f"SELECT flow.set_queue('{full}', concurrency => 1)")
     enqueue_tagged = lambda q, n: app.one(f"SELECT flow.enqueue_many('{name}', array_agg(jsonb_build_object('tag',"
                                           f" 'lock')), queue => '{q}') FROM generate_series(1, {n})")
