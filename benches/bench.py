@@ -85,9 +85,10 @@ def touch_shared_buffers(cluster, blocks=25_000):
     """Fault in the first `blocks` of the new server's shared buffers, as
     graphile-worker's long-lived server has its own: the operating system maps
     a page of shared memory at its first use, and the first drain after a start
-    paid for ~200 MB of them (its rounds ran 7-16 % below the later ones; 5-13 %
-    below or level once touched: the gap narrows, and the rest is not found). A scratch table is read into the buffers and
-    dropped, which puts them first on the free list; flow's state is untouched."""
+    paid for ~200 MB of them (its rounds ran 7-16 % below the later ones; from
+    3 % above to 13 % below once touched: the gap narrows, the rest is not
+    found). A scratch table is read into the buffers and dropped, which puts
+    them first on the free list; flow's state is untouched."""
     with cluster.connect() as c:
         c.execute("CREATE EXTENSION IF NOT EXISTS pg_prewarm")
         c.execute("CREATE UNLOGGED TABLE bench.touch (v text)")
