@@ -119,15 +119,15 @@ def clear_flow_tables(c, tries=10, pause=0.1):
     raise RuntimeError("flow's tables could not be emptied")
 
 
+def counted(c, *names):
+    """The sum of these flow.stats counters since the server started (shared
+    memory: polling them costs the drain nothing)."""
+    return c.execute("SELECT sum(value) FROM flow.stats WHERE name = ANY (%s)", (list(names),)).fetchone()[0]
+
+
 def finished_count(c):
-    """Runs finished since the server started (a shared-memory counter: polling
-    it costs the drain nothing)."""
-    return c.execute("SELECT sum(value) FROM flow.stats WHERE name IN ('runs_succeeded', 'runs_failed')").fetchone()[0]
-
-
-def pruned_count(c):
-    """Runs pruned since the server started (a shared-memory counter)."""
-    return c.execute("SELECT value FROM flow.stats WHERE name = 'pruned_runs'").fetchone()[0]
+    """Runs finished since the server started."""
+    return counted(c, "runs_succeeded", "runs_failed")
 
 
 def drain(pg, name, n=None, watch=None):
@@ -373,7 +373,7 @@ def churn(pg, seconds, rate, every, retention):
     with pg.connect() as c:
         c.execute(f"ALTER SYSTEM SET flow.retention = '{retention}'")
         c.execute("SELECT pg_reload_conf()")
-        finished0, pruned0 = finished_count(c), pruned_count(c)
+        finished0, pruned0 = finished_count(c), counted(c, "pruned_runs")
         c.execute("SELECT flow.set_queue('drain', paused => false)")
         samples, t0, sent, next_sample = [], time.perf_counter(), 0, every
         while (now := time.perf_counter() - t0) < seconds:
@@ -388,7 +388,7 @@ def churn(pg, seconds, rate, every, retention):
                 mb = c.execute("SELECT round(sum(pg_total_relation_size(c.oid)) / 1048576.0, 1) FROM pg_class c"
                                " JOIN pg_namespace n ON n.oid = c.relnamespace"
                                " WHERE n.nspname = 'flow' AND c.relkind = 'r'").fetchone()[0]
-                kept = sent - int(pruned_count(c) - pruned0)
+                kept = sent - int(counted(c, "pruned_runs") - pruned0)
                 pending = sent - int(finished_count(c) - finished0)
                 samples.append((round(now), float(mb), kept, pending))
                 next_sample += every

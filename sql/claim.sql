@@ -52,7 +52,6 @@ LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off 
     SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     lanes text[];
-    limited text[];
     locked text[];
     -- the claim's slots: each lane with due work, for each claimant whose
     -- commands are due in it (slot_queues[i], slot_claimants[i]); and those
@@ -79,9 +78,8 @@ BEGIN
         -- definition's backlog is never read.
         SELECT array_agg(DISTINCT s.queue) FILTER (WHERE s.unlimited),
                array_agg(s.queue) FILTER (WHERE s.unlimited), array_agg(s.claimant) FILTER (WHERE s.unlimited),
-               array_agg(DISTINCT s.queue) FILTER (WHERE NOT s.unlimited),
                array_agg(s.queue) FILTER (WHERE NOT s.unlimited), array_agg(s.claimant) FILTER (WHERE NOT s.unlimited)
-        INTO lanes, slot_queues, slot_claimants, limited, limited_queues, limited_claimants
+        INTO lanes, slot_queues, slot_claimants, limited_queues, limited_claimants
         FROM (
             SELECT q.name AS queue, q.concurrency IS NULL AS unlimited, w.claimant
             FROM flow._queues q LEFT JOIN unnest(after_queues, after_at, after_ids) AS a(queue, at, id) ON a.queue = q.name
@@ -102,9 +100,9 @@ BEGIN
         -- from it, or a flow.set_queue in an open transaction) is skipped this
         -- turn, never waited for: one open transaction can hold up one queue,
         -- not the engine.
-        IF limited IS NOT NULL THEN
+        IF limited_queues IS NOT NULL THEN
             SELECT array_agg(l.name) INTO locked FROM (
-                SELECT q.name FROM flow._queues q WHERE q.name = ANY (limited)
+                SELECT q.name FROM flow._queues q WHERE q.name = ANY (limited_queues)
                 ORDER BY q.name FOR NO KEY UPDATE SKIP LOCKED) l;
             lanes := coalesce(lanes, '{}') || locked;
             SELECT coalesce(slot_queues, '{}') || array_agg(s.queue), coalesce(slot_claimants, '{}') || array_agg(s.claimant)
