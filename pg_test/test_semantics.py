@@ -255,6 +255,44 @@ def test_a_worker_runs_the_commands_it_claimed_from_one_queue_in_due_order(pg):
     for order in by_transaction.values():
         assert order == sorted(order), order
 
+def test_a_worker_runs_a_claim_from_several_queues_round_robin_each_queue_in_due_order(pg):
+    # (a worker's claim from several queues comes to it queue by queue, each
+    # queue's share, and the worker runs it round-robin: executor's
+    # into_round_robin; each chunk of it runs in one transaction)
+    queues = [unique("rra"), unique("rrb")]
+    pg.one("CREATE TABLE IF NOT EXISTS app.ran_round_robin (command_id uuid, queue text, pid int,"
+           " xact bigint DEFAULT txid_current(), at timestamptz DEFAULT clock_timestamp())")
+    pg.one("CREATE OR REPLACE FUNCTION app.note_round_robin(args jsonb, ctx flow.context) RETURNS void LANGUAGE sql AS"
+           " $$ INSERT INTO app.ran_round_robin (command_id, queue, pid) VALUES (ctx.command_id, ctx.queue,"
+           " pg_backend_pid()) $$")
+    runs = []
+    for q in queues:
+        pg.one(f"SELECT flow.set_queue('{q}', paused => true)")
+        name = unique("rr")
+        pg.one(f"SELECT flow.define('{name}', 'app.note_round_robin(jsonb, flow.context)'::regprocedure, queue => '{q}')")
+        for _ in range(3):   # three due times in each queue, each with 100 ids
+            runs += pg.one(f"SELECT flow.enqueue_many('{name}', array_fill('{{}}'::jsonb, array[100]))")
+    pg.one("SELECT count(flow.set_queue(q, paused => false)) FROM unnest(%s::text[]) q", queues)
+    pg.wait_for("SELECT count(*) = 600 FROM app.ran_round_robin WHERE command_id = ANY (%s)", runs)
+    due = pg.all("SELECT id FROM flow._commands WHERE id = ANY (%s) ORDER BY next_run_at, id", runs)
+    rank = {r[0]: i for i, r in enumerate(due)}
+    by_transaction = {}
+    for command, queue, pid, xact in pg.all("SELECT command_id, queue, pid, xact FROM app.ran_round_robin"
+                                            " WHERE command_id = ANY (%s) ORDER BY at", runs):
+        by_transaction.setdefault((pid, xact), []).append((queue, rank[command]))
+    mixed = [ran for ran in by_transaction.values() if len({q for q, _ in ran}) == 2]
+    assert mixed and max(len(ran) for ran in mixed) > 10   # (batches from both queues, not one by one)
+    for ran in by_transaction.values():
+        # each queue's commands in due order
+        for q in queues:
+            ranks = [r for queue, r in ran if queue == q]
+            assert ranks == sorted(ranks), (q, ranks)
+        # the queues taking turns while both have commands left in the transaction
+        both = 2 * min(sum(1 for queue, _ in ran if queue == q) for q in queues)
+        turns = [queue for queue, _ in ran[:both]]
+        assert all(a != b for a, b in zip(turns, turns[1:])), turns
+
+
 # ---------------------------------------------------------------- 5, 6. leases and locks
 
 def test_a_heartbeat_extends_by_the_original_lease(pg):

@@ -188,24 +188,27 @@ BEGIN
             -- external one naming one definition: the common claim), the
             -- candidates are the claim, in due order: no claim_order, nothing
             -- sorted (each sort, window and limit below copies every row once
-            -- more: a fifth of the claim's time).
-            SELECT p.*, NULL::bigint AS rank, NULL::integer AS claim_order
+            -- more: a fifth of the claim's time). An in-database worker's claim
+            -- from several queues is its candidates too (each queue took its
+            -- share within its room), with a claim_order of 0: the worker puts
+            -- it in round-robin order itself (executor::claim).
+            SELECT p.*, NULL::bigint AS rank, CASE WHEN cardinality(slot_queues) <> 1 THEN 0 END AS claim_order
             FROM candidate p
-            WHERE cardinality(slot_queues) = 1
+            WHERE cardinality(slot_queues) = 1 OR names IS NULL
             UNION ALL
-            -- Otherwise the queues are interleaved round-robin, each lane's
-            -- candidates ranked in due order (an external claim naming several
-            -- definitions has a lateral read per definition in each lane, and
-            -- keeps the lane's earliest up to its room), and workers run a batch
-            -- in claim_order. (The one-time filters make the statement one branch
-            -- or the other.)
+            -- Otherwise (an external claim from several slots) the queues are
+            -- interleaved round-robin, each lane's candidates ranked in due
+            -- order (an external claim naming several definitions has a lateral
+            -- read per definition in each lane, and keeps the lane's earliest up
+            -- to its room), in claim_order. (The one-time filters make the
+            -- statement one branch or the other.)
             (SELECT p.*,
                     row_number() OVER (ORDER BY p.rank,
                                        ((p.ord - turn) % cardinality(lanes) + cardinality(lanes)) % cardinality(lanes))::integer
                         AS claim_order
              FROM (SELECT p.*, row_number() OVER (PARTITION BY p.ord ORDER BY p.next_run_at, p.id) AS rank
                    FROM candidate p
-                   WHERE cardinality(slot_queues) <> 1) p
+                   WHERE cardinality(slot_queues) <> 1 AND names IS NOT NULL) p
              WHERE p.rank <= p.room
              ORDER BY p.rank, ((p.ord - turn) % cardinality(lanes) + cardinality(lanes)) % cardinality(lanes)
              LIMIT max_count)

@@ -68,7 +68,8 @@ CREATE TYPE flow.claimed_command AS (
     attempt_timeout   interval,
     hard_deadline     timestamptz,    -- min(retry budget end, run deadline)
     claim_order       integer,        -- run a batch in this order: it keeps the queues interleaved
-                                      -- (NULL from a claim of one queue: the rows come in due order)
+                                      -- (NULL from a claim of one queue: the rows come in due order;
+                                      -- 0 from a worker's claim of several: it orders them itself)
     args_type         regtype,        -- the definition's args_type: checked before the handler runs
     due_at            timestamptz,    -- its next_run_at when claimed: where the next claim may start
     row_at            tid             -- a held command's row (locked by the claim): where its settlement writes
