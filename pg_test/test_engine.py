@@ -506,29 +506,41 @@ def test_held_attempts_that_share_a_subtransaction_commit_once_when_one_fails(ap
     """)
     queue = unique("grouped")
     name = define(app, "app.grouped", max_attempts=1, queue=f"'{queue}'")
-    seen_fast(app, name)
-    reruns = app.one("SELECT value FROM flow.stats WHERE name = 'group_reruns'")
-    app.one("SELECT flow.set_queue(%s, paused => true)", queue)
     # (not at multiples of 20: claims and chunks, sized after the rounds of
     # 20 above, tend to begin there, and an attempt that begins its group
     # has no members to run again; a worker runs a handler alone for a while
     # after its first failure)
     special = {67: "raise", 133: "fail_keeping", 134: "raise", 251: "raise"}
-    args = [json.dumps({"tag": f"g{i}", "do": special.get(i, "none")}) for i in range(300)]
-    runs = app.one(f"SELECT flow.enqueue_many('{name}', %s::jsonb[])", args)
-    app.one("SELECT flow.set_queue(%s, paused => false)", queue)
-    outcomes = [app.await_run(run, "30s") for run in runs]
-    for i, (status, result, error) in enumerate(outcomes):
-        if i in special:
-            assert status == "failed", i
-        else:
-            assert (status, result) == ("succeeded", {"tag": f"g{i}"}), i
-    effects = dict(app.all("SELECT run_key, count(*) FROM app.effects WHERE run_key LIKE 'g%%' GROUP BY run_key"))
-    expected = {f"g{i}": 1 for i in range(300) if special.get(i) != "raise"}
-    assert effects == expected
-    assert app.all("SELECT DISTINCT attempts FROM flow.commands WHERE run_id = ANY (%s)", runs) == [(1,)]
-    # the failures ran in groups: the members before them ran again
-    assert app.one("SELECT value FROM flow.stats WHERE name = 'group_reruns'") > reruns
+    # Whether a failure finds members before it in its group depends on
+    # where the workers' claims and groups begin and on which worker has seen
+    # the handler finish fast (wake-one keeps one worker serving a light
+    # load): a burst in which no failure had a member before it is possible.
+    # Every burst is checked in full; up to three are run until one shows
+    # the rerun of a group.
+    for burst in range(3):
+        seen_fast(app, name)
+        reruns = app.one("SELECT value FROM flow.stats WHERE name = 'group_reruns'")
+        app.one("SELECT flow.set_queue(%s, paused => true)", queue)
+        tag = f"g{burst}_"
+        args = [json.dumps({"tag": f"{tag}{i}", "do": special.get(i, "none")}) for i in range(300)]
+        runs = app.one(f"SELECT flow.enqueue_many('{name}', %s::jsonb[])", args)
+        app.one("SELECT flow.set_queue(%s, paused => false)", queue)
+        outcomes = [app.await_run(run, "30s") for run in runs]
+        for i, (status, result, error) in enumerate(outcomes):
+            if i in special:
+                assert status == "failed", i
+            else:
+                assert (status, result) == ("succeeded", {"tag": f"{tag}{i}"}), i
+        effects = dict(app.all("SELECT run_key, count(*) FROM app.effects WHERE run_key LIKE %s GROUP BY run_key",
+                               tag + "%"))
+        expected = {f"{tag}{i}": 1 for i in range(300) if special.get(i) != "raise"}
+        assert effects == expected
+        assert app.all("SELECT DISTINCT attempts FROM flow.commands WHERE run_id = ANY (%s)", runs) == [(1,)]
+        # the failures ran in groups: the members before them ran again
+        if app.one("SELECT value FROM flow.stats WHERE name = 'group_reruns'") > reruns:
+            break
+    else:
+        pytest.fail("in three bursts no failure had a member before it in its group")
 
 
 @pytest.mark.parametrize("language", ["sql", "plpgsql"])
