@@ -551,33 +551,30 @@ pub fn claim(
                 INT4,
                 TID,
             ];
-            let claimed: Vec<(Option<i32>, Claimed)> = self::rows(rows, &types, |row| {
+            let mut interleaved = false;
+            let mut claimed: Vec<Claimed> = self::rows(rows, &types, |row| {
                 let command_id = row.get(1).expect("command_id");
                 let (queue, due_at): (String, TimestampWithTimeZone) =
                     (row.get(12).expect("queue"), row.get(13).expect("due_at"));
                 cursor.advance(queue.clone(), due_at, command_id);
-                (
-                    row.get::<i32>(14),
-                    Claimed {
-                        command_id,
-                        run_id: row.get(2).expect("run_id"),
-                        lease_token: row.get(3).expect("lease_token"),
-                        hard_deadline: row.get::<i64>(4),
-                        timeout_us: row.get::<i64>(5),
-                        handler: row.get::<pg_sys::Oid>(6).expect("handler"),
-                        owner: row.get::<pg_sys::Oid>(7).expect("handler_owner"),
-                        args: row.get::<Jsonb>(8).expect("args"),
-                        args_type: row.get::<pg_sys::Oid>(9),
-                        held_attempt: row.get::<i32>(10),
-                        context: row.get::<Context>(11),
-                        queue,
-                        due_at,
-                        row_at: row.get::<pg_sys::ItemPointerData>(15),
-                    },
-                )
+                interleaved |= row.get::<i32>(14).is_some();
+                Claimed {
+                    command_id,
+                    run_id: row.get(2).expect("run_id"),
+                    lease_token: row.get(3).expect("lease_token"),
+                    hard_deadline: row.get::<i64>(4),
+                    timeout_us: row.get::<i64>(5),
+                    handler: row.get::<pg_sys::Oid>(6).expect("handler"),
+                    owner: row.get::<pg_sys::Oid>(7).expect("handler_owner"),
+                    args: row.get::<Jsonb>(8).expect("args"),
+                    args_type: row.get::<pg_sys::Oid>(9),
+                    held_attempt: row.get::<i32>(10),
+                    context: row.get::<Context>(11),
+                    queue,
+                    due_at,
+                    row_at: row.get::<pg_sys::ItemPointerData>(15),
+                }
             });
-            let interleaved = claimed.iter().any(|(order, _)| order.is_some());
-            let mut claimed: Vec<Claimed> = claimed.into_iter().map(|(_, command)| command).collect();
             if interleaved {
                 into_round_robin(&mut claimed, turn);
             }
