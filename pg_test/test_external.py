@@ -394,6 +394,55 @@ def test_complete_many_after_the_lease_ran_out_settles_nothing(pg):
     assert pg.one("SELECT count(*) FROM flow.attempts WHERE command_id = %s AND outcome = 'succeeded'", cmd) == 0
 
 
+def complete_many_behind(pg, holder, cmds, tokens):
+    """Start complete_many of `cmds` in another session while `holder`'s open
+    transaction holds them, and wait until it waits for them: it has read
+    them as they were before `holder`'s change. Returns a function that
+    gives its outcomes, once `holder` has ended."""
+    out = {}
+
+    def complete():
+        with pg.connect() as c:
+            out["rows"] = c.execute("SELECT * FROM flow.complete_many(%s, %s)", (cmds, tokens)).fetchall()
+
+    thread = threading.Thread(target=complete)
+    thread.start()
+    pg.wait_for("SELECT count(*) > 0 FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                " AND query LIKE '%complete_many%' AND pid <> pg_backend_pid()")
+
+    def outcomes():
+        thread.join(30)
+        return dict(out["rows"])
+    return outcomes
+
+
+def test_complete_many_reports_succeeded_only_for_what_it_settled(pg):
+    """complete_many reads the commands without a lock: one that moves on
+    before its settlement locks it is not settled, and is reported as it
+    then is. A cancel committed meanwhile: lease_lost (it was reported
+    succeeded, with the run cancelled and the result dropped); the same
+    completion made meanwhile by another call: already_completed; the
+    others of the call are settled."""
+    name = external(pg)
+    cancelled_run, *_ = pg.one(f"SELECT flow.enqueue_many('{name}', array_fill('{{}}'::jsonb, array[3]))")
+    with pg.connect() as c:
+        rows = claim(c, name, max_=3)
+    (a, ta, *_), (b, tb, *_), (d, td, *_) = sorted(rows, key=lambda r: r[0] != cancelled_run)
+    assert a == cancelled_run   # a run's only command has the run's id
+    with pg.connect(autocommit=False) as holder:
+        assert holder.execute("SELECT flow.cancel(%s)", (a,)).fetchone()[0] is True
+        assert holder.execute("SELECT * FROM flow.complete_many(%s, %s)", ([b], [tb])).fetchall() == \
+            [(b, "succeeded")]
+        outcomes = complete_many_behind(pg, holder, [a, b, d], [ta, tb, td])
+        holder.commit()
+    assert outcomes() == {a: "lease_lost", b: "already_completed", d: "succeeded"}
+    assert pg.one("SELECT status FROM flow.runs WHERE id = %s", a) == "cancelled"
+    assert pg.all("SELECT status::text, result FROM flow.commands WHERE id = %s", a) == [("cancelled", None)]
+    assert pg.all("SELECT status::text FROM flow.commands WHERE id = ANY (%s) ORDER BY status", [b, d]) == \
+        [("succeeded",), ("succeeded",)]
+    assert pg.one("SELECT count(*) FROM flow.attempts WHERE command_id = %s AND outcome = 'succeeded'", a) == 0
+
+
 def test_resolve_tells_a_worker_what_became_of_its_attempt(pg):
     name = external(pg, max_attempts=3, backoff="'10 ms'", backoff_max="'10 ms'")
     run = pg.one(f"SELECT flow.enqueue('{name}')")

@@ -180,6 +180,11 @@ END $$;
 -- children). Returns each command's outcome: 'succeeded', or 'lease_lost'
 -- when its token no longer holds it (nothing changed for that command), or
 -- 'already_completed' for a second completion under the same token.
+-- 'succeeded' means settled by this call: the commands are read without a
+-- lock, and one that moves on before the settlement locks it (a cancel
+-- committed meanwhile, its lease concluded as lost by a claim, the same
+-- completion made by another call) is not settled; it is read again, after
+-- the settlement, and reported as it then is.
 -- (Generic plans, as flow._settle_batch's: every statement is driven by the
 -- ids given; a custom plan per call planned them all again, 150 us of a
 -- call's 270 with nothing to settle, 0.5 us per command of a client's 100.)
@@ -191,6 +196,10 @@ DECLARE
     bad record;
     not_yours uuid;
     runs uuid[];
+    ids uuid[];
+    tokens uuid[];
+    outcomes text[];
+    moved_on boolean;
 BEGIN
     IF command_ids IS NULL OR lease_tokens IS NULL
        OR cardinality(command_ids) <> cardinality(lease_tokens)
@@ -221,7 +230,6 @@ BEGIN
     IF runs IS NOT NULL THEN
         PERFORM flow._lock_runs(runs, true);
     END IF;
-    RETURN QUERY
     WITH item AS (
         SELECT t.id, t.token, t.result,
                (c.status = 'running' AND c.lease_token = t.token AND c.lease_pid IS NULL
@@ -231,14 +239,31 @@ BEGIN
                     ARRAY[cardinality(command_ids)]))) AS t(id, token, result)
         JOIN flow._commands c ON c.id = ANY (ARRAY[t.id])   -- (a probe per command: sql/common.sql)
     ), settled AS (
-        SELECT flow._settle_batch(array_agg(i.id), array_agg(i.token), array_agg(i.result)) AS n
+        SELECT coalesce(flow._settle_batch(array_agg(i.id), array_agg(i.token), array_agg(i.result)), '{}') AS ids
         FROM item i WHERE i.held
     )
-    SELECT i.id,
-           CASE WHEN i.held THEN 'succeeded'
-                WHEN i.succeeded AND flow._succeeded_under(i.id, i.kept_token, i.token) THEN 'already_completed'
-                ELSE 'lease_lost' END
-    FROM item i, settled;
+    -- (the aggregates of one statement take its rows in the same order: the
+    -- arrays stay aligned)
+    SELECT array_agg(i.id), array_agg(i.token),
+           array_agg(CASE WHEN i.held AND i.id = ANY (s.ids) THEN 'succeeded'
+                          WHEN i.held THEN NULL   -- moved on: read again below
+                          WHEN i.succeeded AND flow._succeeded_under(i.id, i.kept_token, i.token)
+                              THEN 'already_completed'
+                          ELSE 'lease_lost' END),
+           bool_or(i.held AND i.id <> ALL (s.ids))
+    INTO ids, tokens, outcomes, moved_on
+    FROM item i, settled s;
+    -- (a statement of its own: its snapshot sees what the settlement waited for)
+    IF moved_on THEN
+        SELECT array_agg(coalesce(t.outcome,
+                   CASE WHEN EXISTS (SELECT 1 FROM flow._commands c
+                                     WHERE c.id = t.id AND c.status = 'succeeded'
+                                       AND flow._succeeded_under(c.id, c.lease_token, t.token))
+                        THEN 'already_completed' ELSE 'lease_lost' END))
+        INTO outcomes
+        FROM unnest(ids, tokens, outcomes) AS t(id, token, outcome);
+    END IF;
+    RETURN QUERY SELECT * FROM unnest(ids, outcomes);
 END $$;
 
 CREATE FUNCTION flow._fail_external(caller oid, command_id uuid, lease_token uuid, message text,

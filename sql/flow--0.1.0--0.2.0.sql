@@ -1451,7 +1451,10 @@ END $$;
 -- or one external completion. A succeeded command is the record of its
 -- successful attempt (see sql/schema.sql, _attempts). The caller holds their
 -- runs' locks (_lock_runs_of, the claim, _complete_many), but a root's with
--- no child, whose success writes no run (below). Returns how many settled.
+-- no child, whose success writes no run (below). Returns the ids of the
+-- commands it settled: a command the caller read as its own may have moved
+-- on before this statement locked it (a cancel, a lease concluded as lost,
+-- a second completion), and is then left as it is and not among them.
 -- handler_started: when each handler started (in-database workers; NULL:
 -- the attempt started at its claim), so an attempt's duration is its own.
 -- held_attempts: for commands an in-database worker holds (see _claim), the
@@ -1472,11 +1475,11 @@ END $$;
 CREATE OR REPLACE FUNCTION flow._settle_batch(command_ids uuid[], lease_tokens uuid[], results jsonb[],
     handler_started timestamptz[] DEFAULT NULL, held_attempts integer[] DEFAULT NULL, owner_name text DEFAULT NULL,
     held_rows tid[] DEFAULT NULL, chunk_spawned boolean DEFAULT true)
-RETURNS integer
+RETURNS uuid[]
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off
     SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
-    settled integer;
+    settled uuid[];
     other_runs uuid[];
     old_root_runs uuid[];
     old_root_results jsonb[];
@@ -1536,7 +1539,7 @@ BEGIN
         FROM (SELECT * FROM leased_done UNION ALL SELECT * FROM held_done) d
         OFFSET 0   -- (kept a subquery: pulled up, its probe ran once per aggregate below, three times a command)
     )
-    SELECT count(*), array_agg(done.run_id) FILTER (WHERE NOT done.alone),
+    SELECT coalesce(array_agg(done.id), '{}'), array_agg(done.run_id) FILTER (WHERE NOT done.alone),
            count(*) FILTER (WHERE done.alone AND done.id = done.run_id),
            array_agg(done.run_id) FILTER (WHERE done.alone AND done.id <> done.run_id),
            array_agg(done.result) FILTER (WHERE done.alone AND done.id <> done.run_id)
@@ -1564,7 +1567,7 @@ BEGIN
         GET DIAGNOSTICS more = ROW_COUNT;
         finished := finished + more;
     END IF;
-    PERFORM flow._observe('attempts_succeeded', settled), flow._observe('runs_succeeded', finished);
+    PERFORM flow._observe('attempts_succeeded', cardinality(settled)), flow._observe('runs_succeeded', finished);
     -- a limited queue may have room now (otherwise nobody is waiting for this)
     IF EXISTS (SELECT 1 FROM flow._queues q WHERE q.concurrency IS NOT NULL) THEN
         PERFORM flow._wake_due_from('infinity');   -- (room, nothing made due)
@@ -2374,6 +2377,11 @@ END $$;
 -- children). Returns each command's outcome: 'succeeded', or 'lease_lost'
 -- when its token no longer holds it (nothing changed for that command), or
 -- 'already_completed' for a second completion under the same token.
+-- 'succeeded' means settled by this call: the commands are read without a
+-- lock, and one that moves on before the settlement locks it (a cancel
+-- committed meanwhile, its lease concluded as lost by a claim, the same
+-- completion made by another call) is not settled; it is read again, after
+-- the settlement, and reported as it then is.
 -- (Generic plans, as flow._settle_batch's: every statement is driven by the
 -- ids given; a custom plan per call planned them all again, 150 us of a
 -- call's 270 with nothing to settle, 0.5 us per command of a client's 100.)
@@ -2385,6 +2393,10 @@ DECLARE
     bad record;
     not_yours uuid;
     runs uuid[];
+    ids uuid[];
+    tokens uuid[];
+    outcomes text[];
+    moved_on boolean;
 BEGIN
     IF command_ids IS NULL OR lease_tokens IS NULL
        OR cardinality(command_ids) <> cardinality(lease_tokens)
@@ -2415,7 +2427,6 @@ BEGIN
     IF runs IS NOT NULL THEN
         PERFORM flow._lock_runs(runs, true);
     END IF;
-    RETURN QUERY
     WITH item AS (
         SELECT t.id, t.token, t.result,
                (c.status = 'running' AND c.lease_token = t.token AND c.lease_pid IS NULL
@@ -2425,14 +2436,31 @@ BEGIN
                     ARRAY[cardinality(command_ids)]))) AS t(id, token, result)
         JOIN flow._commands c ON c.id = ANY (ARRAY[t.id])   -- (a probe per command: sql/common.sql)
     ), settled AS (
-        SELECT flow._settle_batch(array_agg(i.id), array_agg(i.token), array_agg(i.result)) AS n
+        SELECT coalesce(flow._settle_batch(array_agg(i.id), array_agg(i.token), array_agg(i.result)), '{}') AS ids
         FROM item i WHERE i.held
     )
-    SELECT i.id,
-           CASE WHEN i.held THEN 'succeeded'
-                WHEN i.succeeded AND flow._succeeded_under(i.id, i.kept_token, i.token) THEN 'already_completed'
-                ELSE 'lease_lost' END
-    FROM item i, settled;
+    -- (the aggregates of one statement take its rows in the same order: the
+    -- arrays stay aligned)
+    SELECT array_agg(i.id), array_agg(i.token),
+           array_agg(CASE WHEN i.held AND i.id = ANY (s.ids) THEN 'succeeded'
+                          WHEN i.held THEN NULL   -- moved on: read again below
+                          WHEN i.succeeded AND flow._succeeded_under(i.id, i.kept_token, i.token)
+                              THEN 'already_completed'
+                          ELSE 'lease_lost' END),
+           bool_or(i.held AND i.id <> ALL (s.ids))
+    INTO ids, tokens, outcomes, moved_on
+    FROM item i, settled s;
+    -- (a statement of its own: its snapshot sees what the settlement waited for)
+    IF moved_on THEN
+        SELECT array_agg(coalesce(t.outcome,
+                   CASE WHEN EXISTS (SELECT 1 FROM flow._commands c
+                                     WHERE c.id = t.id AND c.status = 'succeeded'
+                                       AND flow._succeeded_under(c.id, c.lease_token, t.token))
+                        THEN 'already_completed' ELSE 'lease_lost' END))
+        INTO outcomes
+        FROM unnest(ids, tokens, outcomes) AS t(id, token, outcome);
+    END IF;
+    RETURN QUERY SELECT * FROM unnest(ids, outcomes);
 END $$;
 
 CREATE OR REPLACE FUNCTION flow._fail_external(caller oid, command_id uuid, lease_token uuid, message text,

@@ -155,7 +155,10 @@ END $$;
 -- or one external completion. A succeeded command is the record of its
 -- successful attempt (see sql/schema.sql, _attempts). The caller holds their
 -- runs' locks (_lock_runs_of, the claim, _complete_many), but a root's with
--- no child, whose success writes no run (below). Returns how many settled.
+-- no child, whose success writes no run (below). Returns the ids of the
+-- commands it settled: a command the caller read as its own may have moved
+-- on before this statement locked it (a cancel, a lease concluded as lost,
+-- a second completion), and is then left as it is and not among them.
 -- handler_started: when each handler started (in-database workers; NULL:
 -- the attempt started at its claim), so an attempt's duration is its own.
 -- held_attempts: for commands an in-database worker holds (see _claim), the
@@ -176,11 +179,11 @@ END $$;
 CREATE FUNCTION flow._settle_batch(command_ids uuid[], lease_tokens uuid[], results jsonb[],
     handler_started timestamptz[] DEFAULT NULL, held_attempts integer[] DEFAULT NULL, owner_name text DEFAULT NULL,
     held_rows tid[] DEFAULT NULL, chunk_spawned boolean DEFAULT true)
-RETURNS integer
+RETURNS uuid[]
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off
     SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
-    settled integer;
+    settled uuid[];
     other_runs uuid[];
     old_root_runs uuid[];
     old_root_results jsonb[];
@@ -240,7 +243,7 @@ BEGIN
         FROM (SELECT * FROM leased_done UNION ALL SELECT * FROM held_done) d
         OFFSET 0   -- (kept a subquery: pulled up, its probe ran once per aggregate below, three times a command)
     )
-    SELECT count(*), array_agg(done.run_id) FILTER (WHERE NOT done.alone),
+    SELECT coalesce(array_agg(done.id), '{}'), array_agg(done.run_id) FILTER (WHERE NOT done.alone),
            count(*) FILTER (WHERE done.alone AND done.id = done.run_id),
            array_agg(done.run_id) FILTER (WHERE done.alone AND done.id <> done.run_id),
            array_agg(done.result) FILTER (WHERE done.alone AND done.id <> done.run_id)
@@ -268,7 +271,7 @@ BEGIN
         GET DIAGNOSTICS more = ROW_COUNT;
         finished := finished + more;
     END IF;
-    PERFORM flow._observe('attempts_succeeded', settled), flow._observe('runs_succeeded', finished);
+    PERFORM flow._observe('attempts_succeeded', cardinality(settled)), flow._observe('runs_succeeded', finished);
     -- a limited queue may have room now (otherwise nobody is waiting for this)
     IF EXISTS (SELECT 1 FROM flow._queues q WHERE q.concurrency IS NOT NULL) THEN
         PERFORM flow._wake_due_from('infinity');   -- (room, nothing made due)
