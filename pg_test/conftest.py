@@ -7,6 +7,7 @@ counts, results, SQLSTATEs.
 """
 import os
 import subprocess
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -89,6 +90,31 @@ class Cluster:
                 return True
             time.sleep(0.05)
         raise AssertionError(f"timed out waiting for: {query}")
+
+    def waiting_call(self, sql, args, like, user="postgres"):
+        """Run `sql` in another session and wait until it waits for a lock (a
+        backend whose query is LIKE `like`): what it read before that lock, it
+        read as it was. Returns a function that gives its rows, or the
+        SQLSTATE of its error, once whoever holds the lock has ended."""
+        out = {}
+
+        def call():
+            with self.connect(user) as c:
+                try:
+                    out["rows"] = c.execute(sql, args).fetchall()
+                except psycopg.Error as e:
+                    out["rows"] = e.sqlstate
+
+        thread = threading.Thread(target=call)
+        thread.start()
+        self.wait_for("SELECT count(*) > 0 FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                      " AND query LIKE %s AND pid <> pg_backend_pid()", like)
+
+        def result():
+            thread.join(30)
+            assert not thread.is_alive(), f"still waiting: {sql}"
+            return out["rows"]
+        return result
 
     def log(self):
         return Path(f"{self.dir}/pg.log").read_text(errors="replace")

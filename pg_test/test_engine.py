@@ -726,6 +726,47 @@ def test_queue_counts_and_drop_see_each_lane_of_a_queue(app):
     assert app.one(f"SELECT flow.drop_queue('{q}')") is True
 
 
+def test_drop_queue_waits_for_what_is_being_put_in_the_queue(app):
+    """flow.drop_queue waits for the transactions putting a command in the
+    queue to commit, whether they name it or it is their definition's own,
+    and then refuses (a definition moved to another queue, its old queue
+    dropped while an enqueue that read the old home was open: the drop said
+    true and the run stayed in a queue no claim reads, forever)."""
+    old, new = unique("old_home"), unique("new_home")
+    name = unique("ext")
+    app.one(f"SELECT flow.define('{name}', NULL, queue => '{old}')")
+    app.one(f"SELECT flow.set_queue('{new}')")
+    with app.connect(autocommit=False) as moving, app.connect(autocommit=False) as enqueuing:
+        moving.execute(f"SELECT flow.define('{name}', NULL, queue => '{new}')")
+        run = enqueuing.execute(f"SELECT flow.enqueue('{name}')").fetchone()[0]   # into the old home
+        moving.commit()
+        drop = app.waiting_call(f"SELECT flow.drop_queue('{old}')", None, "%drop_queue%")
+        enqueuing.commit()
+    assert drop() == "2BP01"
+    assert app.one("SELECT queue FROM flow.commands WHERE id = %s", run) == old
+    with app.connect() as c:
+        assert c.execute("SELECT command_id FROM flow.claim(%s, 'w', 10)", ([name],)).fetchall() == [(run,)]
+
+
+def test_an_enqueue_into_a_queue_being_dropped_is_told_to_try_again(app):
+    """An enqueue that names a queue while flow.drop_queue drops it waits for
+    the drop, then fails with 40001 and changes nothing; tried again, its
+    queue is made anew, as for any queue named the first time."""
+    q = unique("dropped")
+    name = unique("ext")
+    app.one(f"SELECT flow.define('{name}', NULL)")
+    app.one(f"SELECT flow.set_queue('{q}')")
+    with app.connect(autocommit=False) as dropping:
+        assert dropping.execute(f"SELECT flow.drop_queue('{q}')").fetchone()[0] is True
+        enqueue = app.waiting_call(f"SELECT flow.enqueue('{name}', queue => '{q}')", None, "%flow.enqueue%")
+        dropping.commit()
+    assert enqueue() == "40001"
+    assert app.one("SELECT count(*) FROM flow.commands WHERE name = %s", name) == 0
+    run = app.one(f"SELECT flow.enqueue('{name}', queue => '{q}')")
+    assert app.one("SELECT queue FROM flow.commands WHERE id = %s", run) == q
+    assert app.one(f"SELECT count(*) FROM flow._queues WHERE name = '{q}'") == 1
+
+
 def test_enabled_off_pauses_all_work(app):
     name = define(app, "app.hello")
     app.all("ALTER SYSTEM SET flow.enabled = off")

@@ -394,28 +394,6 @@ def test_complete_many_after_the_lease_ran_out_settles_nothing(pg):
     assert pg.one("SELECT count(*) FROM flow.attempts WHERE command_id = %s AND outcome = 'succeeded'", cmd) == 0
 
 
-def complete_many_behind(pg, holder, cmds, tokens):
-    """Start complete_many of `cmds` in another session while `holder`'s open
-    transaction holds them, and wait until it waits for them: it has read
-    them as they were before `holder`'s change. Returns a function that
-    gives its outcomes, once `holder` has ended."""
-    out = {}
-
-    def complete():
-        with pg.connect() as c:
-            out["rows"] = c.execute("SELECT * FROM flow.complete_many(%s, %s)", (cmds, tokens)).fetchall()
-
-    thread = threading.Thread(target=complete)
-    thread.start()
-    pg.wait_for("SELECT count(*) > 0 FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-                " AND query LIKE '%complete_many%' AND pid <> pg_backend_pid()")
-
-    def outcomes():
-        thread.join(30)
-        return dict(out["rows"])
-    return outcomes
-
-
 def test_complete_many_reports_succeeded_only_for_what_it_settled(pg):
     """complete_many reads the commands without a lock: one that moves on
     before its settlement locks it is not settled, and is reported as it
@@ -433,14 +411,79 @@ def test_complete_many_reports_succeeded_only_for_what_it_settled(pg):
         assert holder.execute("SELECT flow.cancel(%s)", (a,)).fetchone()[0] is True
         assert holder.execute("SELECT * FROM flow.complete_many(%s, %s)", ([b], [tb])).fetchall() == \
             [(b, "succeeded")]
-        outcomes = complete_many_behind(pg, holder, [a, b, d], [ta, tb, td])
+        outcomes = pg.waiting_call("SELECT * FROM flow.complete_many(%s, %s)", ([a, b, d], [ta, tb, td]),
+                                "%complete_many%")
         holder.commit()
-    assert outcomes() == {a: "lease_lost", b: "already_completed", d: "succeeded"}
+    assert dict(outcomes()) == {a: "lease_lost", b: "already_completed", d: "succeeded"}
     assert pg.one("SELECT status FROM flow.runs WHERE id = %s", a) == "cancelled"
     assert pg.all("SELECT status::text, result FROM flow.commands WHERE id = %s", a) == [("cancelled", None)]
     assert pg.all("SELECT status::text FROM flow.commands WHERE id = ANY (%s) ORDER BY status", [b, d]) == \
         [("succeeded",), ("succeeded",)]
     assert pg.one("SELECT count(*) FROM flow.attempts WHERE command_id = %s AND outcome = 'succeeded'", a) == 0
+
+
+def test_a_lease_extended_while_a_claim_concludes_expired_leases_stands(pg):
+    """A claim concludes the expired leases of its definitions first, read
+    before it locks each: a heartbeat that extended one meanwhile (it was not
+    expired by its own transaction's clock) has told its worker the lease
+    holds, and the claim leaves it (it concluded it lease_lost: with one
+    attempt allowed, the run failed under a worker told to go on)."""
+    name = external(pg, max_attempts=1)
+    # (the in-database worker's recovery would conclude the leases first)
+    pg.all("ALTER SYSTEM SET flow.enabled = off")
+    pg.all("SELECT pg_reload_conf()")
+    try:
+        lease_extended_while_concluded(pg, name)
+    finally:
+        pg.all("ALTER SYSTEM RESET flow.enabled")
+        pg.all("SELECT pg_reload_conf()")
+
+
+def lease_extended_while_concluded(pg, name):
+    time.sleep(0.5)
+    x = pg.one(f"SELECT flow.enqueue('{name}', '{{}}', key => 'x')")   # keyed: a run row of its own
+    time.sleep(0.01)
+    y = pg.one(f"SELECT flow.enqueue('{name}')")
+    with pg.connect() as c:
+        [(x_cmd, tx, *_)] = claim(c, name, lease="1 second")
+        [(y_cmd, ty, *_)] = claim(c, name, lease="2 seconds")
+    assert (x_cmd, y_cmd) == (x, y)
+    with pg.connect(autocommit=False) as x_holder, pg.connect(autocommit=False) as beating:
+        x_holder.execute("SELECT 1")   # both transactions begin before the leases run out
+        beating.execute("SELECT 1")
+        time.sleep(2.5)
+        # settled under a clock from before X's expiry; X stays locked meanwhile
+        assert x_holder.execute("SELECT * FROM flow.complete_many(%s, %s)", ([x], [tx])).fetchall() == \
+            [(x, "succeeded")]
+        claimed = pg.waiting_call("SELECT command_id FROM flow.claim(%s, 'w2', 10)", ([name],), "%flow.claim%")
+        expires, cancelled = beating.execute("SELECT * FROM flow.heartbeat(%s, %s, extend => '1 hour')",
+                                             (y, ty)).fetchone()
+        assert cancelled is False
+        beating.commit()
+        x_holder.commit()
+    assert claimed() == []
+    assert pg.all("SELECT status::text, lease_expires_at FROM flow.commands WHERE id = %s", y) == \
+        [("running", expires)]
+    assert pg.all("SELECT attempt, outcome FROM flow.attempts WHERE command_id = %s", y) == [(1, "running")]
+    with pg.connect() as c:
+        c.execute("SELECT flow.complete(%s, %s)", (y, ty))
+    assert pg.await_run(y, "5s")[0] == "succeeded"
+
+
+def test_a_heartbeat_waiting_for_a_cancel_says_cancelled(pg):
+    """A heartbeat that waits for the run's lock while a cancel holds it
+    returns cancelled = true once the cancel commits, as one made after it
+    does (it raised FL013, 'claim the command again')."""
+    name = external(pg)
+    run = pg.one(f"SELECT flow.enqueue('{name}')")
+    with pg.connect() as c:
+        [(cmd, token, *_)] = claim(c, name)
+    with pg.connect(autocommit=False) as cancelling:
+        assert cancelling.execute("SELECT flow.cancel(%s)", (run,)).fetchone()[0] is True
+        beat = pg.waiting_call("SELECT * FROM flow.heartbeat(%s, %s)", (cmd, token), "%flow.heartbeat%")
+        cancelling.commit()
+    assert beat() == [(None, True)]
+    assert pg.all("SELECT * FROM flow.heartbeat(%s, %s)", cmd, token) == [(None, True)]
 
 
 def test_resolve_tells_a_worker_what_became_of_its_attempt(pg):
@@ -496,3 +539,25 @@ def test_a_concurrency_limit_is_shared_by_workers_and_external_claimers(pg):
         assert pg.one("SELECT status FROM flow._commands WHERE run_id = %s", run) == "pending"
         c.execute("SELECT flow.complete(%s, %s)", (cmd, token))
     assert pg.await_run(run, "10s")[0] == "succeeded"
+
+
+def test_cancel_of_a_run_retention_deletes_meanwhile_says_false(pg):
+    """A cancel that waits for a finished run's lock while retention deletes
+    it returns false and counts nothing, as for any run that ended (it
+    returned true and counted a cancel). Last in this module: the pruning
+    deletes every run it finished."""
+    name = external(pg)
+    run = pg.one(f"SELECT flow.enqueue('{name}', '{{}}', key => 'k1')")   # keyed: a run row of its own
+    with pg.connect() as c:
+        [(cmd, token, *_)] = claim(c, name)
+        c.execute("SELECT flow.complete(%s, %s)", (cmd, token))
+    assert pg.one("SELECT status FROM flow.runs WHERE id = %s", run) == "succeeded"
+    counted = "SELECT value FROM flow.stats WHERE name = 'runs_cancelled'"
+    before = pg.one(counted)
+    with pg.connect(autocommit=False) as pruning:
+        assert pruning.execute("SELECT pruned FROM flow._prune('0 s', 100000, NULL)").fetchone()[0] >= 1
+        cancel = pg.waiting_call("SELECT flow.cancel(%s)", (run,), "%flow.cancel%")
+        pruning.commit()
+    assert cancel() == [(False,)]
+    assert pg.one("SELECT count(*) FROM flow._run_rows WHERE id = %s", run) == 0
+    assert pg.one(counted) == before

@@ -93,6 +93,36 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
     SELECT CASE WHEN r.rolsuper THEN 'default' ELSE 'role:' || r.rolname END FROM pg_roles r WHERE r.oid = caller
 $$;
 
+-- Hold a queue a definition or a command is being put in until the
+-- transaction ends: flow.drop_queue waits for the transactions that hold it
+-- to commit before it looks for what uses the queue, and one that comes
+-- after a drop sees the queue gone (a command or definition put in a
+-- dropped queue would never run: claims read the queues there are). Raises
+-- 40001 (try again) when the queue was dropped meanwhile: a definition
+-- moved to another queue, whose old one was dropped while this enqueue had
+-- read it, runs in its new queue at the next try. Returns the queue's name.
+-- (No SET clause, as flow._plan_enqueue, which calls it for every enqueue and
+-- spawn: its callers pin search_path; a SET costs each call a walk of every
+-- setting when it ends.)
+CREATE FUNCTION flow._hold_queue(name text) RETURNS text
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM flow._lock_queue_name(_hold_queue.name, false);
+    -- (after the lock: a statement of its own, whose snapshot sees a drop
+    -- that committed before; a transaction that keeps its snapshot reads the
+    -- row as it now is by locking it, and gets 40001 if it was deleted since)
+    IF current_setting('transaction_isolation') = 'read committed' THEN
+        PERFORM 1 FROM flow._queues x WHERE x.name = _hold_queue.name;
+    ELSE
+        PERFORM 1 FROM flow._queues x WHERE x.name = _hold_queue.name FOR KEY SHARE;
+    END IF;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'flow: queue % was dropped meanwhile', _hold_queue.name USING ERRCODE = '40001',
+            HINT = 'Try again.';
+    END IF;
+    RETURN _hold_queue.name;
+END $$;
+
 -- Put commands in a queue: its owner's members and the roles it was granted to.
 CREATE FUNCTION flow._use_queue(caller oid, name text) RETURNS text
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
@@ -103,11 +133,7 @@ BEGIN
         RAISE EXCEPTION 'flow: queue % belongs to another role', name USING ERRCODE = 'FL011',
             HINT = 'Use a queue of your own, or ask its owner for flow.grant_queue().';
     END IF;
-    -- held to commit, so flow.drop_queue cannot remove a queue under a
-    -- definition or command that names it (FOR KEY SHARE: it holds up neither
-    -- claims nor flow.set_queue, which lock the row FOR NO KEY UPDATE)
-    PERFORM 1 FROM flow._queues x WHERE x.name = q.name FOR KEY SHARE;
-    RETURN q.name;
+    RETURN flow._hold_queue(q.name);
 END $$;
 
 -- Manage a queue (limit, pause, grants): its owner's members; 'default': superusers.
@@ -314,9 +340,10 @@ BEGIN
         RETURN false;
     END IF;
     q := flow._manage_queue(caller, name);   -- checks the caller
-    -- waits for enqueues and defines that name the queue to commit (they hold
-    -- it FOR KEY SHARE), so the checks below see what they wrote
-    PERFORM 1 FROM flow._queues x WHERE x.name = q.name FOR UPDATE;
+    -- waits for the enqueues and defines that put something in the queue to
+    -- commit (flow._hold_queue), so the checks below see what they wrote, and
+    -- holds off those that come after until the queue is gone
+    PERFORM flow._lock_queue_name(q.name, true);
     IF EXISTS (SELECT 1 FROM flow._definitions d WHERE d.queue = q.name)
        OR EXISTS (SELECT 1 FROM flow._commands c                      -- index _commands_due
                   WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END)

@@ -53,7 +53,7 @@ BEGIN
         ends := now() + deadline;
     END IF;
     -- the definition's own queue was its owner's choice; another one must be the caller's to use
-    lane := CASE WHEN queue IS NULL THEN home ELSE flow._use_queue(caller, queue) END;
+    lane := CASE WHEN queue IS NULL THEN flow._hold_queue(home) ELSE flow._use_queue(caller, queue) END;
     IF ends <= due THEN
         RAISE EXCEPTION 'flow: deadline % passes before the run is due at %', ends, due USING ERRCODE = 'FL007';
     END IF;

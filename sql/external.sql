@@ -49,8 +49,9 @@ END $$;
 -- What became of an external attempt (the reference's ResolveCommandAttempt),
 -- for a worker that lost the reply to a claim, heartbeat or settlement:
 -- 'held' (the lease is yours, until lease_expires_at), 'expired' (its lease ran
--- out and nobody concluded it yet: settle it now or lose it), or 'concluded'
--- with the attempt's outcome ('succeeded', 'lease_lost', 'cancelled', ...).
+-- out and nobody concluded it yet; it can no longer be settled, see
+-- flow._leased: a claim or recovery concludes it as lease_lost), or
+-- 'concluded' with the attempt's outcome ('succeeded', 'lease_lost', 'cancelled', ...).
 CREATE FUNCTION flow._resolve(caller oid, command_id uuid, lease_token uuid)
 RETURNS TABLE (state text, outcome text, lease_expires_at timestamptz)
 LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
@@ -125,6 +126,14 @@ BEGIN
     END LOOP;
 END $$;
 
+-- Whether the attempt under lease_token was concluded by a cancel of its run.
+CREATE FUNCTION flow._cancelled_under(caller oid, command_id uuid, lease_token uuid) RETURNS boolean
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT EXISTS (SELECT 1 FROM flow._attempts a JOIN flow._commands x ON x.id = a.command_id
+                   WHERE a.command_id = _cancelled_under.command_id AND a.lease_token = _cancelled_under.lease_token
+                     AND a.outcome = 'cancelled' AND pg_has_role(caller, x.owner, 'MEMBER'))
+$$;
+
 CREATE FUNCTION flow._heartbeat(caller oid, command_id uuid, lease_token uuid, extend interval)
 RETURNS TABLE (lease_expires_at timestamptz, cancelled boolean)
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
@@ -133,13 +142,20 @@ DECLARE
 BEGIN
     PERFORM flow._require_span('extend', extend);
     -- A run cancelled (or failed) under a live lease: tell the worker to stop.
-    IF EXISTS (SELECT 1 FROM flow._attempts a JOIN flow._commands x ON x.id = a.command_id
-               WHERE a.command_id = _heartbeat.command_id AND a.lease_token = _heartbeat.lease_token
-                 AND a.outcome = 'cancelled' AND pg_has_role(caller, x.owner, 'MEMBER')) THEN
+    IF flow._cancelled_under(caller, command_id, lease_token) THEN
         RETURN QUERY SELECT NULL::timestamptz, true;
         RETURN;
     END IF;
-    c := flow._leased(caller, command_id, lease_token);
+    BEGIN
+        c := flow._leased(caller, command_id, lease_token);
+    EXCEPTION WHEN SQLSTATE 'FL013' THEN
+        -- (a cancel that committed while _leased waited for the run's lock)
+        IF flow._cancelled_under(caller, command_id, lease_token) THEN
+            RETURN QUERY SELECT NULL::timestamptz, true;
+            RETURN;
+        END IF;
+        RAISE;
+    END;
     UPDATE flow._commands x SET lease_expires_at = now() + coalesce(extend, x.lease_interval)
     WHERE x.id = c.id
     RETURNING x.lease_expires_at INTO c.lease_expires_at;

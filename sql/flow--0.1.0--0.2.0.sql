@@ -457,6 +457,36 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
     SELECT CASE WHEN r.rolsuper THEN 'default' ELSE 'role:' || r.rolname END FROM pg_roles r WHERE r.oid = caller
 $$;
 
+-- Hold a queue a definition or a command is being put in until the
+-- transaction ends: flow.drop_queue waits for the transactions that hold it
+-- to commit before it looks for what uses the queue, and one that comes
+-- after a drop sees the queue gone (a command or definition put in a
+-- dropped queue would never run: claims read the queues there are). Raises
+-- 40001 (try again) when the queue was dropped meanwhile: a definition
+-- moved to another queue, whose old one was dropped while this enqueue had
+-- read it, runs in its new queue at the next try. Returns the queue's name.
+-- (No SET clause, as flow._plan_enqueue, which calls it for every enqueue and
+-- spawn: its callers pin search_path; a SET costs each call a walk of every
+-- setting when it ends.)
+CREATE OR REPLACE FUNCTION flow._hold_queue(name text) RETURNS text
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM flow._lock_queue_name(_hold_queue.name, false);
+    -- (after the lock: a statement of its own, whose snapshot sees a drop
+    -- that committed before; a transaction that keeps its snapshot reads the
+    -- row as it now is by locking it, and gets 40001 if it was deleted since)
+    IF current_setting('transaction_isolation') = 'read committed' THEN
+        PERFORM 1 FROM flow._queues x WHERE x.name = _hold_queue.name;
+    ELSE
+        PERFORM 1 FROM flow._queues x WHERE x.name = _hold_queue.name FOR KEY SHARE;
+    END IF;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'flow: queue % was dropped meanwhile', _hold_queue.name USING ERRCODE = '40001',
+            HINT = 'Try again.';
+    END IF;
+    RETURN _hold_queue.name;
+END $$;
+
 -- Put commands in a queue: its owner's members and the roles it was granted to.
 CREATE OR REPLACE FUNCTION flow._use_queue(caller oid, name text) RETURNS text
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
@@ -467,11 +497,7 @@ BEGIN
         RAISE EXCEPTION 'flow: queue % belongs to another role', name USING ERRCODE = 'FL011',
             HINT = 'Use a queue of your own, or ask its owner for flow.grant_queue().';
     END IF;
-    -- held to commit, so flow.drop_queue cannot remove a queue under a
-    -- definition or command that names it (FOR KEY SHARE: it holds up neither
-    -- claims nor flow.set_queue, which lock the row FOR NO KEY UPDATE)
-    PERFORM 1 FROM flow._queues x WHERE x.name = q.name FOR KEY SHARE;
-    RETURN q.name;
+    RETURN flow._hold_queue(q.name);
 END $$;
 
 -- Manage a queue (limit, pause, grants): its owner's members; 'default': superusers.
@@ -678,9 +704,10 @@ BEGIN
         RETURN false;
     END IF;
     q := flow._manage_queue(caller, name);   -- checks the caller
-    -- waits for enqueues and defines that name the queue to commit (they hold
-    -- it FOR KEY SHARE), so the checks below see what they wrote
-    PERFORM 1 FROM flow._queues x WHERE x.name = q.name FOR UPDATE;
+    -- waits for the enqueues and defines that put something in the queue to
+    -- commit (flow._hold_queue), so the checks below see what they wrote, and
+    -- holds off those that come after until the queue is gone
+    PERFORM flow._lock_queue_name(q.name, true);
     IF EXISTS (SELECT 1 FROM flow._definitions d WHERE d.queue = q.name)
        OR EXISTS (SELECT 1 FROM flow._commands c                      -- index _commands_due
                   WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END)
@@ -809,7 +836,7 @@ BEGIN
         ends := now() + deadline;
     END IF;
     -- the definition's own queue was its owner's choice; another one must be the caller's to use
-    lane := CASE WHEN queue IS NULL THEN home ELSE flow._use_queue(caller, queue) END;
+    lane := CASE WHEN queue IS NULL THEN flow._hold_queue(home) ELSE flow._use_queue(caller, queue) END;
     IF ends <= due THEN
         RAISE EXCEPTION 'flow: deadline % passes before the run is due at %', ends, due USING ERRCODE = 'FL007';
     END IF;
@@ -1605,9 +1632,12 @@ BEGIN
         RETURN 'locked';
     END IF;
     IF held_attempt IS NULL THEN
+        -- (a lease concluded as lost was read as expired before this lock:
+        -- a heartbeat committed meanwhile extended it, and it stands)
         SELECT * INTO c FROM flow._commands x
         WHERE x.id = _settle_failure.command_id AND x.status::text = 'running'   -- by id (sql/common.sql)
           AND x.lease_token = _settle_failure.lease_token
+          AND (outcome <> 'lease_lost' OR x.lease_expires_at < now())
         FOR UPDATE;
     ELSE
         SELECT * INTO c FROM flow._commands x
@@ -1875,9 +1905,10 @@ BEGIN
         PERFORM flow._lock_run_and_commands(run_id);
     END;
     PERFORM set_config('lock_timeout', '0', true);
-    -- (as it stands now that it is locked: it may have ended with its root)
+    -- (as it stands now that it is locked: it may have ended with its root,
+    -- or, ended long ago, been deleted by retention while the lock was awaited)
     SELECT * INTO r FROM flow._run_rows x WHERE x.id = run_id;
-    IF r.status <> 'running' THEN
+    IF NOT FOUND OR r.status <> 'running' THEN
         RETURN false;
     END IF;
     PERFORM flow._run_row_needed(run_id);   -- (its root is locked above)
@@ -2246,8 +2277,9 @@ END $$;
 -- What became of an external attempt (the reference's ResolveCommandAttempt),
 -- for a worker that lost the reply to a claim, heartbeat or settlement:
 -- 'held' (the lease is yours, until lease_expires_at), 'expired' (its lease ran
--- out and nobody concluded it yet: settle it now or lose it), or 'concluded'
--- with the attempt's outcome ('succeeded', 'lease_lost', 'cancelled', ...).
+-- out and nobody concluded it yet; it can no longer be settled, see
+-- flow._leased: a claim or recovery concludes it as lease_lost), or
+-- 'concluded' with the attempt's outcome ('succeeded', 'lease_lost', 'cancelled', ...).
 CREATE OR REPLACE FUNCTION flow._resolve(caller oid, command_id uuid, lease_token uuid)
 RETURNS TABLE (state text, outcome text, lease_expires_at timestamptz)
 LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
@@ -2322,6 +2354,14 @@ BEGIN
     END LOOP;
 END $$;
 
+-- Whether the attempt under lease_token was concluded by a cancel of its run.
+CREATE OR REPLACE FUNCTION flow._cancelled_under(caller oid, command_id uuid, lease_token uuid) RETURNS boolean
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT EXISTS (SELECT 1 FROM flow._attempts a JOIN flow._commands x ON x.id = a.command_id
+                   WHERE a.command_id = _cancelled_under.command_id AND a.lease_token = _cancelled_under.lease_token
+                     AND a.outcome = 'cancelled' AND pg_has_role(caller, x.owner, 'MEMBER'))
+$$;
+
 CREATE OR REPLACE FUNCTION flow._heartbeat(caller oid, command_id uuid, lease_token uuid, extend interval)
 RETURNS TABLE (lease_expires_at timestamptz, cancelled boolean)
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
@@ -2330,13 +2370,20 @@ DECLARE
 BEGIN
     PERFORM flow._require_span('extend', extend);
     -- A run cancelled (or failed) under a live lease: tell the worker to stop.
-    IF EXISTS (SELECT 1 FROM flow._attempts a JOIN flow._commands x ON x.id = a.command_id
-               WHERE a.command_id = _heartbeat.command_id AND a.lease_token = _heartbeat.lease_token
-                 AND a.outcome = 'cancelled' AND pg_has_role(caller, x.owner, 'MEMBER')) THEN
+    IF flow._cancelled_under(caller, command_id, lease_token) THEN
         RETURN QUERY SELECT NULL::timestamptz, true;
         RETURN;
     END IF;
-    c := flow._leased(caller, command_id, lease_token);
+    BEGIN
+        c := flow._leased(caller, command_id, lease_token);
+    EXCEPTION WHEN SQLSTATE 'FL013' THEN
+        -- (a cancel that committed while _leased waited for the run's lock)
+        IF flow._cancelled_under(caller, command_id, lease_token) THEN
+            RETURN QUERY SELECT NULL::timestamptz, true;
+            RETURN;
+        END IF;
+        RAISE;
+    END;
     UPDATE flow._commands x SET lease_expires_at = now() + coalesce(extend, x.lease_interval)
     WHERE x.id = c.id
     RETURNING x.lease_expires_at INTO c.lease_expires_at;
@@ -2478,7 +2525,7 @@ BEGIN
         coalesce(message, 'failed by its external worker'), retry_after);
 END $$;
 
--- src/isolation.rs:247
+-- src/isolation.rs:249
 -- flow::isolation::_args_misfit_as
 CREATE OR REPLACE FUNCTION "_args_misfit_as"(
 	"owner" oid, /* pg_sys :: Oid */
@@ -2571,7 +2618,7 @@ STRICT VOLATILE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_lease_token_wrapper';
 
--- src/isolation.rs:264
+-- src/isolation.rs:286
 -- flow::isolation::_lock_event_key
 CREATE OR REPLACE FUNCTION "_lock_event_key"(
 	"name" TEXT, /* & str */
@@ -2582,6 +2629,16 @@ CREATE OR REPLACE FUNCTION "_lock_event_key"(
 STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_lock_event_key_wrapper';
+
+-- src/isolation.rs:301
+-- flow::isolation::_lock_queue_name
+CREATE OR REPLACE FUNCTION "_lock_queue_name"(
+	"name" TEXT, /* & str */
+	"exclusive" bool /* bool */
+) RETURNS void
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', '_lock_queue_name_wrapper';
 
 -- src/api.rs:133
 -- flow::api::_max_payload_bytes

@@ -309,9 +309,12 @@ BEGIN
         RETURN 'locked';
     END IF;
     IF held_attempt IS NULL THEN
+        -- (a lease concluded as lost was read as expired before this lock:
+        -- a heartbeat committed meanwhile extended it, and it stands)
         SELECT * INTO c FROM flow._commands x
         WHERE x.id = _settle_failure.command_id AND x.status::text = 'running'   -- by id (sql/common.sql)
           AND x.lease_token = _settle_failure.lease_token
+          AND (outcome <> 'lease_lost' OR x.lease_expires_at < now())
         FOR UPDATE;
     ELSE
         SELECT * INTO c FROM flow._commands x

@@ -36,9 +36,10 @@ BEGIN
         PERFORM flow._lock_run_and_commands(run_id);
     END;
     PERFORM set_config('lock_timeout', '0', true);
-    -- (as it stands now that it is locked: it may have ended with its root)
+    -- (as it stands now that it is locked: it may have ended with its root,
+    -- or, ended long ago, been deleted by retention while the lock was awaited)
     SELECT * INTO r FROM flow._run_rows x WHERE x.id = run_id;
-    IF r.status <> 'running' THEN
+    IF NOT FOUND OR r.status <> 'running' THEN
         RETURN false;
     END IF;
     PERFORM flow._run_row_needed(run_id);   -- (its root is locked above)

@@ -56,9 +56,11 @@ const WORKER_SETTINGS: &[(&CStr, &CStr)] = &[
     (c"row_security", c"on"),
 ];
 
-/// Lock tag field 4 of flow's event-key locks: pg_advisory_lock() only ever
-/// uses 1 (one bigint key) and 2 (two int keys).
+/// Lock tag field 4 of flow's own locks (see `lock_own`): pg_advisory_lock()
+/// only ever uses 1 (one bigint key) and 2 (two int keys). One per kind of
+/// thing locked, so an event key and a queue never share a lock.
 const EVENT_LOCK_TAG: u16 = 0x464C; // "FL"
+const QUEUE_LOCK_TAG: u16 = 0x4651; // "FQ"
 
 /// Whether a handler ran SET CONSTRAINTS since the last call (which resets
 /// it): its chunk must commit before the next handler runs, or that handler's
@@ -255,33 +257,49 @@ fn _args_misfit_as(owner: pg_sys::Oid, args_type: pg_sys::Oid, args: &str) -> Op
     })
 }
 
-/// Lock the event key (name, key) of one owner's runs (`domain`; 0: of every
-/// owner) until the end of the transaction, under a lock tag of flow's own
-/// that no role can take from SQL. Emitting and creating a wait on the same
-/// key conflict, so a wait created while the event is emitted is never missed
-/// by both sides (see flow._lock_event_emit and flow._lock_event_waits).
-/// `mode`: 'share', 'row exclusive' or 'exclusive'.
-#[pg_extern(volatile, parallel_unsafe)]
-fn _lock_event_key(name: &str, key: &str, domain: pg_sys::Oid, mode: &str) {
+/// Lock `what` (hashed; two things whose hashes agree only wait for each
+/// other needlessly) in `mode` until the end of the transaction, under a lock
+/// tag of flow's own that no role can take from SQL.
+fn lock_own(kind: u16, what: impl std::hash::Hash, mode: pg_sys::LOCKMODE) {
     let hash = {
-        use std::hash::{Hash, Hasher};
+        use std::hash::Hasher;
         let mut h = std::collections::hash_map::DefaultHasher::new();
-        (name, key, domain.to_u32()).hash(&mut h);
+        what.hash(&mut h);
         h.finish()
     };
+    let tag = pg_sys::LOCKTAG {
+        locktag_field1: unsafe { pg_sys::MyDatabaseId }.to_u32(),
+        locktag_field2: (hash >> 32) as u32,
+        locktag_field3: hash as u32,
+        locktag_field4: kind,
+        locktag_type: pg_sys::LockTagType::LOCKTAG_ADVISORY as u8,
+        locktag_lockmethodid: pg_sys::USER_LOCKMETHOD as u8,
+    };
+    unsafe { pg_sys::LockAcquire(&tag, mode, false, false) };
+}
+
+/// Lock the event key (name, key) of one owner's runs (`domain`; 0: of every
+/// owner) until the end of the transaction. Emitting and creating a wait on
+/// the same key conflict, so a wait created while the event is emitted is
+/// never missed by both sides (see flow._lock_event_emit and
+/// flow._lock_event_waits). `mode`: 'share', 'row exclusive' or 'exclusive'.
+#[pg_extern(volatile, parallel_unsafe)]
+fn _lock_event_key(name: &str, key: &str, domain: pg_sys::Oid, mode: &str) {
     let mode = match mode {
         "share" => pg_sys::ShareLock,
         "row exclusive" => pg_sys::RowExclusiveLock,
         "exclusive" => pg_sys::ExclusiveLock,
         _ => pgrx::error!("flow: unknown event lock mode {mode}"),
     };
-    let tag = pg_sys::LOCKTAG {
-        locktag_field1: unsafe { pg_sys::MyDatabaseId }.to_u32(),
-        locktag_field2: (hash >> 32) as u32,
-        locktag_field3: hash as u32,
-        locktag_field4: EVENT_LOCK_TAG,
-        locktag_type: pg_sys::LockTagType::LOCKTAG_ADVISORY as u8,
-        locktag_lockmethodid: pg_sys::USER_LOCKMETHOD as u8,
-    };
-    unsafe { pg_sys::LockAcquire(&tag, mode as pg_sys::LOCKMODE, false, false) };
+    lock_own(EVENT_LOCK_TAG, (name, key, domain.to_u32()), mode as pg_sys::LOCKMODE);
+}
+
+/// Lock a queue's name until the end of the transaction: shared by whoever
+/// puts a definition or a command in the queue (flow._hold_queue), exclusive
+/// by flow.drop_queue, which so waits for them to commit before it looks
+/// for what uses the queue, and makes them wait until it has dropped it.
+#[pg_extern(volatile, parallel_unsafe)]
+fn _lock_queue_name(name: &str, exclusive: bool) {
+    let mode = if exclusive { pg_sys::ExclusiveLock } else { pg_sys::ShareLock };
+    lock_own(QUEUE_LOCK_TAG, name, mode as pg_sys::LOCKMODE);
 }
