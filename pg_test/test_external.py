@@ -486,6 +486,31 @@ def test_a_heartbeat_waiting_for_a_cancel_says_cancelled(pg):
     assert pg.all("SELECT * FROM flow.heartbeat(%s, %s)", cmd, token) == [(None, True)]
 
 
+def test_a_wait_created_while_retention_deletes_its_event_waits_and_does_not_find_it(pg):
+    """Event retention deletes an event only under its key's lock: a wait
+    created on the key meanwhile (here by flow.complete's child) waits for
+    the deletion to commit and then does not find the event (it referred to
+    the event being deleted, and the completion failed on the foreign key,
+    23503)."""
+    parent, child = external(pg), external(pg)
+    event = unique("paid")
+    pg.one(f"SELECT flow.emit('{event}', 'order-7', '{{\"amount\": 10}}')")
+    run = pg.one(f"SELECT flow.enqueue('{parent}')")
+    with pg.connect() as c:
+        [(cmd, token, *_)] = claim(c, parent)
+    children = psycopg.types.json.Jsonb([{"name": child, "key": "ship", "within": "1 hour",
+                                          "waits": [{"name": event, "key": "order-7"}]}])
+    with pg.connect(autocommit=False) as retiring:
+        assert retiring.execute("SELECT flow._retire_events('0 s', 100000)").fetchone()[0] >= 1
+        completing = pg.waiting_call("SELECT flow.complete(%s, %s, '{}', NULL, %s)", (cmd, token, children),
+                                     "%flow.complete%")
+        retiring.commit()
+    assert completing() == [("succeeded",)]
+    assert pg.one("SELECT count(*) FROM flow._events WHERE name = %s", event) == 0
+    assert pg.all("SELECT c.status::text, w.event_position FROM flow._waits w JOIN flow._commands c"
+                  " ON c.id = w.command_id WHERE c.run_id = %s", run) == [("waiting", None)]
+
+
 def test_resolve_tells_a_worker_what_became_of_its_attempt(pg):
     name = external(pg, max_attempts=3, backoff="'10 ms'", backoff_max="'10 ms'")
     run = pg.one(f"SELECT flow.enqueue('{name}')")

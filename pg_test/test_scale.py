@@ -303,6 +303,34 @@ def test_a_runs_commands_are_found_by_index_among_many(pg):
     assert pg.one("SELECT count(*) FROM flow._commands WHERE run_id = %s", done) == 0
 
 
+def test_event_retention_finds_the_waits_of_an_event_by_index(pg):
+    """flow._retire_events keeps the events a wait refers to: it looks for
+    such waits, and the foreign key's check of each deletion does too,
+    through _waits_event, never by reading all of _waits (per event: a pass
+    took 153 s for 5,000 events beside 300,000 waits)."""
+    with pg.connect() as c:
+        c.execute("INSERT INTO flow._waits (command_id, name, key) SELECT gen_random_uuid(), 'retire_probe', 'k' || g"
+                  " FROM generate_series(1, 20000) g")
+        old = "INSERT INTO flow._events (id, name, key, payload, owner, emitted_at)" \
+              " SELECT gen_random_uuid(), 'retire_old', 'k' || g, '{}', 'postgres', now() - interval '2 days'" \
+              " FROM generate_series(1, %s) g RETURNING position"
+        kept = c.execute(old, (1,)).fetchone()[0]
+        c.execute("INSERT INTO flow._waits (command_id, name, key, event_position, satisfied_at)"
+                  " VALUES (gen_random_uuid(), 'retire_old', 'k1', %s, now())", (kept,))
+        c.execute(old, (2000,))
+        c.execute("ANALYZE flow._waits")
+        c.execute("SELECT pg_stat_force_next_flush()")
+        scans = "SELECT seq_scan FROM pg_stat_user_tables WHERE relid = 'flow._waits'::regclass"
+        before = c.execute(scans).fetchone()[0]
+        assert c.execute("SELECT flow._retire_events('1 day', 100000)").fetchone()[0] == 2000
+        c.execute("SELECT pg_stat_force_next_flush()")
+        c.execute("SELECT pg_stat_clear_snapshot()")
+        assert c.execute(scans).fetchone()[0] == before
+        assert c.execute("SELECT count(*) FROM flow._events WHERE name = 'retire_old'").fetchone()[0] == 1
+        assert c.execute("SELECT position FROM flow._events WHERE name = 'retire_old'").fetchone()[0] == kept
+        c.execute("DELETE FROM flow._waits WHERE name IN ('retire_probe', 'retire_old')")
+
+
 def test_workers_draining_one_queue_claim_after_what_the_others_hold():
     """Commands a worker's chunk holds are locked until it commits, and a
     claim skips locked rows (SKIP LOCKED) only after reading each one: a claim

@@ -96,12 +96,15 @@ BEGIN
     -- The run key makes enqueue idempotent: a concurrent insert of the same key
     -- waits for the first to commit, then finds its row. (A run without a key
     -- has no row of its own: see flow._runs.)
-    IF key IS NOT NULL THEN
+    -- (a loop: the run found in the way may be deleted by retention before it
+    -- is read, and the key is then free again)
+    WHILE key IS NOT NULL LOOP
         INSERT INTO flow._runs (id, key, owner, name, version, queue, args, deadline)
         VALUES (run_id, key, caller, _enqueue.name, p.def_version, p.lane, args, p.ends)
         ON CONFLICT (owner, key) WHERE key IS NOT NULL DO NOTHING;      -- index _runs_owner_key
-        IF NOT FOUND THEN
-            SELECT * INTO existing FROM flow._runs r WHERE r.owner = caller AND r.key = _enqueue.key;
+        EXIT WHEN FOUND;
+        SELECT * INTO existing FROM flow._runs r WHERE r.owner = caller AND r.key = _enqueue.key;
+        IF FOUND THEN
             IF existing.name IS DISTINCT FROM _enqueue.name OR existing.version IS DISTINCT FROM p.def_version
                OR existing.args IS DISTINCT FROM args OR existing.queue IS DISTINCT FROM p.lane THEN
                 RAISE EXCEPTION 'flow: run key % was already used for another declaration', key
@@ -111,7 +114,7 @@ BEGIN
             END IF;
             RETURN existing.id;
         END IF;
-    END IF;
+    END LOOP;
     PERFORM flow._insert_roots(caller, name, p.def_version, p.def_external, p.lane, p.due, p.ends,
                                ARRAY[run_id], ARRAY[args]);
     RETURN run_id;

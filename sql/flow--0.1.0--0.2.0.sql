@@ -157,6 +157,8 @@ CREATE UNIQUE INDEX _commands_run_key ON flow._commands (run_id, key) WHERE id <
 ALTER TABLE flow._commands ADD COLUMN owner regrole;
 UPDATE flow._commands c SET owner = r.owner FROM flow._runs r WHERE r.id = c.run_id;
 ALTER TABLE flow._commands ALTER COLUMN owner SET NOT NULL;
+-- The waits an event satisfied are indexed by it (see sql/schema.sql, _waits_event).
+CREATE INDEX _waits_event ON flow._waits (event_position) WHERE event_position IS NOT NULL;
 
 -- src/lib.rs:28
 -- requires:
@@ -879,12 +881,15 @@ BEGIN
     -- The run key makes enqueue idempotent: a concurrent insert of the same key
     -- waits for the first to commit, then finds its row. (A run without a key
     -- has no row of its own: see flow._runs.)
-    IF key IS NOT NULL THEN
+    -- (a loop: the run found in the way may be deleted by retention before it
+    -- is read, and the key is then free again)
+    WHILE key IS NOT NULL LOOP
         INSERT INTO flow._runs (id, key, owner, name, version, queue, args, deadline)
         VALUES (run_id, key, caller, _enqueue.name, p.def_version, p.lane, args, p.ends)
         ON CONFLICT (owner, key) WHERE key IS NOT NULL DO NOTHING;      -- index _runs_owner_key
-        IF NOT FOUND THEN
-            SELECT * INTO existing FROM flow._runs r WHERE r.owner = caller AND r.key = _enqueue.key;
+        EXIT WHEN FOUND;
+        SELECT * INTO existing FROM flow._runs r WHERE r.owner = caller AND r.key = _enqueue.key;
+        IF FOUND THEN
             IF existing.name IS DISTINCT FROM _enqueue.name OR existing.version IS DISTINCT FROM p.def_version
                OR existing.args IS DISTINCT FROM args OR existing.queue IS DISTINCT FROM p.lane THEN
                 RAISE EXCEPTION 'flow: run key % was already used for another declaration', key
@@ -894,7 +899,7 @@ BEGIN
             END IF;
             RETURN existing.id;
         END IF;
-    END IF;
+    END LOOP;
     PERFORM flow._insert_roots(caller, name, p.def_version, p.def_external, p.lane, p.due, p.ends,
                                ARRAY[run_id], ARRAY[args]);
     RETURN run_id;
@@ -1850,14 +1855,24 @@ CREATE OR REPLACE FUNCTION flow._retire_events(older_than interval, max_events i
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
     retired integer;
+    old_events bigint[];
 BEGIN
     PERFORM flow._commit_without_flush();   -- (as flow._prune's)
     PERFORM set_config('flow_internal.retiring_events', 'on', true);
+    -- An event goes only under its key's lock (flow._try_lock_event_key): a
+    -- wait being created on the key keeps it this pass (it may refer to it);
+    -- one created after waits for this pass to commit, and does not find it.
+    -- (A statement of its own, then the deletion in the next: its snapshot
+    -- sees the waits that were committed before the locks were taken.)
+    SELECT array_agg(x.position) INTO old_events
+    FROM (SELECT x.position, x.name, x.key FROM flow._events x
+          WHERE x.emitted_at < now() - older_than
+            AND NOT EXISTS (SELECT 1 FROM flow._waits w WHERE w.event_position = x.position)   -- index _waits_event
+          ORDER BY x.position LIMIT max_events) x
+    WHERE flow._try_lock_event_key(x.name, x.key);
     DELETE FROM flow._events e
-    WHERE e.position IN (SELECT x.position FROM flow._events x
-                         WHERE x.emitted_at < now() - older_than
-                           AND NOT EXISTS (SELECT 1 FROM flow._waits w WHERE w.event_position = x.position)
-                         ORDER BY x.position LIMIT max_events);
+    WHERE e.position = ANY (old_events)
+      AND NOT EXISTS (SELECT 1 FROM flow._waits w WHERE w.event_position = e.position);
     GET DIAGNOSTICS retired = ROW_COUNT;
     PERFORM set_config('flow_internal.retiring_events', 'off', true);
     RETURN retired;
@@ -2618,7 +2633,7 @@ STRICT VOLATILE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_lease_token_wrapper';
 
--- src/isolation.rs:286
+-- src/isolation.rs:288
 -- flow::isolation::_lock_event_key
 CREATE OR REPLACE FUNCTION "_lock_event_key"(
 	"name" TEXT, /* & str */
@@ -2630,7 +2645,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_lock_event_key_wrapper';
 
--- src/isolation.rs:301
+-- src/isolation.rs:313
 -- flow::isolation::_lock_queue_name
 CREATE OR REPLACE FUNCTION "_lock_queue_name"(
 	"name" TEXT, /* & str */
@@ -2714,6 +2729,16 @@ CREATE OR REPLACE FUNCTION "_ticket"() RETURNS bigint /* i64 */
 STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_ticket_wrapper';
+
+-- src/isolation.rs:304
+-- flow::isolation::_try_lock_event_key
+CREATE OR REPLACE FUNCTION "_try_lock_event_key"(
+	"name" TEXT, /* & str */
+	"key" TEXT /* & str */
+) RETURNS bool /* bool */
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', '_try_lock_event_key_wrapper';
 
 -- src/api.rs:50
 -- flow::api::_wake

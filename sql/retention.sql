@@ -91,14 +91,24 @@ CREATE FUNCTION flow._retire_events(older_than interval, max_events integer) RET
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
     retired integer;
+    old_events bigint[];
 BEGIN
     PERFORM flow._commit_without_flush();   -- (as flow._prune's)
     PERFORM set_config('flow_internal.retiring_events', 'on', true);
+    -- An event goes only under its key's lock (flow._try_lock_event_key): a
+    -- wait being created on the key keeps it this pass (it may refer to it);
+    -- one created after waits for this pass to commit, and does not find it.
+    -- (A statement of its own, then the deletion in the next: its snapshot
+    -- sees the waits that were committed before the locks were taken.)
+    SELECT array_agg(x.position) INTO old_events
+    FROM (SELECT x.position, x.name, x.key FROM flow._events x
+          WHERE x.emitted_at < now() - older_than
+            AND NOT EXISTS (SELECT 1 FROM flow._waits w WHERE w.event_position = x.position)   -- index _waits_event
+          ORDER BY x.position LIMIT max_events) x
+    WHERE flow._try_lock_event_key(x.name, x.key);
     DELETE FROM flow._events e
-    WHERE e.position IN (SELECT x.position FROM flow._events x
-                         WHERE x.emitted_at < now() - older_than
-                           AND NOT EXISTS (SELECT 1 FROM flow._waits w WHERE w.event_position = x.position)
-                         ORDER BY x.position LIMIT max_events);
+    WHERE e.position = ANY (old_events)
+      AND NOT EXISTS (SELECT 1 FROM flow._waits w WHERE w.event_position = e.position);
     GET DIAGNOSTICS retired = ROW_COUNT;
     PERFORM set_config('flow_internal.retiring_events', 'off', true);
     RETURN retired;

@@ -298,6 +298,11 @@ CREATE TABLE flow._waits (
     CHECK ((event_position IS NULL) = (satisfied_at IS NULL))
 );
 CREATE INDEX _waits_open ON flow._waits (name, key) WHERE event_position IS NULL;
+-- The waits an event satisfied: event retention keeps the events a wait
+-- refers to, and the foreign key's check on each deletion looks for them
+-- (without it, a pass of flow._retire_events read all of _waits per event:
+-- 153 s for 5,000 events beside 300,000 waits).
+CREATE INDEX _waits_event ON flow._waits (event_position) WHERE event_position IS NOT NULL;
 
 -- Every command leaves dead row versions behind (claim, settlement, pruning):
 -- autovacuum visits the busy tables after 2 % of their rows changed, not 20 %,

@@ -259,8 +259,9 @@ fn _args_misfit_as(owner: pg_sys::Oid, args_type: pg_sys::Oid, args: &str) -> Op
 
 /// Lock `what` (hashed; two things whose hashes agree only wait for each
 /// other needlessly) in `mode` until the end of the transaction, under a lock
-/// tag of flow's own that no role can take from SQL.
-fn lock_own(kind: u16, what: impl std::hash::Hash, mode: pg_sys::LOCKMODE) {
+/// tag of flow's own that no role can take from SQL. With `wait` false, only
+/// if no other transaction holds it in a conflicting mode (then false).
+fn lock_own(kind: u16, what: impl std::hash::Hash, mode: pg_sys::LOCKMODE, wait: bool) -> bool {
     let hash = {
         use std::hash::Hasher;
         let mut h = std::collections::hash_map::DefaultHasher::new();
@@ -275,7 +276,8 @@ fn lock_own(kind: u16, what: impl std::hash::Hash, mode: pg_sys::LOCKMODE) {
         locktag_type: pg_sys::LockTagType::LOCKTAG_ADVISORY as u8,
         locktag_lockmethodid: pg_sys::USER_LOCKMETHOD as u8,
     };
-    unsafe { pg_sys::LockAcquire(&tag, mode, false, false) };
+    let got = unsafe { pg_sys::LockAcquire(&tag, mode, false, !wait) };
+    got != pg_sys::LockAcquireResult::LOCKACQUIRE_NOT_AVAIL
 }
 
 /// Lock the event key (name, key) of one owner's runs (`domain`; 0: of every
@@ -291,7 +293,17 @@ fn _lock_event_key(name: &str, key: &str, domain: pg_sys::Oid, mode: &str) {
         "exclusive" => pg_sys::ExclusiveLock,
         _ => pgrx::error!("flow: unknown event lock mode {mode}"),
     };
-    lock_own(EVENT_LOCK_TAG, (name, key, domain.to_u32()), mode as pg_sys::LOCKMODE);
+    lock_own(EVENT_LOCK_TAG, (name, key, domain.to_u32()), mode as pg_sys::LOCKMODE, true);
+}
+
+/// Lock the event key (name, key) of every owner's runs in share mode unless
+/// a wait on it is being created (then false): flow._retire_events deletes
+/// an event only under it, so a wait created meanwhile either waits for the
+/// deletion to commit and does not find the event, or holds the key and the
+/// event stays (a wait referring to it would fail the deletion).
+#[pg_extern(volatile, parallel_unsafe)]
+fn _try_lock_event_key(name: &str, key: &str) -> bool {
+    lock_own(EVENT_LOCK_TAG, (name, key, 0u32), pg_sys::ShareLock as pg_sys::LOCKMODE, false)
 }
 
 /// Lock a queue's name until the end of the transaction: shared by whoever
@@ -301,5 +313,5 @@ fn _lock_event_key(name: &str, key: &str, domain: pg_sys::Oid, mode: &str) {
 #[pg_extern(volatile, parallel_unsafe)]
 fn _lock_queue_name(name: &str, exclusive: bool) {
     let mode = if exclusive { pg_sys::ExclusiveLock } else { pg_sys::ShareLock };
-    lock_own(QUEUE_LOCK_TAG, name, mode as pg_sys::LOCKMODE);
+    lock_own(QUEUE_LOCK_TAG, name, mode as pg_sys::LOCKMODE, true);
 }

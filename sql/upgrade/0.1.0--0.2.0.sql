@@ -153,3 +153,5 @@ CREATE UNIQUE INDEX _commands_run_key ON flow._commands (run_id, key) WHERE id <
 ALTER TABLE flow._commands ADD COLUMN owner regrole;
 UPDATE flow._commands c SET owner = r.owner FROM flow._runs r WHERE r.id = c.run_id;
 ALTER TABLE flow._commands ALTER COLUMN owner SET NOT NULL;
+-- The waits an event satisfied are indexed by it (see sql/schema.sql, _waits_event).
+CREATE INDEX _waits_event ON flow._waits (event_position) WHERE event_position IS NOT NULL;
