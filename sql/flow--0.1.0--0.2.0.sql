@@ -2032,6 +2032,7 @@ LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     pos bigint;
     waiting uuid;
+    promoted uuid[];
     emitter_run uuid := (SELECT c.run_id FROM flow._commands c WHERE c.id = emitter);
 BEGIN
     PERFORM flow._require_name('event name', name);
@@ -2047,12 +2048,18 @@ BEGIN
     VALUES (flow._new_id(), name, key, payload, caller, emitter_run, emitter)
     RETURNING position INTO pos;
     PERFORM flow._observe('events', 1);
-    FOR waiting IN
+    -- The waiting commands are promoted (each locked) in id order: two emits
+    -- of different events that satisfy waits of the same commands lock them
+    -- in the same order, never in the order each one's waits were found in,
+    -- which may be opposite and deadlock.
+    WITH satisfied AS (
         UPDATE flow._waits w SET event_position = pos, satisfied_at = now()
         WHERE w.name = _emit.name AND w.key = _emit.key AND w.event_position IS NULL   -- index _waits_open
           AND flow._may_satisfy(caller, emitter_run, w.command_id)
         RETURNING w.command_id
-    LOOP
+    )
+    SELECT array_agg(s.command_id ORDER BY s.command_id) INTO promoted FROM satisfied s;
+    FOREACH waiting IN ARRAY coalesce(promoted, '{}') LOOP
         PERFORM flow._promote_if_satisfied(waiting);
     END LOOP;
     PERFORM flow._wake_due_from(now());   -- (a command promoted is due at now() or later)
