@@ -1859,9 +1859,10 @@ DECLARE
 BEGIN
     PERFORM flow._commit_without_flush();   -- (as flow._prune's)
     PERFORM set_config('flow_internal.retiring_events', 'on', true);
-    -- An event goes only under its key's lock (flow._try_lock_event_key): a
-    -- wait being created on the key keeps it this pass (it may refer to it);
-    -- one created after waits for this pass to commit, and does not find it.
+    -- An event goes only under its key's bucket lock (flow._lock_event_bucket):
+    -- a wait being created on a key of the bucket keeps it this pass (it may
+    -- refer to it); one created after waits for this pass to commit, and does
+    -- not find it.
     -- (A statement of its own, then the deletion in the next: its snapshot
     -- sees the waits that were committed before the locks were taken.)
     SELECT array_agg(x.position) INTO old_events
@@ -1869,7 +1870,7 @@ BEGIN
           WHERE x.emitted_at < now() - older_than
             AND NOT EXISTS (SELECT 1 FROM flow._waits w WHERE w.event_position = x.position)   -- index _waits_event
           ORDER BY x.position LIMIT max_events) x
-    WHERE flow._try_lock_event_key(x.name, x.key);
+    WHERE flow._lock_event_bucket(x.name, x.key, true, false);
     DELETE FROM flow._events e
     WHERE e.position = ANY (old_events)
       AND NOT EXISTS (SELECT 1 FROM flow._waits w WHERE w.event_position = e.position);
@@ -1986,11 +1987,13 @@ BEGIN
     END LOOP;
 END $$;
 
--- Before a wait on (name, key) is created in a run of run_owner (see above).
+-- Before a wait on (name, key) is created in a run of run_owner (see above;
+-- and its bucket's lock, against event retention: src/isolation.rs).
 CREATE OR REPLACE FUNCTION flow._lock_event_waits(name text, key text, run_owner oid) RETURNS void
 LANGUAGE sql SET search_path = pg_catalog, pg_temp AS $$
     SELECT flow._lock_event_key(name, key, 0, 'row exclusive'),
-           flow._lock_event_key(name, key, run_owner, 'exclusive')
+           flow._lock_event_key(name, key, run_owner, 'exclusive'),
+           flow._lock_event_bucket(name, key, false, true)
 $$;
 
 -- Mark the open waits of one command satisfied by the newest journal entries
@@ -2547,7 +2550,7 @@ BEGIN
         coalesce(message, 'failed by its external worker'), retry_after);
 END $$;
 
--- src/isolation.rs:249
+-- src/isolation.rs:250
 -- flow::isolation::_args_misfit_as
 CREATE OR REPLACE FUNCTION "_args_misfit_as"(
 	"owner" oid, /* pg_sys :: Oid */
@@ -2640,7 +2643,19 @@ STRICT VOLATILE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_lease_token_wrapper';
 
--- src/isolation.rs:288
+-- src/isolation.rs:313
+-- flow::isolation::_lock_event_bucket
+CREATE OR REPLACE FUNCTION "_lock_event_bucket"(
+	"name" TEXT, /* & str */
+	"key" TEXT, /* & str */
+	"share" bool, /* bool */
+	"wait" bool /* bool */
+) RETURNS bool /* bool */
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', '_lock_event_bucket_wrapper';
+
+-- src/isolation.rs:289
 -- flow::isolation::_lock_event_key
 CREATE OR REPLACE FUNCTION "_lock_event_key"(
 	"name" TEXT, /* & str */
@@ -2652,7 +2667,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_lock_event_key_wrapper';
 
--- src/isolation.rs:313
+-- src/isolation.rs:329
 -- flow::isolation::_lock_queue_name
 CREATE OR REPLACE FUNCTION "_lock_queue_name"(
 	"name" TEXT, /* & str */
@@ -2736,16 +2751,6 @@ CREATE OR REPLACE FUNCTION "_ticket"() RETURNS bigint /* i64 */
 STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_ticket_wrapper';
-
--- src/isolation.rs:304
--- flow::isolation::_try_lock_event_key
-CREATE OR REPLACE FUNCTION "_try_lock_event_key"(
-	"name" TEXT, /* & str */
-	"key" TEXT /* & str */
-) RETURNS bool /* bool */
-STRICT VOLATILE PARALLEL UNSAFE
-LANGUAGE c /* Rust */
-AS 'MODULE_PATHNAME', '_try_lock_event_key_wrapper';
 
 -- src/api.rs:50
 -- flow::api::_wake

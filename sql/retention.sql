@@ -95,9 +95,10 @@ DECLARE
 BEGIN
     PERFORM flow._commit_without_flush();   -- (as flow._prune's)
     PERFORM set_config('flow_internal.retiring_events', 'on', true);
-    -- An event goes only under its key's lock (flow._try_lock_event_key): a
-    -- wait being created on the key keeps it this pass (it may refer to it);
-    -- one created after waits for this pass to commit, and does not find it.
+    -- An event goes only under its key's bucket lock (flow._lock_event_bucket):
+    -- a wait being created on a key of the bucket keeps it this pass (it may
+    -- refer to it); one created after waits for this pass to commit, and does
+    -- not find it.
     -- (A statement of its own, then the deletion in the next: its snapshot
     -- sees the waits that were committed before the locks were taken.)
     SELECT array_agg(x.position) INTO old_events
@@ -105,7 +106,7 @@ BEGIN
           WHERE x.emitted_at < now() - older_than
             AND NOT EXISTS (SELECT 1 FROM flow._waits w WHERE w.event_position = x.position)   -- index _waits_event
           ORDER BY x.position LIMIT max_events) x
-    WHERE flow._try_lock_event_key(x.name, x.key);
+    WHERE flow._lock_event_bucket(x.name, x.key, true, false);
     DELETE FROM flow._events e
     WHERE e.position = ANY (old_events)
       AND NOT EXISTS (SELECT 1 FROM flow._waits w WHERE w.event_position = e.position);

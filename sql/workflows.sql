@@ -102,11 +102,13 @@ BEGIN
     END LOOP;
 END $$;
 
--- Before a wait on (name, key) is created in a run of run_owner (see above).
+-- Before a wait on (name, key) is created in a run of run_owner (see above;
+-- and its bucket's lock, against event retention: src/isolation.rs).
 CREATE FUNCTION flow._lock_event_waits(name text, key text, run_owner oid) RETURNS void
 LANGUAGE sql SET search_path = pg_catalog, pg_temp AS $$
     SELECT flow._lock_event_key(name, key, 0, 'row exclusive'),
-           flow._lock_event_key(name, key, run_owner, 'exclusive')
+           flow._lock_event_key(name, key, run_owner, 'exclusive'),
+           flow._lock_event_bucket(name, key, false, true)
 $$;
 
 -- Mark the open waits of one command satisfied by the newest journal entries

@@ -61,6 +61,7 @@ const WORKER_SETTINGS: &[(&CStr, &CStr)] = &[
 /// thing locked, so an event key and a queue never share a lock.
 const EVENT_LOCK_TAG: u16 = 0x464C; // "FL"
 const QUEUE_LOCK_TAG: u16 = 0x4651; // "FQ"
+const EVENT_BUCKET_LOCK_TAG: u16 = 0x4652; // "FR"
 
 /// Whether a handler ran SET CONSTRAINTS since the last call (which resets
 /// it): its chunk must commit before the next handler runs, or that handler's
@@ -296,14 +297,29 @@ fn _lock_event_key(name: &str, key: &str, domain: pg_sys::Oid, mode: &str) {
     lock_own(EVENT_LOCK_TAG, (name, key, domain.to_u32()), mode as pg_sys::LOCKMODE, true);
 }
 
-/// Lock the event key (name, key) of every owner's runs in share mode unless
-/// a wait on it is being created (then false): flow._retire_events deletes
-/// an event only under it, so a wait created meanwhile either waits for the
-/// deletion to commit and does not find the event, or holds the key and the
-/// event stays (a wait referring to it would fail the deletion).
+/// Event retention and the creation of waits on the same event key conflict
+/// through one of EVENT_BUCKETS locks (the key's bucket), not a lock per key:
+/// a pass of retention deletes thousands of events, and a lock each would
+/// fill the server's lock table. A wait's creation takes its key's bucket
+/// (`share` false: row exclusive, never in another creation's way) and
+/// holds it to commit; flow._retire_events deletes an event only under its
+/// bucket (`share` true), taken without waiting (`wait` false: false when a
+/// wait is being created in that bucket, and the event stays this pass). So
+/// a wait created meanwhile either waits for the deletion to commit and does
+/// not find the event, or keeps it (a wait referring to an event being
+/// deleted failed its foreign key).
+const EVENT_BUCKETS: u64 = 64;
+
 #[pg_extern(volatile, parallel_unsafe)]
-fn _try_lock_event_key(name: &str, key: &str) -> bool {
-    lock_own(EVENT_LOCK_TAG, (name, key, 0u32), pg_sys::ShareLock as pg_sys::LOCKMODE, false)
+fn _lock_event_bucket(name: &str, key: &str, share: bool, wait: bool) -> bool {
+    let bucket = {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        (name, key).hash(&mut h);
+        h.finish() % EVENT_BUCKETS
+    };
+    let mode = if share { pg_sys::ShareLock } else { pg_sys::RowExclusiveLock };
+    lock_own(EVENT_BUCKET_LOCK_TAG, bucket, mode as pg_sys::LOCKMODE, wait)
 }
 
 /// Lock a queue's name until the end of the transaction: shared by whoever
