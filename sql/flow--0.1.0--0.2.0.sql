@@ -2452,8 +2452,8 @@ END $$;
 -- 'succeeded' means settled by this call: the commands are read without a
 -- lock, and one that moves on before the settlement locks it (a cancel
 -- committed meanwhile, its lease concluded as lost by a claim, the same
--- completion made by another call) is not settled; it is read again, after
--- the settlement, and reported as it then is.
+-- completion made by another call) is not settled. Every command not
+-- settled is read again, after the settlement, and reported as it then is.
 -- (Generic plans, as flow._settle_batch's: every statement is driven by the
 -- ids given; a custom plan per call planned them all again, 150 us of a
 -- call's 270 with nothing to settle, 0.5 us per command of a client's 100.)
@@ -2468,7 +2468,6 @@ DECLARE
     ids uuid[];
     tokens uuid[];
     outcomes text[];
-    moved_on boolean;
 BEGIN
     IF command_ids IS NULL OR lease_tokens IS NULL
        OR cardinality(command_ids) <> cardinality(lease_tokens)
@@ -2502,8 +2501,7 @@ BEGIN
     WITH item AS (
         SELECT t.id, t.token, t.result,
                (c.status = 'running' AND c.lease_token = t.token AND c.lease_pid IS NULL
-                AND c.lease_expires_at >= now()) AS held,
-               c.status = 'succeeded' AS succeeded, c.lease_token AS kept_token
+                AND c.lease_expires_at >= now()) AS held
         FROM unnest(command_ids, lease_tokens, coalesce(results, array_fill(NULL::jsonb,
                     ARRAY[cardinality(command_ids)]))) AS t(id, token, result)
         JOIN flow._commands c ON c.id = ANY (ARRAY[t.id])   -- (a probe per command: sql/common.sql)
@@ -2514,16 +2512,11 @@ BEGIN
     -- (the aggregates of one statement take its rows in the same order: the
     -- arrays stay aligned)
     SELECT array_agg(i.id), array_agg(i.token),
-           array_agg(CASE WHEN i.held AND i.id = ANY (s.ids) THEN 'succeeded'
-                          WHEN i.held THEN NULL   -- moved on: read again below
-                          WHEN i.succeeded AND flow._succeeded_under(i.id, i.kept_token, i.token)
-                              THEN 'already_completed'
-                          ELSE 'lease_lost' END),
-           bool_or(i.held AND i.id <> ALL (s.ids))
-    INTO ids, tokens, outcomes, moved_on
+           array_agg(CASE WHEN i.held AND i.id = ANY (s.ids) THEN 'succeeded' END)   -- (NULL: read again below)
+    INTO ids, tokens, outcomes
     FROM item i, settled s;
     -- (a statement of its own: its snapshot sees what the settlement waited for)
-    IF moved_on THEN
+    IF array_position(outcomes, NULL) IS NOT NULL THEN
         SELECT array_agg(coalesce(t.outcome,
                    CASE WHEN EXISTS (SELECT 1 FROM flow._commands c
                                      WHERE c.id = t.id AND c.status = 'succeeded'
@@ -2643,7 +2636,7 @@ STRICT VOLATILE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_lease_token_wrapper';
 
--- src/isolation.rs:313
+-- src/isolation.rs:316
 -- flow::isolation::_lock_event_bucket
 CREATE OR REPLACE FUNCTION "_lock_event_bucket"(
 	"name" TEXT, /* & str */
@@ -2655,7 +2648,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_lock_event_bucket_wrapper';
 
--- src/isolation.rs:289
+-- src/isolation.rs:292
 -- flow::isolation::_lock_event_key
 CREATE OR REPLACE FUNCTION "_lock_event_key"(
 	"name" TEXT, /* & str */
@@ -2667,7 +2660,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_lock_event_key_wrapper';
 
--- src/isolation.rs:329
+-- src/isolation.rs:327
 -- flow::isolation::_lock_queue_name
 CREATE OR REPLACE FUNCTION "_lock_queue_name"(
 	"name" TEXT, /* & str */

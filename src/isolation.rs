@@ -258,17 +258,20 @@ fn _args_misfit_as(owner: pg_sys::Oid, args_type: pg_sys::Oid, args: &str) -> Op
     })
 }
 
+/// A 64-bit hash of `what`, the same in every backend (fixed keys).
+fn hash64(what: impl std::hash::Hash) -> u64 {
+    use std::hash::Hasher;
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    what.hash(&mut h);
+    h.finish()
+}
+
 /// Lock `what` (hashed; two things whose hashes agree only wait for each
 /// other needlessly) in `mode` until the end of the transaction, under a lock
 /// tag of flow's own that no role can take from SQL. With `wait` false, only
 /// if no other transaction holds it in a conflicting mode (then false).
 fn lock_own(kind: u16, what: impl std::hash::Hash, mode: pg_sys::LOCKMODE, wait: bool) -> bool {
-    let hash = {
-        use std::hash::Hasher;
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        what.hash(&mut h);
-        h.finish()
-    };
+    let hash = hash64(what);
     let tag = pg_sys::LOCKTAG {
         locktag_field1: unsafe { pg_sys::MyDatabaseId }.to_u32(),
         locktag_field2: (hash >> 32) as u32,
@@ -312,12 +315,7 @@ const EVENT_BUCKETS: u64 = 64;
 
 #[pg_extern(volatile, parallel_unsafe)]
 fn _lock_event_bucket(name: &str, key: &str, share: bool, wait: bool) -> bool {
-    let bucket = {
-        use std::hash::{Hash, Hasher};
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        (name, key).hash(&mut h);
-        h.finish() % EVENT_BUCKETS
-    };
+    let bucket = hash64((name, key)) % EVENT_BUCKETS;
     let mode = if share { pg_sys::ShareLock } else { pg_sys::RowExclusiveLock };
     lock_own(EVENT_BUCKET_LOCK_TAG, bucket, mode as pg_sys::LOCKMODE, wait)
 }
