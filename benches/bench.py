@@ -282,16 +282,21 @@ EXTERNAL_FLOOR_COMPLETE = """
       AND c.lease_token = t.token"""
 
 
-def external_clients(pg, clients, n, bare=False):
+def external_clients(pg, clients, n, mode="leased"):
     """`clients` concurrent external workers claiming 100 and settling with
-    complete_many (bare: with EXTERNAL_FLOOR_CLAIM and _COMPLETE instead)."""
+    complete_many: under a lease, each call its own transaction ("leased"),
+    or held by the client's transaction, claim and completion in one
+    ("held": flow.claim's hold); "bare": EXTERNAL_FLOOR_CLAIM and _COMPLETE
+    instead."""
     with pg.connect() as c:
         for _ in range(n // 1000):
             c.execute("SELECT flow.enqueue_many('external_noop', array_fill('{}'::jsonb, array[1000]))")
     done = [0] * clients
+    bare, held = mode == "bare", mode == "held"
 
     def work(i):
-        with psycopg.connect(f"host=127.0.0.1 port={pg.port} user=postgres dbname=postgres", autocommit=True) as c:
+        with psycopg.connect(f"host=127.0.0.1 port={pg.port} user=postgres dbname=postgres",
+                             autocommit=not held) as c:
             if bare:   # (the index plans flow's functions pin)
                 c.execute("SET enable_seqscan = off; SET enable_bitmapscan = off; SET enable_hashjoin = off;"
                           " SET enable_mergejoin = off")
@@ -302,11 +307,15 @@ def external_clients(pg, clients, n, bare=False):
                     after = max(((r[2], r[0]) for r in claimed), default=after)
                 else:
                     claimed = c.execute("SELECT command_id, lease_token FROM flow.claim(array['external_noop'],"
-                                        " 'bench', 100)").fetchall()
+                                        " 'bench', 100, hold => %s)", (held,)).fetchall()
                 if not claimed:
+                    if held:
+                        c.commit()
                     return
                 c.execute(EXTERNAL_FLOOR_COMPLETE if bare else "SELECT count(*) FROM flow.complete_many(%s, %s)",
                           ([r[0] for r in claimed], [r[1] for r in claimed]))
+                if held:
+                    c.commit()
                 done[i] += len(claimed)
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(clients)]
@@ -475,8 +484,9 @@ def main():
             add("reader alone (queries/s)", reader_alone(pg))
             add("reader during the writing drain (queries/s)", read_during)
             add("flow enqueue_many x1000 (runs/s)", enqueue_many_rate(pg, N_DRAIN))
-            add("flow external, 4 clients (cmds/s)", external_clients(pg, 4, N_DRAIN))
-            add("external floor, 4 clients, two bare writes (cmds/s)", external_clients(pg, 4, N_DRAIN, bare=True))
+            add("flow external, 4 clients, held (cmds/s)", external_clients(pg, 4, N_DRAIN, "held"))
+            add("flow external, 4 clients, leased (cmds/s)", external_clients(pg, 4, N_DRAIN, "leased"))
+            add("external floor, 4 clients, two bare writes (cmds/s)", external_clients(pg, 4, N_DRAIN, "bare"))
             quiet(pg)
             g = graphile("latency", r)
             add("graphile pickup p50 (ms)", g["p50_ms"])

@@ -196,6 +196,14 @@ END $$;
 -- server. Its owner's role (and members of it) may claim and settle it.
 
 -- Take up to `max` due commands of these definitions under a lease.
+-- With hold => true, inside a transaction block, they are held by the
+-- caller's transaction instead: the claim locks their rows and writes
+-- nothing, and their settlement in the same transaction (complete_many,
+-- complete, fail) writes each once; the transaction's end releases what it
+-- did not settle, each such attempt counted as interrupted (by worker 0,
+-- src/external.rs). No heartbeat: the lease is the transaction. (A limited
+-- queue's commands are still leased, so that they count as running: their
+-- lease runs out if the transaction commits them unsettled.)
 -- (Not a thin SQL wrapper like the others: every layer of set-returning
 -- function copies each claimed row, with its context, once more, and an SQL
 -- function's statement is planned at every call. This is an external
@@ -208,7 +216,7 @@ END $$;
 -- the head walked them all (src/external.rs keeps the ends). Short from
 -- there, it takes the rest from the head.
 CREATE FUNCTION flow.claim(names text[], worker text, max integer DEFAULT 1, lease interval DEFAULT NULL,
-    caller_ticket bigint DEFAULT flow._ticket())
+    hold boolean DEFAULT false, caller_ticket bigint DEFAULT flow._ticket())
 RETURNS TABLE (command_id uuid, run_id uuid, name text, version integer, queue text, args jsonb,
                attempt integer, lease_token uuid, lease_expires_at timestamptz, deadline timestamptz,
                context flow.context)
@@ -216,6 +224,7 @@ LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     lease_for interval := coalesce(lease, make_interval(secs => flow._lease_duration_s()));
     alone text := CASE WHEN cardinality(names) = 1 THEN names[1] END;
+    holding boolean := coalesce(hold, false);
     after_queue text;
     after_at timestamptz;
     after_id uuid;
@@ -223,14 +232,30 @@ DECLARE
     taken integer;
 BEGIN
     PERFORM flow._prepare_external_claim(flow._redeem(caller_ticket), names, worker, max, lease_for);
+    IF holding THEN
+        IF NOT flow._in_transaction_block() THEN
+            RAISE EXCEPTION 'flow: a claim with hold => true must run inside a transaction block (BEGIN ... COMMIT)'
+                USING ERRCODE = '25P01', HINT = 'Its commands are held until the transaction ends.';
+        END IF;
+        IF flow._held_worker() <> worker THEN
+            RAISE EXCEPTION 'flow: this transaction holds commands for worker %, not %', flow._held_worker(), worker
+                USING ERRCODE = '22023';
+        END IF;
+        IF current_setting('flow.workers')::integer = 0 THEN
+            RAISE EXCEPTION 'flow: a claim with hold => true needs flow.workers >= 1'
+                USING ERRCODE = '55000', DETAIL = 'Worker 0 counts the attempts of transactions that end unsettled.';
+        END IF;
+    END IF;
     SELECT s.queue, s.due_at, s.id INTO after_queue, after_at, after_id FROM flow._external_claim_start(alone) s;
     LOOP
         RETURN QUERY
             SELECT c.command_id, c.run_id, c.name, c.version, c.queue, c.args, c.attempt, c.lease_token,
                    c.lease_expires_at, c.deadline, c.context
             FROM flow._claim(worker, NULL, NULL, wanted, lease_for, names, (random() * 1000)::integer,
-                             NULL, NULL, CASE WHEN after_queue IS NOT NULL THEN ARRAY[after_queue] END,
-                             ARRAY[after_at], ARRAY[after_id]) c;
+                             NULL, flow._claim_excluded(), CASE WHEN after_queue IS NOT NULL THEN ARRAY[after_queue] END,
+                             ARRAY[after_at], ARRAY[after_id], holding) c
+            -- (each held claim noted for the transaction's end: src/external.rs)
+            WHERE NOT holding OR flow._note_held(c.command_id, c.lease_token, c.attempt, c.lease_expires_at IS NULL, worker);
         GET DIAGNOSTICS taken = ROW_COUNT;
         EXIT WHEN after_queue IS NULL OR taken >= wanted;
         after_queue := NULL;

@@ -24,8 +24,10 @@ $$;
 --   record of the held attempt it is in, outside the transaction (see
 --   src/attempt_record.rs). A held command is returned with no lease
 --   (lease_expires_at NULL) and the number of the attempt it makes.
--- `excluded`: commands other workers' records name, left alone until those
--- records are concluded.
+--   An external claim with `hold` holds its commands the same way, for its
+--   client's transaction (flow.claim's hold; rule 3: src/external.rs).
+-- `excluded`: commands other workers' records name, or whose abandoned held
+-- attempts wait for worker 0, left alone until those are concluded.
 -- In-database workers pass their pid and backend start (names NULL: commands
 -- with an SQL handler); external workers pass definition names and a lease.
 -- Fairness (rule 2): every unpaused queue with due work offers its head, in
@@ -46,7 +48,8 @@ $$;
 CREATE FUNCTION flow._claim(owner_name text, owner_pid integer, owner_started timestamptz,
     max_count integer, lease interval, names text[], turn integer,
     fast_handlers oid[] DEFAULT NULL, excluded uuid[] DEFAULT NULL,
-    after_queues text[] DEFAULT NULL, after_at timestamptz[] DEFAULT NULL, after_ids uuid[] DEFAULT NULL)
+    after_queues text[] DEFAULT NULL, after_at timestamptz[] DEFAULT NULL, after_ids uuid[] DEFAULT NULL,
+    hold boolean DEFAULT false)
 RETURNS SETOF flow.claimed_command
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off
     SET plan_cache_mode = force_generic_plan AS $$
@@ -161,7 +164,7 @@ BEGIN
             -- them runs, so no row is copied into a store first)
             SELECT h.id, h.run_id, h.key, h.name, h.version, h.queue, h.args, h.status, h.attempts, h.next_run_at,
                    h.deadline, h.wait_timed_out, h.created_at, h.row_at, h.budget_start, l.ord,
-                   coalesce(l.unlimited AND h.handler = ANY (fast_handlers), false) AS held,
+                   coalesce(l.unlimited AND (h.handler = ANY (fast_handlers) OR hold), false) AS held,
                    h.handler, h.owner, h.takes_context, h.timeout, h.max_elapsed, h.args_type,
                    l.room
             FROM share l CROSS JOIN LATERAL (
@@ -325,11 +328,14 @@ BEGIN
         ) h
         -- An external claim notes where it ended, for the next claims of its
         -- definition (src/external.rs): a one-time filter, run once, before any
-        -- row is handed on, and never for an in-database worker's claim.
+        -- row is handed on, and never for an in-database worker's claim. (From
+        -- what it locked: a held claim's commands stay in the due index, locked,
+        -- until its client's transaction ends, and the next claims would skip
+        -- each of them again.)
         WHERE names IS NULL
            OR (SELECT flow._external_claim_ended(CASE WHEN cardinality(names) = 1 THEN names[1] END, max_count,
                                                  array_agg(k.queue), array_agg(k.next_run_at), array_agg(k.id))
-               FROM claimed k);
+               FROM picked k);
 
         -- An external claim from several lanes took each one's share: it claims
         -- the rest of its max from the lanes that had more (its rows are

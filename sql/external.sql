@@ -10,6 +10,15 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
                    AND a.lease_token = _succeeded_under.lease_token AND a.outcome = 'succeeded')
 $$;
 
+-- The attempt this transaction holds command_id in under lease_token
+-- (flow.claim's hold) and has not settled; NULL: none.
+-- (plpgsql: the function it calls is written by pgrx, after this file)
+CREATE FUNCTION flow._held_attempt(command_id uuid, lease_token uuid) RETURNS integer
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    RETURN (flow._held_attempts(ARRAY[command_id], ARRAY[lease_token]))[1];
+END $$;
+
 -- The running command behind an external lease, locked, after checking the
 -- caller may resolve it. A wrong or stale token is FL013; a command already
 -- settled under this very token is FL017 (double completion).
@@ -64,6 +73,10 @@ BEGIN
     SELECT d.owner INTO owner_ FROM flow._definitions d WHERE d.name = c.name AND d.version = c.version;
     IF NOT FOUND OR NOT pg_has_role(caller, owner_, 'MEMBER') THEN
         RAISE EXCEPTION 'flow: no command with id %', command_id USING ERRCODE = 'FL014';
+    END IF;
+    IF flow._held_attempt(command_id, lease_token) IS NOT NULL THEN   -- (by this transaction: flow.claim's hold)
+        RETURN QUERY SELECT 'held', NULL::text, NULL::timestamptz;
+        RETURN;
     END IF;
     IF c.status = 'running' AND c.lease_token = _resolve.lease_token AND c.lease_pid IS NULL THEN
         RETURN QUERY SELECT CASE WHEN c.lease_expires_at >= now() THEN 'held' ELSE 'expired' END, NULL::text,
@@ -141,6 +154,12 @@ DECLARE
     c flow._commands;
 BEGIN
     PERFORM flow._require_span('extend', extend);
+    -- Held by this transaction (flow.claim's hold): no lease to extend, and
+    -- no cancel before the transaction ends (a cancel waits for its locks).
+    IF flow._held_attempt(command_id, lease_token) IS NOT NULL THEN
+        RETURN QUERY SELECT NULL::timestamptz, false;
+        RETURN;
+    END IF;
     -- A run cancelled (or failed) under a live lease: tell the worker to stop.
     IF flow._cancelled_under(caller, command_id, lease_token) THEN
         RETURN QUERY SELECT NULL::timestamptz, true;
@@ -168,9 +187,19 @@ CREATE FUNCTION flow._complete(caller oid, command_id uuid, lease_token uuid, re
 RETURNS text
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
-    c flow._commands := flow._leased(caller, command_id, lease_token);
+    held integer := flow._held_attempt(command_id, lease_token);
+    c flow._commands;
+    row_at tid;
     item jsonb;
 BEGIN
+    IF held IS NULL THEN
+        c := flow._leased(caller, command_id, lease_token);
+    ELSE
+        -- held by this transaction's claim, which checked the caller's right
+        -- and locked it (and its run, for a command not its run's root)
+        SELECT * INTO c FROM flow._commands x WHERE x.id = command_id;
+        SELECT x.ctid INTO row_at FROM flow._commands x WHERE x.id = command_id;
+    END IF;
     IF result IS NOT NULL THEN
         PERFORM flow._require_payload('result', result, false);
     END IF;
@@ -188,7 +217,13 @@ BEGIN
             (item->>'within')::interval, (item->>'version')::integer, item->>'queue');
     END LOOP;
     -- _leased holds the run's lock, as _settle_batch requires.
-    PERFORM flow._settle_batch(ARRAY[c.id], ARRAY[c.lease_token], ARRAY[result]);
+    IF held IS NULL THEN
+        PERFORM flow._settle_batch(ARRAY[c.id], ARRAY[c.lease_token], ARRAY[result]);
+    ELSE
+        PERFORM flow._settle_batch(ARRAY[c.id], ARRAY[lease_token], ARRAY[result], ARRAY[now()], ARRAY[held],
+                                   flow._held_worker(), ARRAY[row_at]),
+                flow._held_settled(ARRAY[c.id]);
+    END IF;
     RETURN 'succeeded';
 END $$;
 
@@ -215,6 +250,8 @@ DECLARE
     ids uuid[];
     tokens uuid[];
     outcomes text[];
+    -- the attempts of the commands this transaction holds (flow.claim's hold), aligned; NULL: none
+    held_attempts integer[] := flow._held_attempts(command_ids, lease_tokens);
 BEGIN
     IF command_ids IS NULL OR lease_tokens IS NULL
        OR cardinality(command_ids) <> cardinality(lease_tokens)
@@ -246,22 +283,35 @@ BEGIN
         PERFORM flow._lock_runs(runs, true);
     END IF;
     WITH item AS (
-        SELECT t.id, t.token, t.result,
-               (c.status = 'running' AND c.lease_token = t.token AND c.lease_pid IS NULL
-                AND c.lease_expires_at >= now()) AS held
+        -- held: this transaction's claim locked it (its settlement writes the
+        -- claim's attempt too, at the row the lock kept in place); leased: the
+        -- lease is still the token's
+        SELECT t.id, t.token, t.result, t.attempt, c.ctid AS row_at,
+               CASE WHEN t.attempt IS NOT NULL THEN now() END AS started,
+               (t.attempt IS NOT NULL
+                OR c.status = 'running' AND c.lease_token = t.token AND c.lease_pid IS NULL
+                   AND c.lease_expires_at >= now()) AS settleable
         FROM unnest(command_ids, lease_tokens, coalesce(results, array_fill(NULL::jsonb,
-                    ARRAY[cardinality(command_ids)]))) AS t(id, token, result)
+                    ARRAY[cardinality(command_ids)])), held_attempts) AS t(id, token, result, attempt)
         JOIN flow._commands c ON c.id = ANY (ARRAY[t.id])   -- (a probe per command: sql/common.sql)
     ), settled AS (
-        SELECT coalesce(flow._settle_batch(array_agg(i.id), array_agg(i.token), array_agg(i.result)), '{}') AS ids
-        FROM item i WHERE i.held
+        -- (a held root's first attempt spawned nothing: only flow.complete
+        -- spawns for an external command, and it settles the command too)
+        SELECT coalesce(flow._settle_batch(array_agg(i.id), array_agg(i.token), array_agg(i.result),
+                                           array_agg(i.started), array_agg(i.attempt), flow._held_worker(),
+                                           array_agg(i.row_at), false), '{}') AS ids
+        FROM item i WHERE i.settleable
     )
     -- (the aggregates of one statement take its rows in the same order: the
     -- arrays stay aligned)
     SELECT array_agg(i.id), array_agg(i.token),
-           array_agg(CASE WHEN i.held AND i.id = ANY (s.ids) THEN 'succeeded' END)   -- (NULL: read again below)
+           array_agg(CASE WHEN i.settleable AND i.id = ANY (s.ids) THEN 'succeeded' END)   -- (NULL: read again below)
     INTO ids, tokens, outcomes
     FROM item i, settled s;
+    IF held_attempts IS NOT NULL THEN
+        PERFORM flow._held_settled(ARRAY(SELECT t.id FROM unnest(ids, outcomes) AS t(id, outcome)
+                                         WHERE t.outcome = 'succeeded'));
+    END IF;
     -- (a statement of its own: its snapshot sees what the settlement waited for)
     IF array_position(outcomes, NULL) IS NOT NULL THEN
         SELECT array_agg(coalesce(t.outcome,
@@ -280,12 +330,21 @@ CREATE FUNCTION flow._fail_external(caller oid, command_id uuid, lease_token uui
 RETURNS text
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
-    c flow._commands;
+    held integer := flow._held_attempt(command_id, lease_token);
+    outcome text;
 BEGIN
     PERFORM flow._require_span('retry_after', retry_after);
-    c := flow._leased(caller, command_id, lease_token);
-    RETURN flow._settle_failure(c.id, c.lease_token,
+    IF held IS NULL THEN
+        PERFORM flow._leased(caller, command_id, lease_token);
+    END IF;
+    -- (held: by this transaction's claim, which checked the caller's right)
+    outcome := flow._settle_failure(command_id, lease_token,
         CASE WHEN permanent THEN 'permanent' WHEN retry_after IS NOT NULL THEN 'retry_after' ELSE 'retryable' END,
         coalesce(code, CASE WHEN permanent THEN 'permanent' ELSE 'worker_error' END),
-        coalesce(message, 'failed by its external worker'), retry_after);
+        coalesce(message, 'failed by its external worker'), retry_after,
+        CASE WHEN held IS NOT NULL THEN now() END, held, flow._held_worker());
+    IF held IS NOT NULL THEN
+        PERFORM flow._held_settled(ARRAY[command_id]);
+    END IF;
+    RETURN outcome;
 END $$;

@@ -159,6 +159,8 @@ UPDATE flow._commands c SET owner = r.owner FROM flow._runs r WHERE r.id = c.run
 ALTER TABLE flow._commands ALTER COLUMN owner SET NOT NULL;
 -- The waits an event satisfied are indexed by it (see sql/schema.sql, _waits_event).
 CREATE INDEX _waits_event ON flow._waits (event_position) WHERE event_position IS NOT NULL;
+-- A claim may hold its commands for the caller's transaction (flow.claim's hold).
+DROP FUNCTION flow.claim(text[], text, integer, interval, bigint);
 
 -- src/lib.rs:28
 -- requires:
@@ -976,8 +978,10 @@ $$;
 --   record of the held attempt it is in, outside the transaction (see
 --   src/attempt_record.rs). A held command is returned with no lease
 --   (lease_expires_at NULL) and the number of the attempt it makes.
--- `excluded`: commands other workers' records name, left alone until those
--- records are concluded.
+--   An external claim with `hold` holds its commands the same way, for its
+--   client's transaction (flow.claim's hold; rule 3: src/external.rs).
+-- `excluded`: commands other workers' records name, or whose abandoned held
+-- attempts wait for worker 0, left alone until those are concluded.
 -- In-database workers pass their pid and backend start (names NULL: commands
 -- with an SQL handler); external workers pass definition names and a lease.
 -- Fairness (rule 2): every unpaused queue with due work offers its head, in
@@ -998,7 +1002,8 @@ $$;
 CREATE OR REPLACE FUNCTION flow._claim(owner_name text, owner_pid integer, owner_started timestamptz,
     max_count integer, lease interval, names text[], turn integer,
     fast_handlers oid[] DEFAULT NULL, excluded uuid[] DEFAULT NULL,
-    after_queues text[] DEFAULT NULL, after_at timestamptz[] DEFAULT NULL, after_ids uuid[] DEFAULT NULL)
+    after_queues text[] DEFAULT NULL, after_at timestamptz[] DEFAULT NULL, after_ids uuid[] DEFAULT NULL,
+    hold boolean DEFAULT false)
 RETURNS SETOF flow.claimed_command
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off
     SET plan_cache_mode = force_generic_plan AS $$
@@ -1113,7 +1118,7 @@ BEGIN
             -- them runs, so no row is copied into a store first)
             SELECT h.id, h.run_id, h.key, h.name, h.version, h.queue, h.args, h.status, h.attempts, h.next_run_at,
                    h.deadline, h.wait_timed_out, h.created_at, h.row_at, h.budget_start, l.ord,
-                   coalesce(l.unlimited AND h.handler = ANY (fast_handlers), false) AS held,
+                   coalesce(l.unlimited AND (h.handler = ANY (fast_handlers) OR hold), false) AS held,
                    h.handler, h.owner, h.takes_context, h.timeout, h.max_elapsed, h.args_type,
                    l.room
             FROM share l CROSS JOIN LATERAL (
@@ -1277,11 +1282,14 @@ BEGIN
         ) h
         -- An external claim notes where it ended, for the next claims of its
         -- definition (src/external.rs): a one-time filter, run once, before any
-        -- row is handed on, and never for an in-database worker's claim.
+        -- row is handed on, and never for an in-database worker's claim. (From
+        -- what it locked: a held claim's commands stay in the due index, locked,
+        -- until its client's transaction ends, and the next claims would skip
+        -- each of them again.)
         WHERE names IS NULL
            OR (SELECT flow._external_claim_ended(CASE WHEN cardinality(names) = 1 THEN names[1] END, max_count,
                                                  array_agg(k.queue), array_agg(k.next_run_at), array_agg(k.id))
-               FROM claimed k);
+               FROM picked k);
 
         -- An external claim from several lanes took each one's share: it claims
         -- the rest of its max from the lanes that had more (its rows are
@@ -2263,6 +2271,15 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
                    AND a.lease_token = _succeeded_under.lease_token AND a.outcome = 'succeeded')
 $$;
 
+-- The attempt this transaction holds command_id in under lease_token
+-- (flow.claim's hold) and has not settled; NULL: none.
+-- (plpgsql: the function it calls is written by pgrx, after this file)
+CREATE OR REPLACE FUNCTION flow._held_attempt(command_id uuid, lease_token uuid) RETURNS integer
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    RETURN (flow._held_attempts(ARRAY[command_id], ARRAY[lease_token]))[1];
+END $$;
+
 -- The running command behind an external lease, locked, after checking the
 -- caller may resolve it. A wrong or stale token is FL013; a command already
 -- settled under this very token is FL017 (double completion).
@@ -2317,6 +2334,10 @@ BEGIN
     SELECT d.owner INTO owner_ FROM flow._definitions d WHERE d.name = c.name AND d.version = c.version;
     IF NOT FOUND OR NOT pg_has_role(caller, owner_, 'MEMBER') THEN
         RAISE EXCEPTION 'flow: no command with id %', command_id USING ERRCODE = 'FL014';
+    END IF;
+    IF flow._held_attempt(command_id, lease_token) IS NOT NULL THEN   -- (by this transaction: flow.claim's hold)
+        RETURN QUERY SELECT 'held', NULL::text, NULL::timestamptz;
+        RETURN;
     END IF;
     IF c.status = 'running' AND c.lease_token = _resolve.lease_token AND c.lease_pid IS NULL THEN
         RETURN QUERY SELECT CASE WHEN c.lease_expires_at >= now() THEN 'held' ELSE 'expired' END, NULL::text,
@@ -2394,6 +2415,12 @@ DECLARE
     c flow._commands;
 BEGIN
     PERFORM flow._require_span('extend', extend);
+    -- Held by this transaction (flow.claim's hold): no lease to extend, and
+    -- no cancel before the transaction ends (a cancel waits for its locks).
+    IF flow._held_attempt(command_id, lease_token) IS NOT NULL THEN
+        RETURN QUERY SELECT NULL::timestamptz, false;
+        RETURN;
+    END IF;
     -- A run cancelled (or failed) under a live lease: tell the worker to stop.
     IF flow._cancelled_under(caller, command_id, lease_token) THEN
         RETURN QUERY SELECT NULL::timestamptz, true;
@@ -2421,9 +2448,19 @@ CREATE OR REPLACE FUNCTION flow._complete(caller oid, command_id uuid, lease_tok
 RETURNS text
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
-    c flow._commands := flow._leased(caller, command_id, lease_token);
+    held integer := flow._held_attempt(command_id, lease_token);
+    c flow._commands;
+    row_at tid;
     item jsonb;
 BEGIN
+    IF held IS NULL THEN
+        c := flow._leased(caller, command_id, lease_token);
+    ELSE
+        -- held by this transaction's claim, which checked the caller's right
+        -- and locked it (and its run, for a command not its run's root)
+        SELECT * INTO c FROM flow._commands x WHERE x.id = command_id;
+        SELECT x.ctid INTO row_at FROM flow._commands x WHERE x.id = command_id;
+    END IF;
     IF result IS NOT NULL THEN
         PERFORM flow._require_payload('result', result, false);
     END IF;
@@ -2441,7 +2478,13 @@ BEGIN
             (item->>'within')::interval, (item->>'version')::integer, item->>'queue');
     END LOOP;
     -- _leased holds the run's lock, as _settle_batch requires.
-    PERFORM flow._settle_batch(ARRAY[c.id], ARRAY[c.lease_token], ARRAY[result]);
+    IF held IS NULL THEN
+        PERFORM flow._settle_batch(ARRAY[c.id], ARRAY[c.lease_token], ARRAY[result]);
+    ELSE
+        PERFORM flow._settle_batch(ARRAY[c.id], ARRAY[lease_token], ARRAY[result], ARRAY[now()], ARRAY[held],
+                                   flow._held_worker(), ARRAY[row_at]),
+                flow._held_settled(ARRAY[c.id]);
+    END IF;
     RETURN 'succeeded';
 END $$;
 
@@ -2468,6 +2511,8 @@ DECLARE
     ids uuid[];
     tokens uuid[];
     outcomes text[];
+    -- the attempts of the commands this transaction holds (flow.claim's hold), aligned; NULL: none
+    held_attempts integer[] := flow._held_attempts(command_ids, lease_tokens);
 BEGIN
     IF command_ids IS NULL OR lease_tokens IS NULL
        OR cardinality(command_ids) <> cardinality(lease_tokens)
@@ -2499,22 +2544,35 @@ BEGIN
         PERFORM flow._lock_runs(runs, true);
     END IF;
     WITH item AS (
-        SELECT t.id, t.token, t.result,
-               (c.status = 'running' AND c.lease_token = t.token AND c.lease_pid IS NULL
-                AND c.lease_expires_at >= now()) AS held
+        -- held: this transaction's claim locked it (its settlement writes the
+        -- claim's attempt too, at the row the lock kept in place); leased: the
+        -- lease is still the token's
+        SELECT t.id, t.token, t.result, t.attempt, c.ctid AS row_at,
+               CASE WHEN t.attempt IS NOT NULL THEN now() END AS started,
+               (t.attempt IS NOT NULL
+                OR c.status = 'running' AND c.lease_token = t.token AND c.lease_pid IS NULL
+                   AND c.lease_expires_at >= now()) AS settleable
         FROM unnest(command_ids, lease_tokens, coalesce(results, array_fill(NULL::jsonb,
-                    ARRAY[cardinality(command_ids)]))) AS t(id, token, result)
+                    ARRAY[cardinality(command_ids)])), held_attempts) AS t(id, token, result, attempt)
         JOIN flow._commands c ON c.id = ANY (ARRAY[t.id])   -- (a probe per command: sql/common.sql)
     ), settled AS (
-        SELECT coalesce(flow._settle_batch(array_agg(i.id), array_agg(i.token), array_agg(i.result)), '{}') AS ids
-        FROM item i WHERE i.held
+        -- (a held root's first attempt spawned nothing: only flow.complete
+        -- spawns for an external command, and it settles the command too)
+        SELECT coalesce(flow._settle_batch(array_agg(i.id), array_agg(i.token), array_agg(i.result),
+                                           array_agg(i.started), array_agg(i.attempt), flow._held_worker(),
+                                           array_agg(i.row_at), false), '{}') AS ids
+        FROM item i WHERE i.settleable
     )
     -- (the aggregates of one statement take its rows in the same order: the
     -- arrays stay aligned)
     SELECT array_agg(i.id), array_agg(i.token),
-           array_agg(CASE WHEN i.held AND i.id = ANY (s.ids) THEN 'succeeded' END)   -- (NULL: read again below)
+           array_agg(CASE WHEN i.settleable AND i.id = ANY (s.ids) THEN 'succeeded' END)   -- (NULL: read again below)
     INTO ids, tokens, outcomes
     FROM item i, settled s;
+    IF held_attempts IS NOT NULL THEN
+        PERFORM flow._held_settled(ARRAY(SELECT t.id FROM unnest(ids, outcomes) AS t(id, outcome)
+                                         WHERE t.outcome = 'succeeded'));
+    END IF;
     -- (a statement of its own: its snapshot sees what the settlement waited for)
     IF array_position(outcomes, NULL) IS NOT NULL THEN
         SELECT array_agg(coalesce(t.outcome,
@@ -2533,14 +2591,23 @@ CREATE OR REPLACE FUNCTION flow._fail_external(caller oid, command_id uuid, leas
 RETURNS text
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
-    c flow._commands;
+    held integer := flow._held_attempt(command_id, lease_token);
+    outcome text;
 BEGIN
     PERFORM flow._require_span('retry_after', retry_after);
-    c := flow._leased(caller, command_id, lease_token);
-    RETURN flow._settle_failure(c.id, c.lease_token,
+    IF held IS NULL THEN
+        PERFORM flow._leased(caller, command_id, lease_token);
+    END IF;
+    -- (held: by this transaction's claim, which checked the caller's right)
+    outcome := flow._settle_failure(command_id, lease_token,
         CASE WHEN permanent THEN 'permanent' WHEN retry_after IS NOT NULL THEN 'retry_after' ELSE 'retryable' END,
         coalesce(code, CASE WHEN permanent THEN 'permanent' ELSE 'worker_error' END),
-        coalesce(message, 'failed by its external worker'), retry_after);
+        coalesce(message, 'failed by its external worker'), retry_after,
+        CASE WHEN held IS NOT NULL THEN now() END, held, flow._held_worker());
+    IF held IS NOT NULL THEN
+        PERFORM flow._held_settled(ARRAY[command_id]);
+    END IF;
+    RETURN outcome;
 END $$;
 
 -- src/isolation.rs:250
@@ -2553,6 +2620,13 @@ CREATE OR REPLACE FUNCTION "_args_misfit_as"(
 STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_args_misfit_as_wrapper';
+
+-- src/external.rs:175
+-- flow::external::_claim_excluded
+CREATE OR REPLACE FUNCTION "_claim_excluded"() RETURNS uuid[] /* :: std :: option :: Option < Vec < pgrx :: Uuid > > */
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', '_claim_excluded_wrapper';
 
 -- src/invariants.rs:31
 -- flow::invariants::_command_row_is_consistent
@@ -2587,7 +2661,7 @@ VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_decide_wrapper';
 
--- src/external.rs:33
+-- src/external.rs:35
 -- flow::external::_external_claim_ended
 CREATE OR REPLACE FUNCTION "_external_claim_ended"(
 	"definition" TEXT, /* Option < & str > */
@@ -2600,7 +2674,7 @@ VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_external_claim_ended_wrapper';
 
--- src/external.rs:18
+-- src/external.rs:20
 -- flow::external::_external_claim_start
 CREATE OR REPLACE FUNCTION "_external_claim_start"(
 	"definition" TEXT /* Option < & str > */
@@ -2612,6 +2686,39 @@ CREATE OR REPLACE FUNCTION "_external_claim_start"(
 VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_external_claim_start_wrapper';
+
+-- src/external.rs:135
+-- flow::external::_held_attempts
+CREATE OR REPLACE FUNCTION "_held_attempts"(
+	"command_ids" uuid[], /* Vec < Option < pgrx :: Uuid > > */
+	"lease_tokens" uuid[] /* Vec < Option < pgrx :: Uuid > > */
+) RETURNS INT[] /* :: std :: option :: Option < Vec < Option < i32 > > > */
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', '_held_attempts_wrapper';
+
+-- src/external.rs:157
+-- flow::external::_held_settled
+CREATE OR REPLACE FUNCTION "_held_settled"(
+	"command_ids" uuid[] /* Vec < Option < pgrx :: Uuid > > */
+) RETURNS bool /* bool */
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', '_held_settled_wrapper';
+
+-- src/external.rs:116
+-- flow::external::_held_worker
+CREATE OR REPLACE FUNCTION "_held_worker"() RETURNS TEXT /* Option < String > */
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', '_held_worker_wrapper';
+
+-- src/external.rs:110
+-- flow::external::_in_transaction_block
+CREATE OR REPLACE FUNCTION "_in_transaction_block"() RETURNS bool /* bool */
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', '_in_transaction_block_wrapper';
 
 -- src/api.rs:65
 -- flow::api::_interrupt_run
@@ -2683,6 +2790,19 @@ CREATE OR REPLACE FUNCTION "_new_id"() RETURNS uuid /* pgrx :: Uuid */
 STRICT VOLATILE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_new_id_wrapper';
+
+-- src/external.rs:123
+-- flow::external::_note_held
+CREATE OR REPLACE FUNCTION "_note_held"(
+	"command_id" uuid, /* pgrx :: Uuid */
+	"lease_token" uuid, /* pgrx :: Uuid */
+	"attempt" INT, /* i32 */
+	"held" bool, /* bool */
+	"worker" TEXT /* & str */
+) RETURNS bool /* bool */
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', '_note_held_wrapper';
 
 -- src/executor.rs:225
 -- flow::executor::_note_spawn
@@ -2994,6 +3114,14 @@ END $$;
 -- server. Its owner's role (and members of it) may claim and settle it.
 
 -- Take up to `max` due commands of these definitions under a lease.
+-- With hold => true, inside a transaction block, they are held by the
+-- caller's transaction instead: the claim locks their rows and writes
+-- nothing, and their settlement in the same transaction (complete_many,
+-- complete, fail) writes each once; the transaction's end releases what it
+-- did not settle, each such attempt counted as interrupted (by worker 0,
+-- src/external.rs). No heartbeat: the lease is the transaction. (A limited
+-- queue's commands are still leased, so that they count as running: their
+-- lease runs out if the transaction commits them unsettled.)
 -- (Not a thin SQL wrapper like the others: every layer of set-returning
 -- function copies each claimed row, with its context, once more, and an SQL
 -- function's statement is planned at every call. This is an external
@@ -3006,7 +3134,7 @@ END $$;
 -- the head walked them all (src/external.rs keeps the ends). Short from
 -- there, it takes the rest from the head.
 CREATE OR REPLACE FUNCTION flow.claim(names text[], worker text, max integer DEFAULT 1, lease interval DEFAULT NULL,
-    caller_ticket bigint DEFAULT flow._ticket())
+    hold boolean DEFAULT false, caller_ticket bigint DEFAULT flow._ticket())
 RETURNS TABLE (command_id uuid, run_id uuid, name text, version integer, queue text, args jsonb,
                attempt integer, lease_token uuid, lease_expires_at timestamptz, deadline timestamptz,
                context flow.context)
@@ -3014,6 +3142,7 @@ LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     lease_for interval := coalesce(lease, make_interval(secs => flow._lease_duration_s()));
     alone text := CASE WHEN cardinality(names) = 1 THEN names[1] END;
+    holding boolean := coalesce(hold, false);
     after_queue text;
     after_at timestamptz;
     after_id uuid;
@@ -3021,14 +3150,30 @@ DECLARE
     taken integer;
 BEGIN
     PERFORM flow._prepare_external_claim(flow._redeem(caller_ticket), names, worker, max, lease_for);
+    IF holding THEN
+        IF NOT flow._in_transaction_block() THEN
+            RAISE EXCEPTION 'flow: a claim with hold => true must run inside a transaction block (BEGIN ... COMMIT)'
+                USING ERRCODE = '25P01', HINT = 'Its commands are held until the transaction ends.';
+        END IF;
+        IF flow._held_worker() <> worker THEN
+            RAISE EXCEPTION 'flow: this transaction holds commands for worker %, not %', flow._held_worker(), worker
+                USING ERRCODE = '22023';
+        END IF;
+        IF current_setting('flow.workers')::integer = 0 THEN
+            RAISE EXCEPTION 'flow: a claim with hold => true needs flow.workers >= 1'
+                USING ERRCODE = '55000', DETAIL = 'Worker 0 counts the attempts of transactions that end unsettled.';
+        END IF;
+    END IF;
     SELECT s.queue, s.due_at, s.id INTO after_queue, after_at, after_id FROM flow._external_claim_start(alone) s;
     LOOP
         RETURN QUERY
             SELECT c.command_id, c.run_id, c.name, c.version, c.queue, c.args, c.attempt, c.lease_token,
                    c.lease_expires_at, c.deadline, c.context
             FROM flow._claim(worker, NULL, NULL, wanted, lease_for, names, (random() * 1000)::integer,
-                             NULL, NULL, CASE WHEN after_queue IS NOT NULL THEN ARRAY[after_queue] END,
-                             ARRAY[after_at], ARRAY[after_id]) c;
+                             NULL, flow._claim_excluded(), CASE WHEN after_queue IS NOT NULL THEN ARRAY[after_queue] END,
+                             ARRAY[after_at], ARRAY[after_id], holding) c
+            -- (each held claim noted for the transaction's end: src/external.rs)
+            WHERE NOT holding OR flow._note_held(c.command_id, c.lease_token, c.attempt, c.lease_expires_at IS NULL, worker);
         GET DIAGNOSTICS taken = ROW_COUNT;
         EXIT WHEN after_queue IS NULL OR taken >= wanted;
         after_queue := NULL;

@@ -1485,21 +1485,32 @@ pub fn settle_engine_error(command: &AttemptId, message: &str, sqlstate: &str, w
     in_subtransaction(|| Ok::<_, ()>(settle_failure(command, &permanent, None, worker, true)), |_| ()).is_ok()
 }
 
-/// Conclude the held attempt a stopped worker recorded (see
-/// attempt_record.rs) as interrupted, as recovery concludes a leased one
-/// whose owner died; nothing changes if the command has moved on since
-/// (settled, or another attempt counted). Returns whether it was concluded.
-pub fn conclude_held(command: [u8; 16], attempt: i32, worker: &str) -> bool {
+/// Conclude a held attempt that ended unsettled as interrupted, as recovery
+/// concludes a leased one whose owner died: the one a stopped worker
+/// recorded (see attempt_record.rs), or one an external client's transaction
+/// abandoned (src/external.rs; `abandoned`). Nothing changes if the command
+/// has moved on since (settled, or another attempt counted). Returns whether
+/// it was concluded.
+pub fn conclude_held(command: [u8; 16], attempt: i32, worker: &str, abandoned: bool) -> bool {
     let held = AttemptId {
         command_id: pgrx::Uuid::from_bytes(command),
         lease_token: crate::api::_new_id(),
         held_attempt: Some(attempt),
     };
-    let interrupted = Failure {
-        class: "interrupted",
-        code: "owner_died".into(),
-        message: "the worker running this attempt exited before settling it".into(),
-        delay_us: None,
+    let interrupted = if abandoned {
+        Failure {
+            class: "interrupted",
+            code: "transaction_ended".into(),
+            message: "the external worker's transaction holding this attempt ended without settling it".into(),
+            delay_us: None,
+        }
+    } else {
+        Failure {
+            class: "interrupted",
+            code: "owner_died".into(),
+            message: "the worker running this attempt exited before settling it".into(),
+            delay_us: None,
+        }
     };
     settle_failure(&held, &interrupted, None, worker, true) != Settled::Expired
 }

@@ -1,8 +1,10 @@
-//! External workers' claims take up where the last full claim of the same
-//! definition ended, as in-database workers' claims do (flow.claim in
-//! sql/api.sql; the shared ends are in `shmem::note_external_end`).
+//! External workers' claims: they take up where the last full claim of the
+//! same definition ended, as in-database workers' claims do (flow.claim in
+//! sql/api.sql; the shared ends are in `shmem::note_external_end`); and the
+//! claims held by a client's own transaction (below).
 
 use crate::{api, executor, shmem};
+use pgrx::pg_sys;
 use pgrx::prelude::*;
 use std::time::Duration;
 
@@ -51,4 +53,216 @@ fn _external_claim_ended(
         _ => shmem::note_external_end(definition, None, span_us),
     }
     true
+}
+
+// ------------------------------------------------------------------ held claims
+//
+// `flow.claim(..., hold => true)` claims commands for the caller's own
+// transaction: the claim locks their rows and writes nothing, and their
+// settlement in the same transaction (flow.complete_many, flow.complete,
+// flow.fail) is the one write of each attempt (see flow._claim, `held`). The
+// row locks keep every other claim off them until the transaction ends.
+//
+// Nothing in the database says such an attempt started, so a client that
+// dies in it (its transaction rolls back) would leave it uncounted, and a
+// command that kills its client every time would run forever (engine rule
+// 3). This backend keeps the held claims of its open transaction here; a
+// transaction (or subtransaction) that ends with some unsettled leaves them
+// in shared memory to worker 0 (shmem::abandon), which concludes each as
+// interrupted in a transaction of its own (retried by policy), and external
+// claims leave those commands alone until it has. A backend's exit rolls
+// its transaction back the same way. Only a crash of the server (which
+// empties shared memory) or a full list (4,096 attempts waiting) loses an
+// abandoned attempt's count.
+
+/// A command claimed held by the open transaction.
+struct HeldClaim {
+    token: [u8; 16],
+    attempt: i32,
+    /// held (its row locked, pending); false: claimed with a lease in this
+    /// transaction (a limited queue's command: the lease counts it as running)
+    held: bool,
+    /// the subtransaction level that claimed it, and that settled it
+    level: i32,
+    settled: Option<i32>,
+}
+
+thread_local! {
+    static HELD: std::cell::RefCell<std::collections::HashMap<[u8; 16], HeldClaim>> =
+        std::cell::RefCell::new(std::collections::HashMap::new());
+    /// the worker name of the open transaction's held claims (one per transaction)
+    static HELD_WORKER: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
+}
+
+pub fn init() {
+    unsafe {
+        pg_sys::RegisterXactCallback(Some(on_xact_event), std::ptr::null_mut());
+        pg_sys::RegisterSubXactCallback(Some(on_subxact_event), std::ptr::null_mut());
+    }
+}
+
+fn nest_level() -> i32 {
+    unsafe { pg_sys::GetCurrentTransactionNestLevel() }
+}
+
+/// Whether the caller is inside a transaction block (BEGIN ... COMMIT): a
+/// held claim outside one would end, and release its rows, with its statement.
+#[pg_extern(volatile, parallel_unsafe)]
+fn _in_transaction_block() -> bool {
+    unsafe { pg_sys::IsTransactionBlock() }
+}
+
+/// The worker name of the open transaction's held claims (NULL: none yet).
+#[pg_extern(volatile, parallel_unsafe)]
+fn _held_worker() -> Option<String> {
+    HELD_WORKER.with(|w| w.borrow().clone())
+}
+
+/// Note a command claimed by `flow.claim(..., hold => true)` in the open
+/// transaction (called for each row it returns; returns true).
+#[pg_extern(volatile, parallel_unsafe)]
+fn _note_held(command_id: pgrx::Uuid, lease_token: pgrx::Uuid, attempt: i32, held: bool, worker: &str) -> bool {
+    HELD_WORKER.with(|w| w.borrow_mut().get_or_insert_with(|| worker.to_string()).clone());
+    let claim =
+        HeldClaim { token: *lease_token.as_bytes(), attempt, held, level: nest_level(), settled: None };
+    HELD.with(|h| h.borrow_mut().insert(*command_id.as_bytes(), claim));
+    true
+}
+
+/// For each (command, token): the number of the attempt the open
+/// transaction holds under that token and has not settled, or NULL. NULL
+/// for all: none is held.
+#[pg_extern(volatile, parallel_unsafe)]
+fn _held_attempts(command_ids: Vec<Option<pgrx::Uuid>>, lease_tokens: Vec<Option<pgrx::Uuid>>) -> Option<Vec<Option<i32>>> {
+    HELD.with(|h| {
+        let h = h.borrow();
+        if h.is_empty() {
+            return None;
+        }
+        let attempts: Vec<Option<i32>> = command_ids
+            .iter()
+            .zip(lease_tokens.iter().chain(std::iter::repeat(&None)))
+            .map(|(id, token)| {
+                let claim = h.get(id.as_ref()?.as_bytes())?;
+                (claim.held && claim.settled.is_none() && Some(claim.token) == token.map(|t| *t.as_bytes()))
+                    .then_some(claim.attempt)
+            })
+            .collect();
+        attempts.iter().any(Option::is_some).then_some(attempts)
+    })
+}
+
+/// Note that these commands were settled by the open transaction (those it
+/// did not claim are ignored). Returns true.
+#[pg_extern(volatile, parallel_unsafe)]
+fn _held_settled(command_ids: Vec<Option<pgrx::Uuid>>) -> bool {
+    let level = nest_level();
+    HELD.with(|h| {
+        let mut h = h.borrow_mut();
+        for id in command_ids.iter().flatten() {
+            if let Some(claim) = h.get_mut(id.as_bytes()) {
+                claim.settled.get_or_insert(level);
+            }
+        }
+    });
+    true
+}
+
+/// The commands an external claim leaves alone (NULL: none): those whose
+/// abandoned held attempts wait for worker 0, and those this transaction
+/// holds unsettled (their rows are locked by this very transaction, which
+/// SKIP LOCKED does not skip).
+#[pg_extern(volatile, parallel_unsafe)]
+fn _claim_excluded() -> Option<Vec<pgrx::Uuid>> {
+    let mut commands = shmem::abandoned_commands();
+    HELD.with(|h| {
+        commands.extend(h.borrow().iter().filter(|(_, c)| c.held && c.settled.is_none()).map(|(id, _)| *id))
+    });
+    (!commands.is_empty()).then(|| commands.into_iter().map(pgrx::Uuid::from_bytes).collect())
+}
+
+/// Leave the attempts of the claims that `ended` picks (and are unsettled
+/// when `unsettled_only`) to worker 0, and forget them.
+fn abandon_where(ended: impl Fn(&HeldClaim) -> bool, unsettled_only: bool) {
+    let worker = HELD_WORKER.with(|w| w.borrow().clone()).unwrap_or_default();
+    let abandoned: Vec<([u8; 16], i32)> = HELD.with(|h| {
+        let mut h = h.borrow_mut();
+        let picked: Vec<[u8; 16]> = h.iter().filter(|(_, c)| ended(c)).map(|(id, _)| *id).collect();
+        picked
+            .into_iter()
+            .filter_map(|id| {
+                let claim = h.remove(&id)?;
+                (!unsettled_only || claim.settled.is_none()).then_some((id, claim.attempt))
+            })
+            .collect()
+    });
+    let list: Vec<([u8; 16], i32, &str)> = abandoned.iter().map(|(id, n)| (*id, *n, worker.as_str())).collect();
+    let lost = shmem::abandon(&list);
+    if lost > 0 {
+        // (as a transaction ends: a LOG line, never an error)
+        pgrx::log!("flow: {lost} abandoned held attempts could not be left to worker 0 and go uncounted");
+    }
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn on_xact_event(event: pg_sys::XactEvent::Type, _arg: *mut std::ffi::c_void) {
+    if HELD.with(|h| h.borrow().is_empty()) {
+        HELD_WORKER.with(|w| w.borrow_mut().take());
+        return;
+    }
+    match event {
+        pg_sys::XactEvent::XACT_EVENT_PRE_PREPARE => {
+            // (before the transaction is prepared: it may still fail)
+            pgrx::ereport!(
+                ERROR,
+                PgSqlErrorCode::ERRCODE_FEATURE_NOT_SUPPORTED,
+                "flow: a transaction holding claimed commands cannot be prepared; settle them first"
+            );
+        }
+        // (before the commit: the rows are still locked, so no claim takes
+        // them before worker 0 is told; it waits for this commit to conclude
+        // them.) A held command claimed with a lease and not settled keeps
+        // its lease: it is concluded when that expires.
+        pg_sys::XactEvent::XACT_EVENT_PRE_COMMIT => abandon_where(|c| c.held, true),
+        // rolled back: every claim with it, and every settlement
+        pg_sys::XactEvent::XACT_EVENT_ABORT | pg_sys::XactEvent::XACT_EVENT_PARALLEL_ABORT => {
+            abandon_where(|_| true, false)
+        }
+        _ => return,
+    }
+    HELD.with(|h| h.borrow_mut().clear());
+    HELD_WORKER.with(|w| w.borrow_mut().take());
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn on_subxact_event(
+    event: pg_sys::SubXactEvent::Type,
+    _mine: pg_sys::SubTransactionId,
+    _parent: pg_sys::SubTransactionId,
+    _arg: *mut std::ffi::c_void,
+) {
+    if HELD.with(|h| h.borrow().is_empty()) {
+        return;
+    }
+    let level = nest_level();
+    match event {
+        pg_sys::SubXactEvent::SUBXACT_EVENT_COMMIT_SUB => HELD.with(|h| {
+            for claim in h.borrow_mut().values_mut() {
+                claim.level = claim.level.min(level - 1);
+                claim.settled = claim.settled.map(|s| s.min(level - 1));
+            }
+        }),
+        pg_sys::SubXactEvent::SUBXACT_EVENT_ABORT_SUB => {
+            // its claims were rolled back (their rows are free again), and its settlements
+            abandon_where(|c| c.level >= level, false);
+            HELD.with(|h| {
+                for claim in h.borrow_mut().values_mut() {
+                    if claim.settled.is_some_and(|s| s >= level) {
+                        claim.settled = None;
+                    }
+                }
+            });
+        }
+        _ => {}
+    }
 }

@@ -4,7 +4,7 @@
 //! `api` (internal SQL functions the public SQL API in `sql/` stands on),
 //! `handlers` (built-in Rust handlers), `invariants` (a command row's CHECK), `isolation` (what keeps a handler to
 //! its owner's rights), `roles` (ownership and the role commands), `hooks`
-//! (the utility hook), `executor` (run and settle one claimed command), `external` (external claims' cursor), `worker` (the background worker loop).
+//! (the utility hook), `executor` (run and settle one claimed command), `external` (external claims' cursor, claims held by a client's transaction), `worker` (the background worker loop).
 
 use pgrx::prelude::*;
 
@@ -47,6 +47,7 @@ pub extern "C-unwind" fn _PG_init() {
     gucs::init();
     hooks::init();
     shmem::init();
+    external::init();
     worker::register();
 }
 

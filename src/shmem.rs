@@ -275,6 +275,7 @@ pub static COUNTERS: PgAtomic<Counters> = unsafe { PgAtomic::new(c"flow_counters
 static DUE_FLOORS: PgAtomic<DueFloors> = unsafe { PgAtomic::new(c"flow_due_floors") };
 static ACTIVITIES: PgAtomic<Activities> = unsafe { PgAtomic::new(c"flow_worker_activities") };
 static EXTERNAL_ENDS_TABLE: PgLwLock<ExternalEnds> = unsafe { PgLwLock::new(c"flow_external_ends") };
+static ABANDONED_TABLE: PgLwLock<Abandoned> = unsafe { PgLwLock::new(c"flow_abandoned_attempts") };
 
 thread_local! {
     static WAKE_AT_COMMIT: Cell<bool> = const { Cell::new(false) };
@@ -290,6 +291,7 @@ pub fn init() {
     pg_shmem_init!(DUE_FLOORS);
     pg_shmem_init!(ACTIVITIES);
     pg_shmem_init!(EXTERNAL_ENDS_TABLE);
+    pg_shmem_init!(ABANDONED_TABLE);
     unsafe {
         pg_sys::RegisterXactCallback(Some(on_xact_event), std::ptr::null_mut());
         pg_sys::RegisterSubXactCallback(Some(on_subxact_event), std::ptr::null_mut());
@@ -524,6 +526,102 @@ pub fn note_external_end(definition: &str, end: Option<(&str, i64, [u8; 16])>, s
         (slot.definition, slot.until) = (name, now + span_us);
     }
     slot.end = end;
+}
+
+/// How many abandoned attempts wait at once for worker 0 (see `abandon`).
+const ABANDONED: usize = 4096;
+
+/// An attempt of a command held by an external client's transaction that
+/// ended without settling it (src/external.rs): the command, the number of
+/// the attempt, and the client's worker name.
+#[derive(Copy, Clone)]
+struct AbandonedAttempt {
+    command: [u8; 16],
+    attempt: i32,
+    worker: SharedName,
+}
+
+#[derive(Copy, Clone)]
+pub struct Abandoned {
+    len: usize,
+    attempts: [AbandonedAttempt; ABANDONED],
+}
+
+impl Default for Abandoned {
+    fn default() -> Self {
+        let none = AbandonedAttempt { command: [0; 16], attempt: 0, worker: SharedName::NONE };
+        Abandoned { len: 0, attempts: [none; ABANDONED] }
+    }
+}
+
+unsafe impl PGRXSharedMemory for Abandoned {}
+
+/// Leave these attempts (command, attempt, worker) to worker 0, which
+/// concludes them as interrupted (`take_abandoned`), and wake it. Called as a
+/// transaction ends: raises nothing. Returns how many did not fit (their
+/// attempts go uncounted).
+pub fn abandon(attempts: &[([u8; 16], i32, &str)]) -> usize {
+    if attempts.is_empty() {
+        return 0;
+    }
+    let mut table = ABANDONED_TABLE.exclusive();
+    let mut lost = 0;
+    for (command, attempt, worker) in attempts {
+        if table.len == ABANDONED {
+            lost += 1;
+            continue;
+        }
+        // (a worker name longer than a shared name is cut at a character boundary)
+        let mut cut = worker.len().min(SHARED_NAME_BYTES);
+        while !worker.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        let at = table.len;
+        table.attempts[at] = AbandonedAttempt {
+            command: *command,
+            attempt: *attempt,
+            worker: SharedName::new(&worker[..cut]).unwrap_or(SharedName::NONE),
+        };
+        table.len += 1;
+    }
+    drop(table);
+    let workers = WORKERS.share();
+    if let Some(first) = workers.slots.first().filter(|s| s.procno >= 0) {
+        set_latch(first);
+    }
+    lost
+}
+
+/// The commands whose abandoned attempts wait for worker 0: external claims
+/// leave them alone until then (each would otherwise run again uncounted).
+pub fn abandoned_commands() -> Vec<[u8; 16]> {
+    let table = ABANDONED_TABLE.share();
+    table.attempts[..table.len].iter().map(|a| a.command).collect()
+}
+
+/// The abandoned attempts, for worker 0 to conclude; each stays (and its
+/// command left alone by claims) until `forget_abandoned`, after its
+/// conclusion committed.
+pub fn abandoned() -> Vec<([u8; 16], i32, String)> {
+    let table = ABANDONED_TABLE.share();
+    table.attempts[..table.len]
+        .iter()
+        .map(|a| (a.command, a.attempt, a.worker.to_string().unwrap_or_default()))
+        .collect()
+}
+
+/// Drop these abandoned attempts (concluded, or given up on).
+pub fn forget_abandoned(done: &[([u8; 16], i32)]) {
+    let mut table = ABANDONED_TABLE.exclusive();
+    let mut kept = 0;
+    for i in 0..table.len {
+        let a = table.attempts[i];
+        if !done.iter().any(|(command, attempt)| *command == a.command && *attempt == a.attempt) {
+            table.attempts[kept] = a;
+            kept += 1;
+        }
+    }
+    table.len = kept;
 }
 
 /// Claim the slot for worker number `index` in this process.

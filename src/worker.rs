@@ -238,6 +238,9 @@ impl Worker {
                 return idle;
             }
         }
+        if self.index == 0 {
+            self.conclude_abandoned();
+        }
         if !self.record_concluded {
             match transaction(|| self.conclude_records()) {
                 Some(()) => self.record_concluded = true,
@@ -336,7 +339,7 @@ impl Worker {
             records.extend(attempt_record::orphans(gucs::workers()).into_iter().map(|(slot, r)| (Some(slot), r)));
         }
         for (slot, (command, attempt)) in records {
-            if executor::conclude_held(command, attempt, &self.name) {
+            if executor::conclude_held(command, attempt, &self.name, false) {
                 pgrx::log!(
                     "flow: concluded the attempt {attempt} of command {} as interrupted: its worker stopped in it",
                     pgrx::Uuid::from_bytes(command)
@@ -347,6 +350,31 @@ impl Worker {
                 Some(slot) => attempt_record::remove(slot),
             }
         }
+    }
+
+    /// Worker 0: conclude the held attempts external clients' transactions
+    /// abandoned (src/external.rs), each in a transaction of its own (one
+    /// whose command is busy elsewhere waits for it). Claims leave their
+    /// commands alone until they are concluded here.
+    fn conclude_abandoned(&self) {
+        let abandoned = shmem::abandoned();
+        if abandoned.is_empty() {
+            return;
+        }
+        let mut done = Vec::new();
+        for (command, attempt, worker) in abandoned {
+            let worker = if worker.is_empty() { self.name.clone() } else { worker };
+            match transaction(|| executor::conclude_held(command, attempt, &worker, true)) {
+                Some(true) => {}
+                Some(false) => {} // it moved on meanwhile: nothing to count
+                None => pgrx::log!(
+                    "flow: the abandoned attempt {attempt} of command {} could not be concluded",
+                    pgrx::Uuid::from_bytes(command)
+                ),
+            }
+            done.push((command, attempt));
+        }
+        shmem::forget_abandoned(&done);
     }
 
     fn isolating(&self) -> bool {

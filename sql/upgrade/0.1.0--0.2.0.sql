@@ -155,3 +155,5 @@ UPDATE flow._commands c SET owner = r.owner FROM flow._runs r WHERE r.id = c.run
 ALTER TABLE flow._commands ALTER COLUMN owner SET NOT NULL;
 -- The waits an event satisfied are indexed by it (see sql/schema.sql, _waits_event).
 CREATE INDEX _waits_event ON flow._waits (event_position) WHERE event_position IS NOT NULL;
+-- A claim may hold its commands for the caller's transaction (flow.claim's hold).
+DROP FUNCTION flow.claim(text[], text, integer, interval, bigint);
