@@ -225,20 +225,21 @@ DECLARE
     lease_for interval := coalesce(lease, make_interval(secs => flow._lease_duration_s()));
     alone text := CASE WHEN cardinality(names) = 1 THEN names[1] END;
     holding boolean := coalesce(hold, false);
+    caller oid := flow._redeem(caller_ticket);
     after_queue text;
     after_at timestamptz;
     after_id uuid;
     wanted integer := max;
     taken integer;
 BEGIN
-    PERFORM flow._prepare_external_claim(flow._redeem(caller_ticket), names, worker, max, lease_for);
+    PERFORM flow._prepare_external_claim(caller, names, worker, max, lease_for);
     IF holding THEN
         IF NOT flow._in_transaction_block() THEN
             RAISE EXCEPTION 'flow: a claim with hold => true must run inside a transaction block (BEGIN ... COMMIT)'
                 USING ERRCODE = '25P01', HINT = 'Its commands are held until the transaction ends.';
         END IF;
-        IF flow._held_worker() <> worker THEN
-            RAISE EXCEPTION 'flow: this transaction holds commands for worker %, not %', flow._held_worker(), worker
+        IF flow._holding_worker() <> worker THEN
+            RAISE EXCEPTION 'flow: this transaction holds commands for worker %, not %', flow._holding_worker(), worker
                 USING ERRCODE = '22023';
         END IF;
         IF current_setting('flow.workers')::integer = 0 THEN
@@ -255,7 +256,8 @@ BEGIN
                              NULL, flow._claim_excluded(), CASE WHEN after_queue IS NOT NULL THEN ARRAY[after_queue] END,
                              ARRAY[after_at], ARRAY[after_id], holding) c
             -- (each held claim noted for the transaction's end: src/external.rs)
-            WHERE NOT holding OR flow._note_held(c.command_id, c.lease_token, c.attempt, c.lease_expires_at IS NULL, worker);
+            WHERE NOT holding OR flow._note_holding(caller, c.command_id, c.lease_token, c.attempt, c.lease_expires_at IS NULL,
+                                                  c.row_at::text, worker);
         GET DIAGNOSTICS taken = ROW_COUNT;
         EXIT WHEN after_queue IS NULL OR taken >= wanted;
         after_queue := NULL;

@@ -10,13 +10,13 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
                    AND a.lease_token = _succeeded_under.lease_token AND a.outcome = 'succeeded')
 $$;
 
--- The attempt this transaction holds command_id in under lease_token
--- (flow.claim's hold) and has not settled; NULL: none.
+-- The attempt this transaction holds command_id in for caller under
+-- lease_token (flow.claim's hold) and has not settled; NULL: none.
 -- (plpgsql: the function it calls is written by pgrx, after this file)
-CREATE FUNCTION flow._held_attempt(command_id uuid, lease_token uuid) RETURNS integer
+CREATE FUNCTION flow._holding_attempt(caller oid, command_id uuid, lease_token uuid) RETURNS integer
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
-    RETURN (flow._held_attempts(ARRAY[command_id], ARRAY[lease_token]))[1];
+    RETURN (flow._holding_attempts(caller, ARRAY[command_id], ARRAY[lease_token]))[1];
 END $$;
 
 -- The running command behind an external lease, locked, after checking the
@@ -74,7 +74,7 @@ BEGIN
     IF NOT FOUND OR NOT pg_has_role(caller, owner_, 'MEMBER') THEN
         RAISE EXCEPTION 'flow: no command with id %', command_id USING ERRCODE = 'FL014';
     END IF;
-    IF flow._held_attempt(command_id, lease_token) IS NOT NULL THEN   -- (by this transaction: flow.claim's hold)
+    IF flow._holding_attempt(caller, command_id, lease_token) IS NOT NULL THEN   -- (by this transaction: flow.claim's hold)
         RETURN QUERY SELECT 'held', NULL::text, NULL::timestamptz;
         RETURN;
     END IF;
@@ -156,7 +156,7 @@ BEGIN
     PERFORM flow._require_span('extend', extend);
     -- Held by this transaction (flow.claim's hold): no lease to extend, and
     -- no cancel before the transaction ends (a cancel waits for its locks).
-    IF flow._held_attempt(command_id, lease_token) IS NOT NULL THEN
+    IF flow._holding_attempt(caller, command_id, lease_token) IS NOT NULL THEN
         RETURN QUERY SELECT NULL::timestamptz, false;
         RETURN;
     END IF;
@@ -187,7 +187,7 @@ CREATE FUNCTION flow._complete(caller oid, command_id uuid, lease_token uuid, re
 RETURNS text
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
-    held integer := flow._held_attempt(command_id, lease_token);
+    held integer := flow._holding_attempt(caller, command_id, lease_token);
     c flow._commands;
     row_at tid;
     item jsonb;
@@ -221,8 +221,8 @@ BEGIN
         PERFORM flow._settle_batch(ARRAY[c.id], ARRAY[c.lease_token], ARRAY[result]);
     ELSE
         PERFORM flow._settle_batch(ARRAY[c.id], ARRAY[lease_token], ARRAY[result], ARRAY[now()], ARRAY[held],
-                                   flow._held_worker(), ARRAY[row_at]),
-                flow._held_settled(ARRAY[c.id]);
+                                   flow._holding_worker(), ARRAY[row_at]),
+                flow._holding_settled(ARRAY[c.id]);
     END IF;
     RETURN 'succeeded';
 END $$;
@@ -251,7 +251,8 @@ DECLARE
     tokens uuid[];
     outcomes text[];
     -- the attempts of the commands this transaction holds (flow.claim's hold), aligned; NULL: none
-    held_attempts integer[] := flow._held_attempts(command_ids, lease_tokens);
+    held_attempts integer[] := flow._holding_attempts(caller, command_ids, lease_tokens);
+    settled uuid[];
 BEGIN
     IF command_ids IS NULL OR lease_tokens IS NULL
        OR cardinality(command_ids) <> cardinality(lease_tokens)
@@ -264,6 +265,23 @@ BEGIN
     IF FOUND THEN
         RAISE EXCEPTION 'flow: results[%] is over flow.max_result_bytes', bad.i USING ERRCODE = 'FL004';
     END IF;
+    -- Every command held by this transaction's claims for the caller (the
+    -- call of a client that claims with hold): the claims checked the
+    -- caller's right, took the runs' locks and keep the rows where they
+    -- were, so the settlement writes them with no read first.
+    IF held_attempts IS NOT NULL AND array_position(held_attempts, NULL) IS NULL THEN
+        settled := flow._settle_batch(command_ids, lease_tokens,
+                                      coalesce(results, array_fill(NULL::jsonb, ARRAY[cardinality(command_ids)])),
+                                      array_fill(now(), ARRAY[cardinality(command_ids)]), held_attempts,
+                                      flow._holding_worker(), flow._holding_rows(command_ids)::tid[], false);
+        PERFORM flow._holding_settled(settled);
+        ids := command_ids;
+        tokens := lease_tokens;
+        outcomes := CASE WHEN cardinality(settled) = cardinality(command_ids)
+                         THEN array_fill('succeeded'::text, ARRAY[cardinality(command_ids)])
+                         ELSE ARRAY(SELECT CASE WHEN t.id = ANY (settled) THEN 'succeeded' END
+                                    FROM unnest(command_ids) AS t(id)) END;
+    ELSE
     -- One read of each command: whether the caller may settle it, and the
     -- runs to lock first (_lock_runs_of's lock; a root with no child leaves
     -- its run unlocked: its success is the run's end and writes no run, and a
@@ -298,7 +316,7 @@ BEGIN
         -- (a held root's first attempt spawned nothing: only flow.complete
         -- spawns for an external command, and it settles the command too)
         SELECT coalesce(flow._settle_batch(array_agg(i.id), array_agg(i.token), array_agg(i.result),
-                                           array_agg(i.started), array_agg(i.attempt), flow._held_worker(),
+                                           array_agg(i.started), array_agg(i.attempt), flow._holding_worker(),
                                            array_agg(i.row_at), false), '{}') AS ids
         FROM item i WHERE i.settleable
     )
@@ -309,8 +327,9 @@ BEGIN
     INTO ids, tokens, outcomes
     FROM item i, settled s;
     IF held_attempts IS NOT NULL THEN
-        PERFORM flow._held_settled(ARRAY(SELECT t.id FROM unnest(ids, outcomes) AS t(id, outcome)
+        PERFORM flow._holding_settled(ARRAY(SELECT t.id FROM unnest(ids, outcomes) AS t(id, outcome)
                                          WHERE t.outcome = 'succeeded'));
+    END IF;
     END IF;
     -- (a statement of its own: its snapshot sees what the settlement waited for)
     IF array_position(outcomes, NULL) IS NOT NULL THEN
@@ -330,7 +349,7 @@ CREATE FUNCTION flow._fail_external(caller oid, command_id uuid, lease_token uui
 RETURNS text
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
-    held integer := flow._held_attempt(command_id, lease_token);
+    held integer := flow._holding_attempt(caller, command_id, lease_token);
     outcome text;
 BEGIN
     PERFORM flow._require_span('retry_after', retry_after);
@@ -342,9 +361,9 @@ BEGIN
         CASE WHEN permanent THEN 'permanent' WHEN retry_after IS NOT NULL THEN 'retry_after' ELSE 'retryable' END,
         coalesce(code, CASE WHEN permanent THEN 'permanent' ELSE 'worker_error' END),
         coalesce(message, 'failed by its external worker'), retry_after,
-        CASE WHEN held IS NOT NULL THEN now() END, held, flow._held_worker());
+        CASE WHEN held IS NOT NULL THEN now() END, held, flow._holding_worker());
     IF held IS NOT NULL THEN
-        PERFORM flow._held_settled(ARRAY[command_id]);
+        PERFORM flow._holding_settled(ARRAY[command_id]);
     END IF;
     RETURN outcome;
 END $$;

@@ -2271,13 +2271,13 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
                    AND a.lease_token = _succeeded_under.lease_token AND a.outcome = 'succeeded')
 $$;
 
--- The attempt this transaction holds command_id in under lease_token
--- (flow.claim's hold) and has not settled; NULL: none.
+-- The attempt this transaction holds command_id in for caller under
+-- lease_token (flow.claim's hold) and has not settled; NULL: none.
 -- (plpgsql: the function it calls is written by pgrx, after this file)
-CREATE OR REPLACE FUNCTION flow._held_attempt(command_id uuid, lease_token uuid) RETURNS integer
+CREATE OR REPLACE FUNCTION flow._holding_attempt(caller oid, command_id uuid, lease_token uuid) RETURNS integer
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
-    RETURN (flow._held_attempts(ARRAY[command_id], ARRAY[lease_token]))[1];
+    RETURN (flow._holding_attempts(caller, ARRAY[command_id], ARRAY[lease_token]))[1];
 END $$;
 
 -- The running command behind an external lease, locked, after checking the
@@ -2335,7 +2335,7 @@ BEGIN
     IF NOT FOUND OR NOT pg_has_role(caller, owner_, 'MEMBER') THEN
         RAISE EXCEPTION 'flow: no command with id %', command_id USING ERRCODE = 'FL014';
     END IF;
-    IF flow._held_attempt(command_id, lease_token) IS NOT NULL THEN   -- (by this transaction: flow.claim's hold)
+    IF flow._holding_attempt(caller, command_id, lease_token) IS NOT NULL THEN   -- (by this transaction: flow.claim's hold)
         RETURN QUERY SELECT 'held', NULL::text, NULL::timestamptz;
         RETURN;
     END IF;
@@ -2417,7 +2417,7 @@ BEGIN
     PERFORM flow._require_span('extend', extend);
     -- Held by this transaction (flow.claim's hold): no lease to extend, and
     -- no cancel before the transaction ends (a cancel waits for its locks).
-    IF flow._held_attempt(command_id, lease_token) IS NOT NULL THEN
+    IF flow._holding_attempt(caller, command_id, lease_token) IS NOT NULL THEN
         RETURN QUERY SELECT NULL::timestamptz, false;
         RETURN;
     END IF;
@@ -2448,7 +2448,7 @@ CREATE OR REPLACE FUNCTION flow._complete(caller oid, command_id uuid, lease_tok
 RETURNS text
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
-    held integer := flow._held_attempt(command_id, lease_token);
+    held integer := flow._holding_attempt(caller, command_id, lease_token);
     c flow._commands;
     row_at tid;
     item jsonb;
@@ -2482,8 +2482,8 @@ BEGIN
         PERFORM flow._settle_batch(ARRAY[c.id], ARRAY[c.lease_token], ARRAY[result]);
     ELSE
         PERFORM flow._settle_batch(ARRAY[c.id], ARRAY[lease_token], ARRAY[result], ARRAY[now()], ARRAY[held],
-                                   flow._held_worker(), ARRAY[row_at]),
-                flow._held_settled(ARRAY[c.id]);
+                                   flow._holding_worker(), ARRAY[row_at]),
+                flow._holding_settled(ARRAY[c.id]);
     END IF;
     RETURN 'succeeded';
 END $$;
@@ -2512,7 +2512,8 @@ DECLARE
     tokens uuid[];
     outcomes text[];
     -- the attempts of the commands this transaction holds (flow.claim's hold), aligned; NULL: none
-    held_attempts integer[] := flow._held_attempts(command_ids, lease_tokens);
+    held_attempts integer[] := flow._holding_attempts(caller, command_ids, lease_tokens);
+    settled uuid[];
 BEGIN
     IF command_ids IS NULL OR lease_tokens IS NULL
        OR cardinality(command_ids) <> cardinality(lease_tokens)
@@ -2525,6 +2526,23 @@ BEGIN
     IF FOUND THEN
         RAISE EXCEPTION 'flow: results[%] is over flow.max_result_bytes', bad.i USING ERRCODE = 'FL004';
     END IF;
+    -- Every command held by this transaction's claims for the caller (the
+    -- call of a client that claims with hold): the claims checked the
+    -- caller's right, took the runs' locks and keep the rows where they
+    -- were, so the settlement writes them with no read first.
+    IF held_attempts IS NOT NULL AND array_position(held_attempts, NULL) IS NULL THEN
+        settled := flow._settle_batch(command_ids, lease_tokens,
+                                      coalesce(results, array_fill(NULL::jsonb, ARRAY[cardinality(command_ids)])),
+                                      array_fill(now(), ARRAY[cardinality(command_ids)]), held_attempts,
+                                      flow._holding_worker(), flow._holding_rows(command_ids)::tid[], false);
+        PERFORM flow._holding_settled(settled);
+        ids := command_ids;
+        tokens := lease_tokens;
+        outcomes := CASE WHEN cardinality(settled) = cardinality(command_ids)
+                         THEN array_fill('succeeded'::text, ARRAY[cardinality(command_ids)])
+                         ELSE ARRAY(SELECT CASE WHEN t.id = ANY (settled) THEN 'succeeded' END
+                                    FROM unnest(command_ids) AS t(id)) END;
+    ELSE
     -- One read of each command: whether the caller may settle it, and the
     -- runs to lock first (_lock_runs_of's lock; a root with no child leaves
     -- its run unlocked: its success is the run's end and writes no run, and a
@@ -2559,7 +2577,7 @@ BEGIN
         -- (a held root's first attempt spawned nothing: only flow.complete
         -- spawns for an external command, and it settles the command too)
         SELECT coalesce(flow._settle_batch(array_agg(i.id), array_agg(i.token), array_agg(i.result),
-                                           array_agg(i.started), array_agg(i.attempt), flow._held_worker(),
+                                           array_agg(i.started), array_agg(i.attempt), flow._holding_worker(),
                                            array_agg(i.row_at), false), '{}') AS ids
         FROM item i WHERE i.settleable
     )
@@ -2570,8 +2588,9 @@ BEGIN
     INTO ids, tokens, outcomes
     FROM item i, settled s;
     IF held_attempts IS NOT NULL THEN
-        PERFORM flow._held_settled(ARRAY(SELECT t.id FROM unnest(ids, outcomes) AS t(id, outcome)
+        PERFORM flow._holding_settled(ARRAY(SELECT t.id FROM unnest(ids, outcomes) AS t(id, outcome)
                                          WHERE t.outcome = 'succeeded'));
+    END IF;
     END IF;
     -- (a statement of its own: its snapshot sees what the settlement waited for)
     IF array_position(outcomes, NULL) IS NOT NULL THEN
@@ -2591,7 +2610,7 @@ CREATE OR REPLACE FUNCTION flow._fail_external(caller oid, command_id uuid, leas
 RETURNS text
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
-    held integer := flow._held_attempt(command_id, lease_token);
+    held integer := flow._holding_attempt(caller, command_id, lease_token);
     outcome text;
 BEGIN
     PERFORM flow._require_span('retry_after', retry_after);
@@ -2603,9 +2622,9 @@ BEGIN
         CASE WHEN permanent THEN 'permanent' WHEN retry_after IS NOT NULL THEN 'retry_after' ELSE 'retryable' END,
         coalesce(code, CASE WHEN permanent THEN 'permanent' ELSE 'worker_error' END),
         coalesce(message, 'failed by its external worker'), retry_after,
-        CASE WHEN held IS NOT NULL THEN now() END, held, flow._held_worker());
+        CASE WHEN held IS NOT NULL THEN now() END, held, flow._holding_worker());
     IF held IS NOT NULL THEN
-        PERFORM flow._held_settled(ARRAY[command_id]);
+        PERFORM flow._holding_settled(ARRAY[command_id]);
     END IF;
     RETURN outcome;
 END $$;
@@ -2621,7 +2640,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_args_misfit_as_wrapper';
 
--- src/external.rs:175
+-- src/external.rs:216
 -- flow::external::_claim_excluded
 CREATE OR REPLACE FUNCTION "_claim_excluded"() RETURNS uuid[] /* :: std :: option :: Option < Vec < pgrx :: Uuid > > */
 STRICT VOLATILE PARALLEL UNSAFE
@@ -2687,33 +2706,43 @@ VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_external_claim_start_wrapper';
 
--- src/external.rs:135
--- flow::external::_held_attempts
-CREATE OR REPLACE FUNCTION "_held_attempts"(
+-- src/external.rs:166
+-- flow::external::_holding_attempts
+CREATE OR REPLACE FUNCTION "_holding_attempts"(
+	"caller" oid, /* pg_sys :: Oid */
 	"command_ids" uuid[], /* Vec < Option < pgrx :: Uuid > > */
 	"lease_tokens" uuid[] /* Vec < Option < pgrx :: Uuid > > */
 ) RETURNS INT[] /* :: std :: option :: Option < Vec < Option < i32 > > > */
 STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
-AS 'MODULE_PATHNAME', '_held_attempts_wrapper';
+AS 'MODULE_PATHNAME', '_holding_attempts_wrapper';
 
--- src/external.rs:157
--- flow::external::_held_settled
-CREATE OR REPLACE FUNCTION "_held_settled"(
+-- src/external.rs:188
+-- flow::external::_holding_rows
+CREATE OR REPLACE FUNCTION "_holding_rows"(
+	"command_ids" uuid[] /* Vec < Option < pgrx :: Uuid > > */
+) RETURNS TEXT[] /* Vec < Option < String > > */
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', '_holding_rows_wrapper';
+
+-- src/external.rs:198
+-- flow::external::_holding_settled
+CREATE OR REPLACE FUNCTION "_holding_settled"(
 	"command_ids" uuid[] /* Vec < Option < pgrx :: Uuid > > */
 ) RETURNS bool /* bool */
 STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
-AS 'MODULE_PATHNAME', '_held_settled_wrapper';
+AS 'MODULE_PATHNAME', '_holding_settled_wrapper';
 
--- src/external.rs:116
--- flow::external::_held_worker
-CREATE OR REPLACE FUNCTION "_held_worker"() RETURNS TEXT /* Option < String > */
+-- src/external.rs:120
+-- flow::external::_holding_worker
+CREATE OR REPLACE FUNCTION "_holding_worker"() RETURNS TEXT /* Option < String > */
 STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
-AS 'MODULE_PATHNAME', '_held_worker_wrapper';
+AS 'MODULE_PATHNAME', '_holding_worker_wrapper';
 
--- src/external.rs:110
+-- src/external.rs:114
 -- flow::external::_in_transaction_block
 CREATE OR REPLACE FUNCTION "_in_transaction_block"() RETURNS bool /* bool */
 STRICT VOLATILE PARALLEL UNSAFE
@@ -2791,18 +2820,20 @@ STRICT VOLATILE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_new_id_wrapper';
 
--- src/external.rs:123
--- flow::external::_note_held
-CREATE OR REPLACE FUNCTION "_note_held"(
+-- src/external.rs:127
+-- flow::external::_note_holding
+CREATE OR REPLACE FUNCTION "_note_holding"(
+	"caller" oid, /* pg_sys :: Oid */
 	"command_id" uuid, /* pgrx :: Uuid */
 	"lease_token" uuid, /* pgrx :: Uuid */
 	"attempt" INT, /* i32 */
 	"held" bool, /* bool */
+	"row_at" TEXT, /* Option < String > */
 	"worker" TEXT /* & str */
 ) RETURNS bool /* bool */
-STRICT VOLATILE PARALLEL UNSAFE
+VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
-AS 'MODULE_PATHNAME', '_note_held_wrapper';
+AS 'MODULE_PATHNAME', '_note_holding_wrapper';
 
 -- src/executor.rs:225
 -- flow::executor::_note_spawn
@@ -3143,20 +3174,21 @@ DECLARE
     lease_for interval := coalesce(lease, make_interval(secs => flow._lease_duration_s()));
     alone text := CASE WHEN cardinality(names) = 1 THEN names[1] END;
     holding boolean := coalesce(hold, false);
+    caller oid := flow._redeem(caller_ticket);
     after_queue text;
     after_at timestamptz;
     after_id uuid;
     wanted integer := max;
     taken integer;
 BEGIN
-    PERFORM flow._prepare_external_claim(flow._redeem(caller_ticket), names, worker, max, lease_for);
+    PERFORM flow._prepare_external_claim(caller, names, worker, max, lease_for);
     IF holding THEN
         IF NOT flow._in_transaction_block() THEN
             RAISE EXCEPTION 'flow: a claim with hold => true must run inside a transaction block (BEGIN ... COMMIT)'
                 USING ERRCODE = '25P01', HINT = 'Its commands are held until the transaction ends.';
         END IF;
-        IF flow._held_worker() <> worker THEN
-            RAISE EXCEPTION 'flow: this transaction holds commands for worker %, not %', flow._held_worker(), worker
+        IF flow._holding_worker() <> worker THEN
+            RAISE EXCEPTION 'flow: this transaction holds commands for worker %, not %', flow._holding_worker(), worker
                 USING ERRCODE = '22023';
         END IF;
         IF current_setting('flow.workers')::integer = 0 THEN
@@ -3173,7 +3205,8 @@ BEGIN
                              NULL, flow._claim_excluded(), CASE WHEN after_queue IS NOT NULL THEN ARRAY[after_queue] END,
                              ARRAY[after_at], ARRAY[after_id], holding) c
             -- (each held claim noted for the transaction's end: src/external.rs)
-            WHERE NOT holding OR flow._note_held(c.command_id, c.lease_token, c.attempt, c.lease_expires_at IS NULL, worker);
+            WHERE NOT holding OR flow._note_holding(caller, c.command_id, c.lease_token, c.attempt, c.lease_expires_at IS NULL,
+                                                  c.row_at::text, worker);
         GET DIAGNOSTICS taken = ROW_COUNT;
         EXIT WHEN after_queue IS NULL OR taken >= wanted;
         after_queue := NULL;

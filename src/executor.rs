@@ -1488,16 +1488,17 @@ pub fn settle_engine_error(command: &AttemptId, message: &str, sqlstate: &str, w
 /// Conclude a held attempt that ended unsettled as interrupted, as recovery
 /// concludes a leased one whose owner died: the one a stopped worker
 /// recorded (see attempt_record.rs), or one an external client's transaction
-/// abandoned (src/external.rs; `abandoned`). Nothing changes if the command
-/// has moved on since (settled, or another attempt counted). Returns whether
-/// it was concluded.
-pub fn conclude_held(command: [u8; 16], attempt: i32, worker: &str, abandoned: bool) -> bool {
+/// abandoned (src/external.rs: `abandoned`, the token its client was given,
+/// so that flow.resolve finds the attempt under it). Nothing changes if the
+/// command has moved on since (settled, or another attempt counted).
+/// Returns whether it was concluded.
+pub fn conclude_held(command: [u8; 16], attempt: i32, worker: &str, abandoned: Option<[u8; 16]>) -> bool {
     let held = AttemptId {
         command_id: pgrx::Uuid::from_bytes(command),
-        lease_token: crate::api::_new_id(),
+        lease_token: abandoned.map_or_else(crate::api::_new_id, pgrx::Uuid::from_bytes),
         held_attempt: Some(attempt),
     };
-    let interrupted = if abandoned {
+    let interrupted = if abandoned.is_some() {
         Failure {
             class: "interrupted",
             code: "transaction_ended".into(),

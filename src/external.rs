@@ -79,6 +79,10 @@ fn _external_claim_ended(
 struct HeldClaim {
     token: [u8; 16],
     attempt: i32,
+    /// the role whose claim it was (only its settlements find it here)
+    caller: pg_sys::Oid,
+    /// where its row is (its tid, as text): the claim's lock keeps it there
+    row_at: String,
     /// held (its row locked, pending); false: claimed with a lease in this
     /// transaction (a limited queue's command: the lease counts it as running)
     held: bool,
@@ -114,26 +118,57 @@ fn _in_transaction_block() -> bool {
 
 /// The worker name of the open transaction's held claims (NULL: none yet).
 #[pg_extern(volatile, parallel_unsafe)]
-fn _held_worker() -> Option<String> {
+fn _holding_worker() -> Option<String> {
     HELD_WORKER.with(|w| w.borrow().clone())
 }
 
 /// Note a command claimed by `flow.claim(..., hold => true)` in the open
-/// transaction (called for each row it returns; returns true).
+/// transaction, for `caller` (called for each row it returns; returns true).
 #[pg_extern(volatile, parallel_unsafe)]
-fn _note_held(command_id: pgrx::Uuid, lease_token: pgrx::Uuid, attempt: i32, held: bool, worker: &str) -> bool {
+fn _note_holding(
+    caller: pg_sys::Oid,
+    command_id: pgrx::Uuid,
+    lease_token: pgrx::Uuid,
+    attempt: i32,
+    held: bool,
+    row_at: Option<String>,
+    worker: &str,
+) -> bool {
     HELD_WORKER.with(|w| w.borrow_mut().get_or_insert_with(|| worker.to_string()).clone());
-    let claim =
-        HeldClaim { token: *lease_token.as_bytes(), attempt, held, level: nest_level(), settled: None };
+    let claim = HeldClaim {
+        token: *lease_token.as_bytes(),
+        attempt,
+        caller,
+        row_at: row_at.unwrap_or_default(),
+        held,
+        level: nest_level(),
+        settled: None,
+    };
     HELD.with(|h| h.borrow_mut().insert(*command_id.as_bytes(), claim));
     true
 }
 
+/// The claim `caller` holds `id` under `token` by, unsettled.
+fn held_claim<'a>(
+    held: &'a std::collections::HashMap<[u8; 16], HeldClaim>,
+    caller: pg_sys::Oid,
+    id: Option<&pgrx::Uuid>,
+    token: Option<&pgrx::Uuid>,
+) -> Option<&'a HeldClaim> {
+    let claim = held.get(id?.as_bytes())?;
+    (claim.held && claim.settled.is_none() && claim.caller == caller && claim.token == *token?.as_bytes())
+        .then_some(claim)
+}
+
 /// For each (command, token): the number of the attempt the open
-/// transaction holds under that token and has not settled, or NULL. NULL
-/// for all: none is held.
+/// transaction holds it in for `caller` under that token and has not
+/// settled, or NULL. NULL for all: none is held.
 #[pg_extern(volatile, parallel_unsafe)]
-fn _held_attempts(command_ids: Vec<Option<pgrx::Uuid>>, lease_tokens: Vec<Option<pgrx::Uuid>>) -> Option<Vec<Option<i32>>> {
+fn _holding_attempts(
+    caller: pg_sys::Oid,
+    command_ids: Vec<Option<pgrx::Uuid>>,
+    lease_tokens: Vec<Option<pgrx::Uuid>>,
+) -> Option<Vec<Option<i32>>> {
     HELD.with(|h| {
         let h = h.borrow();
         if h.is_empty() {
@@ -142,20 +177,26 @@ fn _held_attempts(command_ids: Vec<Option<pgrx::Uuid>>, lease_tokens: Vec<Option
         let attempts: Vec<Option<i32>> = command_ids
             .iter()
             .zip(lease_tokens.iter().chain(std::iter::repeat(&None)))
-            .map(|(id, token)| {
-                let claim = h.get(id.as_ref()?.as_bytes())?;
-                (claim.held && claim.settled.is_none() && Some(claim.token) == token.map(|t| *t.as_bytes()))
-                    .then_some(claim.attempt)
-            })
+            .map(|(id, token)| held_claim(&h, caller, id.as_ref(), token.as_ref()).map(|c| c.attempt))
             .collect();
         attempts.iter().any(Option::is_some).then_some(attempts)
+    })
+}
+
+/// Where the rows of these held commands are (tids as text, NULL for a
+/// command not held).
+#[pg_extern(volatile, parallel_unsafe)]
+fn _holding_rows(command_ids: Vec<Option<pgrx::Uuid>>) -> Vec<Option<String>> {
+    HELD.with(|h| {
+        let h = h.borrow();
+        command_ids.iter().map(|id| Some(h.get(id.as_ref()?.as_bytes())?.row_at.clone())).collect()
     })
 }
 
 /// Note that these commands were settled by the open transaction (those it
 /// did not claim are ignored). Returns true.
 #[pg_extern(volatile, parallel_unsafe)]
-fn _held_settled(command_ids: Vec<Option<pgrx::Uuid>>) -> bool {
+fn _holding_settled(command_ids: Vec<Option<pgrx::Uuid>>) -> bool {
     let level = nest_level();
     HELD.with(|h| {
         let mut h = h.borrow_mut();
@@ -185,18 +226,18 @@ fn _claim_excluded() -> Option<Vec<pgrx::Uuid>> {
 /// when `unsettled_only`) to worker 0, and forget them.
 fn abandon_where(ended: impl Fn(&HeldClaim) -> bool, unsettled_only: bool) {
     let worker = HELD_WORKER.with(|w| w.borrow().clone()).unwrap_or_default();
-    let abandoned: Vec<([u8; 16], i32)> = HELD.with(|h| {
+    let abandoned: Vec<([u8; 16], i32, [u8; 16])> = HELD.with(|h| {
         let mut h = h.borrow_mut();
         let picked: Vec<[u8; 16]> = h.iter().filter(|(_, c)| ended(c)).map(|(id, _)| *id).collect();
         picked
             .into_iter()
             .filter_map(|id| {
                 let claim = h.remove(&id)?;
-                (!unsettled_only || claim.settled.is_none()).then_some((id, claim.attempt))
+                (!unsettled_only || claim.settled.is_none()).then_some((id, claim.attempt, claim.token))
             })
             .collect()
     });
-    let list: Vec<([u8; 16], i32, &str)> = abandoned.iter().map(|(id, n)| (*id, *n, worker.as_str())).collect();
+    let list: Vec<_> = abandoned.iter().map(|(id, n, token)| (*id, *n, *token, worker.as_str())).collect();
     let lost = shmem::abandon(&list);
     if lost > 0 {
         // (as a transaction ends: a LOG line, never an error)

@@ -533,11 +533,12 @@ const ABANDONED: usize = 4096;
 
 /// An attempt of a command held by an external client's transaction that
 /// ended without settling it (src/external.rs): the command, the number of
-/// the attempt, and the client's worker name.
+/// the attempt, its token, and the client's worker name.
 #[derive(Copy, Clone)]
 struct AbandonedAttempt {
     command: [u8; 16],
     attempt: i32,
+    token: [u8; 16],
     worker: SharedName,
 }
 
@@ -549,24 +550,24 @@ pub struct Abandoned {
 
 impl Default for Abandoned {
     fn default() -> Self {
-        let none = AbandonedAttempt { command: [0; 16], attempt: 0, worker: SharedName::NONE };
+        let none = AbandonedAttempt { command: [0; 16], attempt: 0, token: [0; 16], worker: SharedName::NONE };
         Abandoned { len: 0, attempts: [none; ABANDONED] }
     }
 }
 
 unsafe impl PGRXSharedMemory for Abandoned {}
 
-/// Leave these attempts (command, attempt, worker) to worker 0, which
+/// Leave these attempts (command, attempt, token, worker) to worker 0, which
 /// concludes them as interrupted (`take_abandoned`), and wake it. Called as a
 /// transaction ends: raises nothing. Returns how many did not fit (their
 /// attempts go uncounted).
-pub fn abandon(attempts: &[([u8; 16], i32, &str)]) -> usize {
+pub fn abandon(attempts: &[([u8; 16], i32, [u8; 16], &str)]) -> usize {
     if attempts.is_empty() {
         return 0;
     }
     let mut table = ABANDONED_TABLE.exclusive();
     let mut lost = 0;
-    for (command, attempt, worker) in attempts {
+    for (command, attempt, token, worker) in attempts {
         if table.len == ABANDONED {
             lost += 1;
             continue;
@@ -580,6 +581,7 @@ pub fn abandon(attempts: &[([u8; 16], i32, &str)]) -> usize {
         table.attempts[at] = AbandonedAttempt {
             command: *command,
             attempt: *attempt,
+            token: *token,
             worker: SharedName::new(&worker[..cut]).unwrap_or(SharedName::NONE),
         };
         table.len += 1;
@@ -602,11 +604,11 @@ pub fn abandoned_commands() -> Vec<[u8; 16]> {
 /// The abandoned attempts, for worker 0 to conclude; each stays (and its
 /// command left alone by claims) until `forget_abandoned`, after its
 /// conclusion committed.
-pub fn abandoned() -> Vec<([u8; 16], i32, String)> {
+pub fn abandoned() -> Vec<([u8; 16], i32, [u8; 16], String)> {
     let table = ABANDONED_TABLE.share();
     table.attempts[..table.len]
         .iter()
-        .map(|a| (a.command, a.attempt, a.worker.to_string().unwrap_or_default()))
+        .map(|a| (a.command, a.attempt, a.token, a.worker.to_string().unwrap_or_default()))
         .collect()
 }
 

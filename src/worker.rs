@@ -339,7 +339,7 @@ impl Worker {
             records.extend(attempt_record::orphans(gucs::workers()).into_iter().map(|(slot, r)| (Some(slot), r)));
         }
         for (slot, (command, attempt)) in records {
-            if executor::conclude_held(command, attempt, &self.name, false) {
+            if executor::conclude_held(command, attempt, &self.name, None) {
                 pgrx::log!(
                     "flow: concluded the attempt {attempt} of command {} as interrupted: its worker stopped in it",
                     pgrx::Uuid::from_bytes(command)
@@ -362,9 +362,9 @@ impl Worker {
             return;
         }
         let mut done = Vec::new();
-        for (command, attempt, worker) in abandoned {
+        for (command, attempt, token, worker) in abandoned {
             let worker = if worker.is_empty() { self.name.clone() } else { worker };
-            match transaction(|| executor::conclude_held(command, attempt, &worker, true)) {
+            match transaction(|| executor::conclude_held(command, attempt, &worker, Some(token))) {
                 Some(true) => {}
                 Some(false) => {} // it moved on meanwhile: nothing to count
                 None => pgrx::log!(
