@@ -465,3 +465,65 @@ def test_claims_leave_an_abandoned_attempt_alone_until_worker_0_counts_it(pg):
         c.commit()
     assert row(pg, run) == ("succeeded", 2, "w", None)
     assert attempts(pg, run) == [(1, "interrupted", "transaction_ended", "w")]
+
+
+def test_worker_0_never_waits_for_an_abandoned_command_locked_elsewhere(pg):
+    """A transaction that keeps an abandoned command's row locked (here a
+    superuser's; a client's open transaction may hold its run) does not hold
+    up worker 0: the other abandoned attempts are counted meanwhile, and that
+    one once the lock is gone."""
+    name = external(pg, **QUICK)
+    locked_run = pg.one(f"SELECT flow.enqueue('{name}')")
+    with pg.connect(autocommit=False) as locker:
+        pg.all("ALTER SYSTEM SET flow.enabled = off")     # (worker 0 counts nothing until the row is locked)
+        pg.all("SELECT pg_reload_conf()")
+        try:
+            time.sleep(0.5)
+            with pg.connect(autocommit=False) as c:
+                assert [r[0] for r in hold(c, name)] == [locked_run]
+                c.rollback()
+            locker.execute("SELECT 1 FROM flow._commands WHERE id = %s FOR UPDATE", (locked_run,))
+        finally:
+            pg.all("ALTER SYSTEM RESET flow.enabled")
+            pg.all("SELECT pg_reload_conf()")
+        other = external(pg, **QUICK)
+        other_run = pg.one(f"SELECT flow.enqueue('{other}')")
+        with pg.connect(autocommit=False) as c:
+            assert [r[0] for r in hold(c, other)] == [other_run]
+            c.rollback()
+        await_interrupted(pg, other_run)
+        time.sleep(0.3)
+        assert attempts(pg, locked_run) == [] and row(pg, locked_run)[:2] == ("pending", 0)
+        locker.rollback()
+    await_interrupted(pg, locked_run)
+    assert attempts(pg, locked_run) == [(1, "interrupted", "transaction_ended", "w")]
+
+
+def test_held_commands_have_room_to_be_counted_reserved_at_their_claim(pg):
+    """Every held command has a place among the abandoned attempts from its
+    claim on (4,096 in all), so one role holding many cannot make another's
+    abandoned attempt go uncounted: past the room, a held claim fails (53400)
+    and the attempts it noted before are counted; the places come back when
+    the transactions end."""
+    name = external(pg, **QUICK)
+    with pg.connect() as c:
+        for _ in range(5):
+            c.execute(f"SELECT flow.enqueue_many('{name}', array_fill('{{}}'::jsonb, array[1000]))")
+    with pg.connect(autocommit=False) as c:
+        assert len(hold(c, name, max_=4000)) == 4000
+        c.execute("SAVEPOINT more")
+        with pytest.raises(psycopg.errors.ConfigurationLimitExceeded):
+            hold(c, name, max_=200)
+        c.execute("ROLLBACK TO SAVEPOINT more")
+        # the 96 it had noted are counted (their places went to them), and then free again
+        pg.wait_for("SELECT count(*) = 96 FROM flow._attempts a JOIN flow._commands c ON c.id = a.command_id"
+                    " WHERE c.name = %s AND a.outcome = 'interrupted'", name, timeout=30.0)
+        c.execute("SAVEPOINT again")
+        assert len(hold(c, name, max_=96)) == 96     # (of the 904 never claimed)
+        with pytest.raises(psycopg.errors.ConfigurationLimitExceeded):
+            hold(c, name, max_=1)
+        c.execute("ROLLBACK TO SAVEPOINT again")
+        c.commit()                            # (the 4,000 unsettled: counted too)
+    pg.wait_for("SELECT count(*) = 4192 FROM flow._attempts a JOIN flow._commands c ON c.id = a.command_id"
+                " WHERE c.name = %s AND a.outcome = 'interrupted'", name, timeout=60.0)
+    barrier(pg)                               # (a held claim works again: the places came back)

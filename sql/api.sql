@@ -232,7 +232,7 @@ DECLARE
     wanted integer := max;
     taken integer;
 BEGIN
-    PERFORM flow._prepare_external_claim(caller, names, worker, max, lease_for);
+    PERFORM flow._prepare_external_claim(caller, names, worker, max, lease_for, NOT holding);
     IF holding THEN
         IF NOT flow._in_transaction_block() THEN
             RAISE EXCEPTION 'flow: a claim with hold => true must run inside a transaction block (BEGIN ... COMMIT)'
@@ -242,8 +242,8 @@ BEGIN
             RAISE EXCEPTION 'flow: this transaction holds commands for worker %, not %', flow._holding_worker(), worker
                 USING ERRCODE = '22023';
         END IF;
-        IF current_setting('flow.workers')::integer = 0 THEN
-            RAISE EXCEPTION 'flow: a claim with hold => true needs flow.workers >= 1'
+        IF current_setting('flow.workers')::integer = 0 OR current_database() <> current_setting('flow.database_name') THEN
+            RAISE EXCEPTION 'flow: a claim with hold => true needs flow''s workers (flow.workers >= 1) in this database (flow.database_name)'
                 USING ERRCODE = '55000', DETAIL = 'Worker 0 counts the attempts of transactions that end unsettled.';
         END IF;
     END IF;

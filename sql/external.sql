@@ -99,7 +99,8 @@ END $$;
 -- What an external claim does before flow._claim takes its commands (see
 -- flow.claim): checks its arguments and the caller's right to the
 -- definitions, and concludes their expired leases.
-CREATE FUNCTION flow._prepare_external_claim(caller oid, names text[], worker text, max_count integer, lease interval)
+CREATE FUNCTION flow._prepare_external_claim(caller oid, names text[], worker text, max_count integer, lease interval,
+    conclude_expired boolean DEFAULT true)
 RETURNS void
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
@@ -127,7 +128,12 @@ BEGIN
         END IF;
     END LOOP;
     -- Expired external leases of these definitions are concluded first, so a
-    -- server without in-database workers still retries them.
+    -- server without in-database workers still retries them. (Not by a held
+    -- claim: it needs the workers, whose recovery concludes them, and the
+    -- locks it would take here would last for its client's transaction.)
+    IF NOT conclude_expired THEN
+        RETURN;
+    END IF;
     FOR expired IN
         SELECT c.id, c.lease_token FROM flow._commands c                -- index _commands_running, per queue
         WHERE c.status = 'running' AND c.queue = ANY (ARRAY(SELECT q.name FROM flow._queues q))
@@ -199,6 +205,11 @@ BEGIN
         -- and locked it (and its run, for a command not its run's root)
         SELECT * INTO c FROM flow._commands x WHERE x.id = command_id;
         SELECT x.ctid INTO row_at FROM flow._commands x WHERE x.id = command_id;
+        IF c.status::text NOT IN ('pending', 'waiting') OR c.attempts <> held - 1 THEN
+            -- (moved on in this very transaction: its run failed or was cancelled)
+            RAISE EXCEPTION 'flow: lease token % does not hold command % (it is %)', lease_token, command_id, c.status
+                USING ERRCODE = 'FL013';
+        END IF;
     END IF;
     IF result IS NOT NULL THEN
         PERFORM flow._require_payload('result', result, false);
@@ -363,6 +374,11 @@ BEGIN
         coalesce(message, 'failed by its external worker'), retry_after,
         CASE WHEN held IS NOT NULL THEN now() END, held, flow._holding_worker());
     IF held IS NOT NULL THEN
+        IF outcome NOT IN ('retry', 'failed') THEN
+            -- (moved on in this very transaction: its run failed or was cancelled)
+            RAISE EXCEPTION 'flow: lease token % does not hold command %', lease_token, command_id
+                USING ERRCODE = 'FL013';
+        END IF;
         PERFORM flow._holding_settled(ARRAY[command_id]);
     END IF;
     RETURN outcome;

@@ -1652,7 +1652,7 @@ BEGIN
           AND x.lease_token = _settle_failure.lease_token
           AND (outcome <> 'lease_lost' OR x.lease_expires_at < now())
         FOR UPDATE;
-    ELSE
+    ELSIF wait_for_run THEN
         SELECT * INTO c FROM flow._commands x
         WHERE x.id = _settle_failure.command_id AND x.status::text IN ('pending', 'waiting')
           AND x.attempts = held_attempt - 1
@@ -1660,6 +1660,21 @@ BEGIN
         IF NOT FOUND THEN
             RETURN 'expired';
         END IF;
+    ELSE
+        -- (a row locked by another transaction is not waited for either:
+        -- 'locked'; one this transaction holds, a worker's chunk's, is read)
+        SELECT * INTO c FROM flow._commands x
+        WHERE x.id = _settle_failure.command_id AND x.status::text IN ('pending', 'waiting')
+          AND x.attempts = held_attempt - 1
+        FOR UPDATE SKIP LOCKED;
+        IF NOT FOUND THEN
+            RETURN CASE WHEN EXISTS (SELECT 1 FROM flow._commands x
+                                     WHERE x.id = _settle_failure.command_id
+                                       AND x.status::text IN ('pending', 'waiting') AND x.attempts = held_attempt - 1)
+                        THEN 'locked' ELSE 'expired' END;
+        END IF;
+    END IF;
+    IF held_attempt IS NOT NULL THEN
         -- what the claim of a leased attempt would have written
         c.budget_started_at := flow._budget_start(c.status, c.attempts, c.next_run_at, c.budget_started_at);
         c.wait_timed_out := flow._wait_timed_out(c.status, c.wait_timed_out);
@@ -2360,7 +2375,8 @@ END $$;
 -- What an external claim does before flow._claim takes its commands (see
 -- flow.claim): checks its arguments and the caller's right to the
 -- definitions, and concludes their expired leases.
-CREATE OR REPLACE FUNCTION flow._prepare_external_claim(caller oid, names text[], worker text, max_count integer, lease interval)
+CREATE OR REPLACE FUNCTION flow._prepare_external_claim(caller oid, names text[], worker text, max_count integer, lease interval,
+    conclude_expired boolean DEFAULT true)
 RETURNS void
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
@@ -2388,7 +2404,12 @@ BEGIN
         END IF;
     END LOOP;
     -- Expired external leases of these definitions are concluded first, so a
-    -- server without in-database workers still retries them.
+    -- server without in-database workers still retries them. (Not by a held
+    -- claim: it needs the workers, whose recovery concludes them, and the
+    -- locks it would take here would last for its client's transaction.)
+    IF NOT conclude_expired THEN
+        RETURN;
+    END IF;
     FOR expired IN
         SELECT c.id, c.lease_token FROM flow._commands c                -- index _commands_running, per queue
         WHERE c.status = 'running' AND c.queue = ANY (ARRAY(SELECT q.name FROM flow._queues q))
@@ -2460,6 +2481,11 @@ BEGIN
         -- and locked it (and its run, for a command not its run's root)
         SELECT * INTO c FROM flow._commands x WHERE x.id = command_id;
         SELECT x.ctid INTO row_at FROM flow._commands x WHERE x.id = command_id;
+        IF c.status::text NOT IN ('pending', 'waiting') OR c.attempts <> held - 1 THEN
+            -- (moved on in this very transaction: its run failed or was cancelled)
+            RAISE EXCEPTION 'flow: lease token % does not hold command % (it is %)', lease_token, command_id, c.status
+                USING ERRCODE = 'FL013';
+        END IF;
     END IF;
     IF result IS NOT NULL THEN
         PERFORM flow._require_payload('result', result, false);
@@ -2624,6 +2650,11 @@ BEGIN
         coalesce(message, 'failed by its external worker'), retry_after,
         CASE WHEN held IS NOT NULL THEN now() END, held, flow._holding_worker());
     IF held IS NOT NULL THEN
+        IF outcome NOT IN ('retry', 'failed') THEN
+            -- (moved on in this very transaction: its run failed or was cancelled)
+            RAISE EXCEPTION 'flow: lease token % does not hold command %', lease_token, command_id
+                USING ERRCODE = 'FL013';
+        END IF;
         PERFORM flow._holding_settled(ARRAY[command_id]);
     END IF;
     RETURN outcome;
@@ -2640,7 +2671,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_args_misfit_as_wrapper';
 
--- src/external.rs:216
+-- src/external.rs:228
 -- flow::external::_claim_excluded
 CREATE OR REPLACE FUNCTION "_claim_excluded"() RETURNS uuid[] /* :: std :: option :: Option < Vec < pgrx :: Uuid > > */
 STRICT VOLATILE PARALLEL UNSAFE
@@ -2668,7 +2699,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_current_command_wrapper';
 
--- src/executor.rs:233
+-- src/executor.rs:236
 -- flow::executor::_decide
 CREATE OR REPLACE FUNCTION "_decide"(
 	"class" TEXT, /* & str */
@@ -2706,7 +2737,7 @@ VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_external_claim_start_wrapper';
 
--- src/external.rs:166
+-- src/external.rs:178
 -- flow::external::_holding_attempts
 CREATE OR REPLACE FUNCTION "_holding_attempts"(
 	"caller" oid, /* pg_sys :: Oid */
@@ -2717,7 +2748,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_holding_attempts_wrapper';
 
--- src/external.rs:188
+-- src/external.rs:200
 -- flow::external::_holding_rows
 CREATE OR REPLACE FUNCTION "_holding_rows"(
 	"command_ids" uuid[] /* Vec < Option < pgrx :: Uuid > > */
@@ -2726,7 +2757,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_holding_rows_wrapper';
 
--- src/external.rs:198
+-- src/external.rs:210
 -- flow::external::_holding_settled
 CREATE OR REPLACE FUNCTION "_holding_settled"(
 	"command_ids" uuid[] /* Vec < Option < pgrx :: Uuid > > */
@@ -2835,7 +2866,7 @@ VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_note_holding_wrapper';
 
--- src/executor.rs:225
+-- src/executor.rs:228
 -- flow::executor::_note_spawn
 CREATE OR REPLACE FUNCTION "_note_spawn"() RETURNS void
 STRICT VOLATILE PARALLEL UNSAFE
@@ -3181,7 +3212,7 @@ DECLARE
     wanted integer := max;
     taken integer;
 BEGIN
-    PERFORM flow._prepare_external_claim(caller, names, worker, max, lease_for);
+    PERFORM flow._prepare_external_claim(caller, names, worker, max, lease_for, NOT holding);
     IF holding THEN
         IF NOT flow._in_transaction_block() THEN
             RAISE EXCEPTION 'flow: a claim with hold => true must run inside a transaction block (BEGIN ... COMMIT)'
@@ -3191,8 +3222,8 @@ BEGIN
             RAISE EXCEPTION 'flow: this transaction holds commands for worker %, not %', flow._holding_worker(), worker
                 USING ERRCODE = '22023';
         END IF;
-        IF current_setting('flow.workers')::integer = 0 THEN
-            RAISE EXCEPTION 'flow: a claim with hold => true needs flow.workers >= 1'
+        IF current_setting('flow.workers')::integer = 0 OR current_database() <> current_setting('flow.database_name') THEN
+            RAISE EXCEPTION 'flow: a claim with hold => true needs flow''s workers (flow.workers >= 1) in this database (flow.database_name)'
                 USING ERRCODE = '55000', DETAIL = 'Worker 0 counts the attempts of transactions that end unsettled.';
         END IF;
     END IF;

@@ -316,7 +316,7 @@ BEGIN
           AND x.lease_token = _settle_failure.lease_token
           AND (outcome <> 'lease_lost' OR x.lease_expires_at < now())
         FOR UPDATE;
-    ELSE
+    ELSIF wait_for_run THEN
         SELECT * INTO c FROM flow._commands x
         WHERE x.id = _settle_failure.command_id AND x.status::text IN ('pending', 'waiting')
           AND x.attempts = held_attempt - 1
@@ -324,6 +324,21 @@ BEGIN
         IF NOT FOUND THEN
             RETURN 'expired';
         END IF;
+    ELSE
+        -- (a row locked by another transaction is not waited for either:
+        -- 'locked'; one this transaction holds, a worker's chunk's, is read)
+        SELECT * INTO c FROM flow._commands x
+        WHERE x.id = _settle_failure.command_id AND x.status::text IN ('pending', 'waiting')
+          AND x.attempts = held_attempt - 1
+        FOR UPDATE SKIP LOCKED;
+        IF NOT FOUND THEN
+            RETURN CASE WHEN EXISTS (SELECT 1 FROM flow._commands x
+                                     WHERE x.id = _settle_failure.command_id
+                                       AND x.status::text IN ('pending', 'waiting') AND x.attempts = held_attempt - 1)
+                        THEN 'locked' ELSE 'expired' END;
+        END IF;
+    END IF;
+    IF held_attempt IS NOT NULL THEN
         -- what the claim of a leased attempt would have written
         c.budget_started_at := flow._budget_start(c.status, c.attempts, c.next_run_at, c.budget_started_at);
         c.wait_timed_out := flow._wait_timed_out(c.status, c.wait_timed_out);

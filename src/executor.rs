@@ -82,6 +82,9 @@ enum Settled {
     Expired,
     /// Settled as a failure; `retry` tells whether another attempt is scheduled.
     Failed { retry: bool },
+    /// Not settled: its run or its row is locked elsewhere (only when the
+    /// caller would not wait for them).
+    Locked,
 }
 
 /// A failure's class (see `flow._settle_failure`), code and message.
@@ -1456,6 +1459,7 @@ fn settle_failure(
     match status.as_deref() {
         Some("retry") => Settled::Failed { retry: true },
         Some("failed") => Settled::Failed { retry: false },
+        Some("locked") => Settled::Locked,
         _ => Settled::Expired,
     }
 }
@@ -1485,14 +1489,25 @@ pub fn settle_engine_error(command: &AttemptId, message: &str, sqlstate: &str, w
     in_subtransaction(|| Ok::<_, ()>(settle_failure(command, &permanent, None, worker, true)), |_| ()).is_ok()
 }
 
+/// What concluding a held attempt came to (`conclude_held`).
+#[derive(PartialEq, Eq, Debug)]
+pub enum Conclusion {
+    /// counted as interrupted
+    Counted,
+    /// the command had moved on (settled, or another attempt counted): nothing to count
+    MovedOn,
+    /// its run or its row is locked elsewhere: try again later
+    Busy,
+}
+
 /// Conclude a held attempt that ended unsettled as interrupted, as recovery
 /// concludes a leased one whose owner died: the one a stopped worker
 /// recorded (see attempt_record.rs), or one an external client's transaction
 /// abandoned (src/external.rs: `abandoned`, the token its client was given,
-/// so that flow.resolve finds the attempt under it). Nothing changes if the
-/// command has moved on since (settled, or another attempt counted).
-/// Returns whether it was concluded.
-pub fn conclude_held(command: [u8; 16], attempt: i32, worker: &str, abandoned: Option<[u8; 16]>) -> bool {
+/// so that flow.resolve finds the attempt under it). The latter never waits
+/// for a lock (a client's open transaction may hold its run or its row for
+/// as long as it likes): Busy then.
+pub fn conclude_held(command: [u8; 16], attempt: i32, worker: &str, abandoned: Option<[u8; 16]>) -> Conclusion {
     let held = AttemptId {
         command_id: pgrx::Uuid::from_bytes(command),
         lease_token: abandoned.map_or_else(crate::api::_new_id, pgrx::Uuid::from_bytes),
@@ -1513,7 +1528,11 @@ pub fn conclude_held(command: [u8; 16], attempt: i32, worker: &str, abandoned: O
             delay_us: None,
         }
     };
-    settle_failure(&held, &interrupted, None, worker, true) != Settled::Expired
+    match settle_failure(&held, &interrupted, None, worker, abandoned.is_none()) {
+        Settled::Failed { .. } => Conclusion::Counted,
+        Settled::Locked => Conclusion::Busy,
+        Settled::Expired => Conclusion::MovedOn,
+    }
 }
 
 /// Hand claimed commands back to their queue with the attempt the claim

@@ -134,6 +134,16 @@ fn _note_holding(
     row_at: Option<String>,
     worker: &str,
 ) -> bool {
+    // (a place for its attempt among the abandoned ones, kept until the
+    // transaction has ended: an error here aborts the claim, whose commands
+    // noted so far have theirs)
+    if !shmem::reserve_abandon_room() {
+        pgrx::ereport!(
+            ERROR,
+            PgSqlErrorCode::ERRCODE_CONFIGURATION_LIMIT_EXCEEDED,
+            "flow: 4096 commands are held by open transactions or wait for worker 0; end some first, or claim with a lease"
+        );
+    }
     HELD_WORKER.with(|w| w.borrow_mut().get_or_insert_with(|| worker.to_string()).clone());
     let claim = HeldClaim {
         token: *lease_token.as_bytes(),
@@ -144,7 +154,9 @@ fn _note_holding(
         level: nest_level(),
         settled: None,
     };
-    HELD.with(|h| h.borrow_mut().insert(*command_id.as_bytes(), claim));
+    if HELD.with(|h| h.borrow_mut().insert(*command_id.as_bytes(), claim)).is_some() {
+        shmem::abandon(&[], 1); // (claimed again after its earlier attempt ended: one place is enough)
+    }
     true
 }
 
@@ -222,23 +234,26 @@ fn _claim_excluded() -> Option<Vec<pgrx::Uuid>> {
     (!commands.is_empty()).then(|| commands.into_iter().map(pgrx::Uuid::from_bytes).collect())
 }
 
-/// Leave the attempts of the claims that `ended` picks (and are unsettled
-/// when `unsettled_only`) to worker 0, and forget them.
-fn abandon_where(ended: impl Fn(&HeldClaim) -> bool, unsettled_only: bool) {
+/// Forget the claims that `ended` picks, giving back their places, and
+/// leave the attempts of those `abandoned` picks to worker 0 (their places
+/// go to them).
+fn abandon_where(ended: impl Fn(&HeldClaim) -> bool, abandoned: impl Fn(&HeldClaim) -> bool) {
     let worker = HELD_WORKER.with(|w| w.borrow().clone()).unwrap_or_default();
-    let abandoned: Vec<([u8; 16], i32, [u8; 16])> = HELD.with(|h| {
+    let (left, forgotten): (Vec<([u8; 16], i32, [u8; 16])>, usize) = HELD.with(|h| {
         let mut h = h.borrow_mut();
         let picked: Vec<[u8; 16]> = h.iter().filter(|(_, c)| ended(c)).map(|(id, _)| *id).collect();
-        picked
+        let forgotten = picked.len();
+        let left = picked
             .into_iter()
             .filter_map(|id| {
                 let claim = h.remove(&id)?;
-                (!unsettled_only || claim.settled.is_none()).then_some((id, claim.attempt, claim.token))
+                abandoned(&claim).then_some((id, claim.attempt, claim.token))
             })
-            .collect()
+            .collect();
+        (left, forgotten)
     });
-    let list: Vec<_> = abandoned.iter().map(|(id, n, token)| (*id, *n, *token, worker.as_str())).collect();
-    let lost = shmem::abandon(&list);
+    let list: Vec<_> = left.iter().map(|(id, n, token)| (*id, *n, *token, worker.as_str())).collect();
+    let lost = shmem::abandon(&list, forgotten);
     if lost > 0 {
         // (as a transaction ends: a LOG line, never an error)
         pgrx::log!("flow: {lost} abandoned held attempts could not be left to worker 0 and go uncounted");
@@ -257,21 +272,29 @@ unsafe extern "C-unwind" fn on_xact_event(event: pg_sys::XactEvent::Type, _arg: 
             pgrx::ereport!(
                 ERROR,
                 PgSqlErrorCode::ERRCODE_FEATURE_NOT_SUPPORTED,
-                "flow: a transaction holding claimed commands cannot be prepared; settle them first"
+                "flow: a transaction that claimed commands with hold => true cannot be prepared"
             );
         }
-        // (before the commit: the rows are still locked, so no claim takes
-        // them before worker 0 is told; it waits for this commit to conclude
-        // them.) A held command claimed with a lease and not settled keeps
-        // its lease: it is concluded when that expires.
-        pg_sys::XactEvent::XACT_EVENT_PRE_COMMIT => abandon_where(|c| c.held, true),
+        // Before the commit the unsettled ones: their rows are still locked,
+        // so no claim takes them before worker 0 is told (it never waits for
+        // them, and counts them once this commit is over). The settled ones
+        // stay until the commit is done: a commit can still fail after this
+        // (a serialization failure), and then their settlements are rolled
+        // back too. A command claimed with a lease and not settled keeps its
+        // lease: it is concluded when that expires.
+        pg_sys::XactEvent::XACT_EVENT_PRE_COMMIT => {
+            abandon_where(|c| c.held && c.settled.is_none(), |_| true);
+            return;
+        }
+        pg_sys::XactEvent::XACT_EVENT_COMMIT | pg_sys::XactEvent::XACT_EVENT_PARALLEL_COMMIT => {
+            abandon_where(|_| true, |_| false) // (settled, or leased: nothing is left to worker 0)
+        }
         // rolled back: every claim with it, and every settlement
         pg_sys::XactEvent::XACT_EVENT_ABORT | pg_sys::XactEvent::XACT_EVENT_PARALLEL_ABORT => {
-            abandon_where(|_| true, false)
+            abandon_where(|_| true, |_| true)
         }
         _ => return,
     }
-    HELD.with(|h| h.borrow_mut().clear());
     HELD_WORKER.with(|w| w.borrow_mut().take());
 }
 
@@ -295,7 +318,7 @@ unsafe extern "C-unwind" fn on_subxact_event(
         }),
         pg_sys::SubXactEvent::SUBXACT_EVENT_ABORT_SUB => {
             // its claims were rolled back (their rows are free again), and its settlements
-            abandon_where(|c| c.level >= level, false);
+            abandon_where(|c| c.level >= level, |_| true);
             HELD.with(|h| {
                 for claim in h.borrow_mut().values_mut() {
                     if claim.settled.is_some_and(|s| s >= level) {

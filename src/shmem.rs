@@ -542,30 +542,51 @@ struct AbandonedAttempt {
     worker: SharedName,
 }
 
+/// The abandoned attempts, and the room reserved for those that may come:
+/// every command a transaction holds has a place here from its claim on
+/// (`reserve_abandon_room`), so an abandoned attempt always fits, whatever
+/// other roles hold.
 #[derive(Copy, Clone)]
 pub struct Abandoned {
     len: usize,
+    reserved: usize,
     attempts: [AbandonedAttempt; ABANDONED],
 }
 
 impl Default for Abandoned {
     fn default() -> Self {
         let none = AbandonedAttempt { command: [0; 16], attempt: 0, token: [0; 16], worker: SharedName::NONE };
-        Abandoned { len: 0, attempts: [none; ABANDONED] }
+        Abandoned { len: 0, reserved: 0, attempts: [none; ABANDONED] }
     }
+}
+
+/// Reserve a place for one held command's attempt; false when all are
+/// taken (by attempts waiting for worker 0, or reserved by open transactions).
+pub fn reserve_abandon_room() -> bool {
+    let mut table = ABANDONED_TABLE.exclusive();
+    if table.len + table.reserved >= ABANDONED {
+        return false;
+    }
+    table.reserved += 1;
+    true
 }
 
 unsafe impl PGRXSharedMemory for Abandoned {}
 
 /// Leave these attempts (command, attempt, token, worker) to worker 0, which
-/// concludes them as interrupted (`take_abandoned`), and wake it. Called as a
-/// transaction ends: raises nothing. Returns how many did not fit (their
-/// attempts go uncounted).
-pub fn abandon(attempts: &[([u8; 16], i32, [u8; 16], &str)]) -> usize {
-    if attempts.is_empty() {
+/// concludes them as interrupted (`abandoned`), and wake it; and give back
+/// `released` reservations (those of these attempts, and of held commands
+/// that were settled). Called as a transaction ends: raises nothing. Returns
+/// how many did not fit (none, while each came with its reservation).
+pub fn abandon(attempts: &[([u8; 16], i32, [u8; 16], &str)], released: usize) -> usize {
+    if attempts.is_empty() && released == 0 {
         return 0;
     }
     let mut table = ABANDONED_TABLE.exclusive();
+    table.reserved = table.reserved.saturating_sub(released);
+    if attempts.is_empty() {
+        return 0;
+    }
     let mut lost = 0;
     for (command, attempt, token, worker) in attempts {
         if table.len == ABANDONED {
@@ -614,11 +635,15 @@ pub fn abandoned() -> Vec<([u8; 16], i32, [u8; 16], String)> {
 
 /// Drop these abandoned attempts (concluded, or given up on).
 pub fn forget_abandoned(done: &[([u8; 16], i32)]) {
+    if done.is_empty() {
+        return;
+    }
+    let done: std::collections::HashSet<([u8; 16], i32)> = done.iter().copied().collect();
     let mut table = ABANDONED_TABLE.exclusive();
     let mut kept = 0;
     for i in 0..table.len {
         let a = table.attempts[i];
-        if !done.iter().any(|(command, attempt)| *command == a.command && *attempt == a.attempt) {
+        if !done.contains(&(a.command, a.attempt)) {
             table.attempts[kept] = a;
             kept += 1;
         }

@@ -339,7 +339,7 @@ impl Worker {
             records.extend(attempt_record::orphans(gucs::workers()).into_iter().map(|(slot, r)| (Some(slot), r)));
         }
         for (slot, (command, attempt)) in records {
-            if executor::conclude_held(command, attempt, &self.name, None) {
+            if executor::conclude_held(command, attempt, &self.name, None) == executor::Conclusion::Counted {
                 pgrx::log!(
                     "flow: concluded the attempt {attempt} of command {} as interrupted: its worker stopped in it",
                     pgrx::Uuid::from_bytes(command)
@@ -353,9 +353,10 @@ impl Worker {
     }
 
     /// Worker 0: conclude the held attempts external clients' transactions
-    /// abandoned (src/external.rs), each in a transaction of its own (one
-    /// whose command is busy elsewhere waits for it). Claims leave their
-    /// commands alone until they are concluded here.
+    /// abandoned (src/external.rs), each in a transaction of its own, never
+    /// waiting for a lock: one whose run or row is busy elsewhere (a client's
+    /// open transaction) stays for a later turn. Claims leave their commands
+    /// alone until they are concluded here.
     fn conclude_abandoned(&self) {
         let abandoned = shmem::abandoned();
         if abandoned.is_empty() {
@@ -365,8 +366,8 @@ impl Worker {
         for (command, attempt, token, worker) in abandoned {
             let worker = if worker.is_empty() { self.name.clone() } else { worker };
             match transaction(|| executor::conclude_held(command, attempt, &worker, Some(token))) {
-                Some(true) => {}
-                Some(false) => {} // it moved on meanwhile: nothing to count
+                Some(executor::Conclusion::Busy) => continue,
+                Some(_) => {} // counted, or it moved on meanwhile: nothing to count
                 None => pgrx::log!(
                     "flow: the abandoned attempt {attempt} of command {} could not be concluded",
                     pgrx::Uuid::from_bytes(command)
@@ -374,6 +375,7 @@ impl Worker {
             }
             done.push((command, attempt));
         }
+        // (what stays is tried again next turn: a poll interval later at most)
         shmem::forget_abandoned(&done);
     }
 
