@@ -5,6 +5,7 @@ Each test module gets a fresh cluster (module-scoped fixture `pg`), so crash
 and restart tests cannot disturb others. Tests assert outcomes: states,
 counts, results, SQLSTATEs.
 """
+import contextlib
 import os
 import subprocess
 import threading
@@ -122,6 +123,19 @@ class Cluster:
     def worker_pids(self):
         return [r[0] for r in self.all("SELECT pid FROM pg_stat_activity WHERE backend_type = 'flow worker'")]
 
+    @contextlib.contextmanager
+    def engine_paused(self, settle=0.5):
+        """flow.enabled = off for the block (the workers claim, recover and
+        conclude nothing), after `settle` seconds for them to notice."""
+        self.all("ALTER SYSTEM SET flow.enabled = off")
+        self.all("SELECT pg_reload_conf()")
+        try:
+            time.sleep(settle)
+            yield
+        finally:
+            self.all("ALTER SYSTEM RESET flow.enabled")
+            self.all("SELECT pg_reload_conf()")
+
 
 def fresh_cluster(*conf_lines):
     cluster = Cluster()
@@ -139,3 +153,32 @@ def pg():
 
 def unique(prefix="t"):
     return f"{prefix}_{uuid.uuid4().hex[:10]}"
+
+
+def external_workers_cluster():
+    """A fresh cluster (one worker) for external workers' tests: roles alice
+    and bob, and `in_db_child`, an in-database definition whose handler
+    records what it saw (app.effects) and returns its inputs."""
+    cluster = fresh_cluster("flow.workers = 1")
+    with cluster.connect() as c:
+        c.execute("""
+            DO $$ BEGIN CREATE ROLE alice LOGIN; CREATE ROLE bob LOGIN;
+            EXCEPTION WHEN duplicate_object THEN NULL; END $$;
+            CREATE SCHEMA app;
+            CREATE TABLE app.effects (run_id uuid, key text);
+            CREATE FUNCTION app.after_external(args jsonb, ctx flow.context) RETURNS jsonb LANGUAGE plpgsql AS $$
+            BEGIN
+                INSERT INTO app.effects VALUES (ctx.run_id, ctx.command_key);
+                RETURN jsonb_build_object('inputs', ctx.inputs);
+            END $$;
+            SELECT flow.define('in_db_child', 'app.after_external'::regproc);
+        """)
+    return cluster
+
+
+def define_external(pg, prefix, user="postgres", **kw):
+    """A new external definition (handler NULL) owned by `user`; kw: flow.define's named arguments, as SQL."""
+    name = unique(prefix)
+    params = "".join(f", {k} => {v}" for k, v in kw.items())
+    pg.one(f"SELECT flow.define('{name}', NULL{params})", user=user)
+    return name

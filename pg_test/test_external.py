@@ -6,34 +6,18 @@ import uuid
 import psycopg
 import pytest
 
-from conftest import fresh_cluster, unique
+from conftest import define_external, external_workers_cluster, unique
 
 
 @pytest.fixture(scope="module")
 def pg():
-    cluster = fresh_cluster("flow.workers = 1")
-    with cluster.connect() as c:
-        c.execute("""
-            DO $$ BEGIN CREATE ROLE alice LOGIN; CREATE ROLE bob LOGIN;
-            EXCEPTION WHEN duplicate_object THEN NULL; END $$;
-            CREATE SCHEMA app;
-            CREATE TABLE app.effects (run_id uuid, key text);
-            CREATE FUNCTION app.after_external(args jsonb, ctx flow.context) RETURNS jsonb LANGUAGE plpgsql AS $$
-            BEGIN
-                INSERT INTO app.effects VALUES (ctx.run_id, ctx.command_key);
-                RETURN jsonb_build_object('inputs', ctx.inputs);
-            END $$;
-            SELECT flow.define('in_db_child', 'app.after_external'::regproc);
-        """)
+    cluster = external_workers_cluster()
     yield cluster
     cluster.stop()
 
 
 def external(pg, user="postgres", **kw):
-    name = unique("ext")
-    params = "".join(f", {k} => {v}" for k, v in kw.items())
-    pg.one(f"SELECT flow.define('{name}', NULL{params})", user=user)
-    return name
+    return define_external(pg, "ext", user, **kw)
 
 
 def claim(conn, name, worker="w", max_=1, lease="30 s"):
@@ -430,17 +414,11 @@ def test_a_lease_extended_while_a_claim_concludes_expired_leases_stands(pg):
     attempt allowed, the run failed under a worker told to go on)."""
     name = external(pg, max_attempts=1)
     # (the in-database worker's recovery would conclude the leases first)
-    pg.all("ALTER SYSTEM SET flow.enabled = off")
-    pg.all("SELECT pg_reload_conf()")
-    try:
+    with pg.engine_paused():
         lease_extended_while_concluded(pg, name)
-    finally:
-        pg.all("ALTER SYSTEM RESET flow.enabled")
-        pg.all("SELECT pg_reload_conf()")
 
 
 def lease_extended_while_concluded(pg, name):
-    time.sleep(0.5)
     x = pg.one(f"SELECT flow.enqueue('{name}', '{{}}', key => 'x')")   # keyed: a run row of its own
     time.sleep(0.01)
     y = pg.one(f"SELECT flow.enqueue('{name}')")

@@ -10,34 +10,18 @@ import psycopg
 import pytest
 from psycopg.types.json import Jsonb
 
-from conftest import fresh_cluster, unique
+from conftest import define_external, external_workers_cluster, unique
 
 
 @pytest.fixture(scope="module")
 def pg():
-    cluster = fresh_cluster("flow.workers = 1")
-    with cluster.connect() as c:
-        c.execute("""
-            DO $$ BEGIN CREATE ROLE alice LOGIN; CREATE ROLE bob LOGIN;
-            EXCEPTION WHEN duplicate_object THEN NULL; END $$;
-            CREATE SCHEMA app;
-            CREATE TABLE app.effects (run_id uuid, key text);
-            CREATE FUNCTION app.after_external(args jsonb, ctx flow.context) RETURNS jsonb LANGUAGE plpgsql AS $$
-            BEGIN
-                INSERT INTO app.effects VALUES (ctx.run_id, ctx.command_key);
-                RETURN jsonb_build_object('inputs', ctx.inputs);
-            END $$;
-            SELECT flow.define('held_in_db_child', 'app.after_external'::regproc);
-        """)
+    cluster = external_workers_cluster()
     yield cluster
     cluster.stop()
 
 
 def external(pg, user="postgres", **kw):
-    name = unique("held")
-    params = "".join(f", {k} => {v}" for k, v in kw.items())
-    pg.one(f"SELECT flow.define('{name}', NULL{params})", user=user)
-    return name
+    return define_external(pg, "held", user, **kw)
 
 
 QUICK = {"max_attempts": 3, "backoff": "'10 ms'", "backoff_max": "'10 ms'"}
@@ -286,7 +270,7 @@ def test_complete_with_events_and_children_on_a_held_root_drives_the_run(pg):
     key = unique("order")
     run = pg.one(f"SELECT flow.enqueue('{root}')")
     children = Jsonb([{"name": child, "key": "ext", "args": {"n": 1}},
-                      {"name": "held_in_db_child", "key": "after", "waits": [{"name": "paid", "key": key}],
+                      {"name": "in_db_child", "key": "after", "waits": [{"name": "paid", "key": key}],
                        "within": "1 minute"}])
     events = Jsonb([{"name": "paid", "key": key, "payload": {"amount": 5}}])
     with pg.connect(autocommit=False) as c:
@@ -441,10 +425,7 @@ def test_claims_leave_an_abandoned_attempt_alone_until_worker_0_counts_it(pg):
     (no attempt number is taken twice); once counted, the retry is attempt 2."""
     name = external(pg, **QUICK)
     run = pg.one(f"SELECT flow.enqueue('{name}')")
-    pg.all("ALTER SYSTEM SET flow.enabled = off")
-    pg.all("SELECT pg_reload_conf()")
-    try:
-        time.sleep(0.5)
+    with pg.engine_paused():
         with pg.connect(autocommit=False) as c:
             assert [r[0] for r in hold(c, name)] == [run]
             c.rollback()
@@ -454,9 +435,6 @@ def test_claims_leave_an_abandoned_attempt_alone_until_worker_0_counts_it(pg):
             assert c.execute("SELECT * FROM flow.claim(%s, 'x', 5)", ([name],)).fetchall() == []
             c.rollback()
         assert row(pg, run)[:2] == ("pending", 0) and attempts(pg, run) == []
-    finally:
-        pg.all("ALTER SYSTEM RESET flow.enabled")
-        pg.all("SELECT pg_reload_conf()")
     await_interrupted(pg, run)
     with pg.connect(autocommit=False) as c:
         [(cmd, token, attempt, _)] = hold_when_due(c, name)
@@ -475,17 +453,11 @@ def test_worker_0_never_waits_for_an_abandoned_command_locked_elsewhere(pg):
     name = external(pg, **QUICK)
     locked_run = pg.one(f"SELECT flow.enqueue('{name}')")
     with pg.connect(autocommit=False) as locker:
-        pg.all("ALTER SYSTEM SET flow.enabled = off")     # (worker 0 counts nothing until the row is locked)
-        pg.all("SELECT pg_reload_conf()")
-        try:
-            time.sleep(0.5)
+        with pg.engine_paused():                   # (worker 0 counts nothing until the row is locked)
             with pg.connect(autocommit=False) as c:
                 assert [r[0] for r in hold(c, name)] == [locked_run]
                 c.rollback()
             locker.execute("SELECT 1 FROM flow._commands WHERE id = %s FOR UPDATE", (locked_run,))
-        finally:
-            pg.all("ALTER SYSTEM RESET flow.enabled")
-            pg.all("SELECT pg_reload_conf()")
         other = external(pg, **QUICK)
         other_run = pg.one(f"SELECT flow.enqueue('{other}')")
         with pg.connect(autocommit=False) as c:

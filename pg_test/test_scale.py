@@ -113,14 +113,8 @@ def test_external_claims_take_up_where_the_last_full_claim_of_their_definition_e
         pg.one("SELECT cardinality(flow.enqueue_many('walked', array_fill('{}'::jsonb, array[1000])))")
     # (the in-database workers' own looks at their queues' heads read pages
     # of the same index: they are paused meanwhile)
-    pg.all("ALTER SYSTEM SET flow.enabled = off")
-    pg.all("SELECT pg_reload_conf()")
-    time.sleep(0.5)
-    try:
+    with pg.engine_paused():
         claims_take_up_where_the_last_ended(pg)
-    finally:
-        pg.all("ALTER SYSTEM RESET flow.enabled")
-        pg.all("SELECT pg_reload_conf()")
 
 
 def claims_take_up_where_the_last_ended(pg):

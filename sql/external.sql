@@ -285,7 +285,6 @@ BEGIN
                                       coalesce(results, array_fill(NULL::jsonb, ARRAY[cardinality(command_ids)])),
                                       array_fill(now(), ARRAY[cardinality(command_ids)]), held_attempts,
                                       flow._holding_worker(), flow._holding_rows(command_ids)::tid[], false);
-        PERFORM flow._holding_settled(settled);
         ids := command_ids;
         tokens := lease_tokens;
         outcomes := CASE WHEN cardinality(settled) = cardinality(command_ids)
@@ -293,54 +292,55 @@ BEGIN
                          ELSE ARRAY(SELECT CASE WHEN t.id = ANY (settled) THEN 'succeeded' END
                                     FROM unnest(command_ids) AS t(id)) END;
     ELSE
-    -- One read of each command: whether the caller may settle it, and the
-    -- runs to lock first (_lock_runs_of's lock; a root with no child leaves
-    -- its run unlocked: its success is the run's end and writes no run, and a
-    -- cancel waits for the root's own row instead, see flow._run_rows).
-    SELECT (array_agg(t.id) FILTER (WHERE d.owner IS NULL OR NOT pg_has_role(caller, d.owner, 'MEMBER')))[1],
-           array_agg(DISTINCT c.run_id) FILTER (WHERE NOT (c.id = c.run_id
-                                                           AND NOT EXISTS (SELECT 1 FROM flow._commands k
-                                                                           WHERE k.parent_id = c.id)))
-    INTO not_yours, runs
-    FROM unnest(command_ids) AS t(id)
-    LEFT JOIN flow._commands c ON c.id = t.id
-    LEFT JOIN flow._definitions d ON d.name = c.name AND d.version = c.version;
-    IF not_yours IS NOT NULL THEN
-        RAISE EXCEPTION 'flow: no command with id %', not_yours USING ERRCODE = 'FL014';
+        -- One read of each command: whether the caller may settle it, and the
+        -- runs to lock first (_lock_runs_of's lock; a root with no child leaves
+        -- its run unlocked: its success is the run's end and writes no run, and a
+        -- cancel waits for the root's own row instead, see flow._run_rows).
+        SELECT (array_agg(t.id) FILTER (WHERE d.owner IS NULL OR NOT pg_has_role(caller, d.owner, 'MEMBER')))[1],
+               array_agg(DISTINCT c.run_id) FILTER (WHERE NOT (c.id = c.run_id
+                                                               AND NOT EXISTS (SELECT 1 FROM flow._commands k
+                                                                               WHERE k.parent_id = c.id)))
+        INTO not_yours, runs
+        FROM unnest(command_ids) AS t(id)
+        LEFT JOIN flow._commands c ON c.id = t.id
+        LEFT JOIN flow._definitions d ON d.name = c.name AND d.version = c.version;
+        IF not_yours IS NOT NULL THEN
+            RAISE EXCEPTION 'flow: no command with id %', not_yours USING ERRCODE = 'FL014';
+        END IF;
+        IF runs IS NOT NULL THEN
+            PERFORM flow._lock_runs(runs, true);
+        END IF;
+        WITH item AS (
+            -- held: this transaction's claim locked it (its settlement writes the
+            -- claim's attempt too, at the row the lock kept in place); leased: the
+            -- lease is still the token's
+            SELECT t.id, t.token, t.result, t.attempt, c.ctid AS row_at,
+                   CASE WHEN t.attempt IS NOT NULL THEN now() END AS started,
+                   (t.attempt IS NOT NULL
+                    OR c.status = 'running' AND c.lease_token = t.token AND c.lease_pid IS NULL
+                       AND c.lease_expires_at >= now()) AS settleable
+            FROM unnest(command_ids, lease_tokens, coalesce(results, array_fill(NULL::jsonb,
+                        ARRAY[cardinality(command_ids)])), held_attempts) AS t(id, token, result, attempt)
+            JOIN flow._commands c ON c.id = ANY (ARRAY[t.id])   -- (a probe per command: sql/common.sql)
+        ), settled AS (
+            -- (a held root's first attempt spawned nothing: only flow.complete
+            -- spawns for an external command, and it settles the command too)
+            SELECT coalesce(flow._settle_batch(array_agg(i.id), array_agg(i.token), array_agg(i.result),
+                                               array_agg(i.started), array_agg(i.attempt), flow._holding_worker(),
+                                               array_agg(i.row_at), false), '{}') AS ids
+            FROM item i WHERE i.settleable
+        )
+        -- (the aggregates of one statement take its rows in the same order: the
+        -- arrays stay aligned)
+        SELECT array_agg(i.id), array_agg(i.token),
+               array_agg(CASE WHEN i.settleable AND i.id = ANY (s.ids) THEN 'succeeded' END)   -- (NULL: read again below)
+        INTO ids, tokens, outcomes
+        FROM item i, settled s;
     END IF;
-    IF runs IS NOT NULL THEN
-        PERFORM flow._lock_runs(runs, true);
-    END IF;
-    WITH item AS (
-        -- held: this transaction's claim locked it (its settlement writes the
-        -- claim's attempt too, at the row the lock kept in place); leased: the
-        -- lease is still the token's
-        SELECT t.id, t.token, t.result, t.attempt, c.ctid AS row_at,
-               CASE WHEN t.attempt IS NOT NULL THEN now() END AS started,
-               (t.attempt IS NOT NULL
-                OR c.status = 'running' AND c.lease_token = t.token AND c.lease_pid IS NULL
-                   AND c.lease_expires_at >= now()) AS settleable
-        FROM unnest(command_ids, lease_tokens, coalesce(results, array_fill(NULL::jsonb,
-                    ARRAY[cardinality(command_ids)])), held_attempts) AS t(id, token, result, attempt)
-        JOIN flow._commands c ON c.id = ANY (ARRAY[t.id])   -- (a probe per command: sql/common.sql)
-    ), settled AS (
-        -- (a held root's first attempt spawned nothing: only flow.complete
-        -- spawns for an external command, and it settles the command too)
-        SELECT coalesce(flow._settle_batch(array_agg(i.id), array_agg(i.token), array_agg(i.result),
-                                           array_agg(i.started), array_agg(i.attempt), flow._holding_worker(),
-                                           array_agg(i.row_at), false), '{}') AS ids
-        FROM item i WHERE i.settleable
-    )
-    -- (the aggregates of one statement take its rows in the same order: the
-    -- arrays stay aligned)
-    SELECT array_agg(i.id), array_agg(i.token),
-           array_agg(CASE WHEN i.settleable AND i.id = ANY (s.ids) THEN 'succeeded' END)   -- (NULL: read again below)
-    INTO ids, tokens, outcomes
-    FROM item i, settled s;
+    -- (noted for the transaction's end: settled, not abandoned)
     IF held_attempts IS NOT NULL THEN
         PERFORM flow._holding_settled(ARRAY(SELECT t.id FROM unnest(ids, outcomes) AS t(id, outcome)
                                          WHERE t.outcome = 'succeeded'));
-    END IF;
     END IF;
     -- (a statement of its own: its snapshot sees what the settlement waited for)
     IF array_position(outcomes, NULL) IS NOT NULL THEN

@@ -1513,21 +1513,13 @@ pub fn conclude_held(command: [u8; 16], attempt: i32, worker: &str, abandoned: O
         lease_token: abandoned.map_or_else(crate::api::_new_id, pgrx::Uuid::from_bytes),
         held_attempt: Some(attempt),
     };
-    let interrupted = if abandoned.is_some() {
-        Failure {
-            class: "interrupted",
-            code: "transaction_ended".into(),
-            message: "the external worker's transaction holding this attempt ended without settling it".into(),
-            delay_us: None,
+    let (code, message) = match abandoned {
+        Some(_) => {
+            ("transaction_ended", "the external worker's transaction holding this attempt ended without settling it")
         }
-    } else {
-        Failure {
-            class: "interrupted",
-            code: "owner_died".into(),
-            message: "the worker running this attempt exited before settling it".into(),
-            delay_us: None,
-        }
+        None => ("owner_died", "the worker running this attempt exited before settling it"),
     };
+    let interrupted = Failure { class: "interrupted", code: code.into(), message: message.into(), delay_us: None };
     match settle_failure(&held, &interrupted, None, worker, abandoned.is_none()) {
         Settled::Failed { .. } => Conclusion::Counted,
         Settled::Locked => Conclusion::Busy,

@@ -144,7 +144,9 @@ fn _note_holding(
             "flow: 4096 commands are held by open transactions or wait for worker 0; end some first, or claim with a lease"
         );
     }
-    HELD_WORKER.with(|w| w.borrow_mut().get_or_insert_with(|| worker.to_string()).clone());
+    HELD_WORKER.with(|w| {
+        w.borrow_mut().get_or_insert_with(|| worker.to_string());
+    });
     let claim = HeldClaim {
         token: *lease_token.as_bytes(),
         attempt,
@@ -228,9 +230,7 @@ fn _holding_settled(command_ids: Vec<Option<pgrx::Uuid>>) -> bool {
 #[pg_extern(volatile, parallel_unsafe)]
 fn _claim_excluded() -> Option<Vec<pgrx::Uuid>> {
     let mut commands = shmem::abandoned_commands();
-    HELD.with(|h| {
-        commands.extend(h.borrow().iter().filter(|(_, c)| c.held && c.settled.is_none()).map(|(id, _)| *id))
-    });
+    HELD.with(|h| commands.extend(h.borrow().iter().filter(|(_, c)| c.held && c.settled.is_none()).map(|(id, _)| *id)));
     (!commands.is_empty()).then(|| commands.into_iter().map(pgrx::Uuid::from_bytes).collect())
 }
 
