@@ -499,3 +499,96 @@ def test_held_commands_have_room_to_be_counted_reserved_at_their_claim(pg):
     pg.wait_for("SELECT count(*) = 4192 FROM flow._attempts a JOIN flow._commands c ON c.id = a.command_id"
                 " WHERE c.name = %s AND a.outcome = 'interrupted'", name, timeout=60.0)
     barrier(pg)                               # (a held claim works again: the places came back)
+
+
+def test_a_held_command_its_own_transaction_moved_is_settled_where_it_is_now(pg):
+    """A held waiting command (claimed when its wait timed out) that an emit
+    in the same transaction makes pending is no longer at the row its claim
+    noted: complete_many still settles it (once, succeeded, attempt 1, no
+    interrupted attempt at commit); the rest of the call is settled as held."""
+    root, child = external(pg), external(pg)
+    key = unique("moved")
+    run = pg.one(f"SELECT flow.enqueue('{root}')")
+    with pg.connect(autocommit=False) as c:
+        [(cmd, token, _, _)] = hold(c, root)
+        children = Jsonb([{"name": child, "key": "wait", "waits": [{"name": "moved", "key": key}],
+                           "within": "100 milliseconds"}])
+        assert c.execute("SELECT flow.complete(%s, %s, NULL, NULL, %s)", (cmd, token, children)).fetchone()[0] == \
+            "succeeded"
+        c.commit()
+    waiting = pg.one("SELECT id FROM flow._commands WHERE parent_id = %s", cmd)
+    assert row(pg, waiting)[0] == "waiting"
+    other = pg.one(f"SELECT flow.enqueue('{child}')")
+    # (a held claim rolled back would count an attempt: claim once, when both are due)
+    pg.wait_for("SELECT next_run_at < now() - interval '50 ms' FROM flow._commands WHERE id = %s", waiting)
+    with pg.connect(autocommit=False) as c:
+        rows = hold(c, child, max_=2)
+        assert {r[0] for r in rows} == {waiting, other}
+        c.execute("SELECT flow.emit('moved', %s)", (key,))
+        assert pg.one("SELECT status::text FROM flow._commands WHERE id = %s", waiting) == "waiting"  # (not yet committed)
+        out = c.execute("SELECT * FROM flow.complete_many(%s, %s)",
+                        ([r[0] for r in rows], [r[1] for r in rows])).fetchall()
+        assert sorted(out) == sorted([(waiting, "succeeded"), (other, "succeeded")])
+        c.commit()
+    barrier(pg)
+    for command in (waiting, other):
+        assert row(pg, command) == ("succeeded", 1, "w", None) and attempts(pg, command) == []
+    assert pg.await_run(run, "10s")[0] == "succeeded"
+
+
+def test_an_abandoned_attempt_whose_conclusion_fails_is_tried_again_until_counted(pg):
+    """Worker 0's conclusion of an abandoned attempt fails (here a trigger
+    refuses its _attempts row): the attempt stays in the list, its command
+    left alone by claims, tried again each second with one LOG line, and is
+    counted once the conclusion can be made."""
+    name = external(pg, **QUICK)
+    run = pg.one(f"SELECT flow.enqueue('{name}')")
+    pg.all("""
+        CREATE TABLE IF NOT EXISTS app.refused_attempts (command_id uuid);
+        CREATE OR REPLACE FUNCTION app.refuse_attempt() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            IF EXISTS (SELECT 1 FROM app.refused_attempts r WHERE r.command_id = NEW.command_id) THEN
+                RAISE EXCEPTION 'refused by the test';
+            END IF;
+            RETURN NEW;
+        END $$;
+        CREATE TRIGGER refuse_attempt BEFORE INSERT ON flow._attempts
+            FOR EACH ROW EXECUTE FUNCTION app.refuse_attempt();""")
+    try:
+        pg.all("INSERT INTO app.refused_attempts VALUES (%s)", run)
+        with pg.connect(autocommit=False) as c:
+            assert [r[0] for r in hold(c, name)] == [run]
+            c.rollback()
+        time.sleep(2.5)                               # (two tries or three)
+        assert row(pg, run)[:2] == ("pending", 0) and attempts(pg, run) == []
+        with pg.connect(autocommit=False) as c:
+            assert hold(c, name) == []                # (still waiting for worker 0)
+            c.rollback()
+        assert pg.log().count(f"of command {run} could not be concluded; trying again") == 1
+        pg.all("DELETE FROM app.refused_attempts")
+        await_interrupted(pg, run)
+    finally:
+        pg.all("DROP TRIGGER refuse_attempt ON flow._attempts")
+    assert attempts(pg, run) == [(1, "interrupted", "transaction_ended", "w")]
+    assert row(pg, run)[:2] == ("pending", 1)
+
+
+def test_a_savepoint_rolled_back_with_all_the_held_claims_takes_their_worker_name_too(pg):
+    """The worker name of a transaction's held claims goes with the last of
+    them: after ROLLBACK TO a savepoint that undid every held claim, a claim
+    under another name holds (no 22023); the first claim's attempt is counted."""
+    name = external(pg, **QUICK)
+    runs = pg.one(f"SELECT flow.enqueue_many('{name}', array_fill('{{}}'::jsonb, array[2]))")
+    with pg.connect(autocommit=False) as c:
+        c.execute("SAVEPOINT s")
+        [(first, _, _, _)] = hold(c, name, worker="first")
+        c.execute("ROLLBACK TO SAVEPOINT s")
+        [(cmd, token, _, _)] = hold(c, name, worker="second")
+        [second] = [run for run in runs if run != first]
+        assert cmd == second
+        assert c.execute("SELECT * FROM flow.complete_many(%s, %s)", ([cmd], [token])).fetchall() == \
+            [(cmd, "succeeded")]
+        c.commit()
+    assert row(pg, second) == ("succeeded", 1, "second", None)
+    await_interrupted(pg, first)
+    assert attempts(pg, first) == [(1, "interrupted", "transaction_ended", "first")]

@@ -2561,6 +2561,21 @@ BEGIN
                                       coalesce(results, array_fill(NULL::jsonb, ARRAY[cardinality(command_ids)])),
                                       array_fill(now(), ARRAY[cardinality(command_ids)]), held_attempts,
                                       flow._holding_worker(), flow._holding_rows(command_ids)::tid[], false);
+        IF cardinality(settled) < cardinality(command_ids) THEN
+            -- A command this transaction moved since its claim (an emit that
+            -- made a held waiting command pending) is no longer at the row the
+            -- claim noted: settled again where it is now (its lock is this
+            -- transaction's, so nothing else moved it; one it ended, cancelled
+            -- or failed with its run, stays unsettled)
+            settled := settled || (
+                SELECT flow._settle_batch(array_agg(t.id), array_agg(t.token), array_agg(t.result),
+                                          array_agg(now()), array_agg(t.attempt), flow._holding_worker(),
+                                          array_agg(c.ctid), false)
+                FROM unnest(command_ids, lease_tokens, coalesce(results, array_fill(NULL::jsonb,
+                            ARRAY[cardinality(command_ids)])), held_attempts) AS t(id, token, result, attempt)
+                JOIN flow._commands c ON c.id = ANY (ARRAY[t.id])   -- (a probe per command: sql/common.sql)
+                WHERE t.id <> ALL (settled));
+        END IF;
         ids := command_ids;
         tokens := lease_tokens;
         outcomes := CASE WHEN cardinality(settled) = cardinality(command_ids)

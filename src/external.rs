@@ -319,13 +319,19 @@ unsafe extern "C-unwind" fn on_subxact_event(
         pg_sys::SubXactEvent::SUBXACT_EVENT_ABORT_SUB => {
             // its claims were rolled back (their rows are free again), and its settlements
             abandon_where(|c| c.level >= level, |_| true);
-            HELD.with(|h| {
-                for claim in h.borrow_mut().values_mut() {
+            let none_left = HELD.with(|h| {
+                let mut h = h.borrow_mut();
+                for claim in h.values_mut() {
                     if claim.settled.is_some_and(|s| s >= level) {
                         claim.settled = None;
                     }
                 }
+                h.is_empty()
             });
+            if none_left {
+                // (the worker name went with the last of the claims it named)
+                HELD_WORKER.with(|w| w.borrow_mut().take());
+            }
         }
         _ => {}
     }

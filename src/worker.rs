@@ -14,6 +14,7 @@ use pgrx::bgworkers::{BackgroundWorker, BackgroundWorkerBuilder, SignalWakeFlags
 use pgrx::prelude::*;
 use pgrx::PgTryBuilder;
 use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
 use std::ffi::{c_int, CString};
 use std::time::{Duration, Instant};
 
@@ -61,6 +62,9 @@ const HAND_BACK_DELAY: Duration = Duration::from_millis(1000);
 /// How long a worker waits before claiming again when work is due that its
 /// last claim did not get (see Worker::turn).
 const DUE_AGAIN_PAUSE: Duration = Duration::from_millis(10);
+/// How long worker 0 waits before it tries again to conclude an abandoned
+/// held attempt whose conclusion failed (see Worker::conclude_abandoned).
+const FAILED_CONCLUSION_PAUSE: Duration = Duration::from_secs(1);
 
 /// The smallest chunk window (see Worker::chunk_window).
 const MIN_CHUNK_WINDOW: usize = 8;
@@ -198,6 +202,9 @@ struct Worker {
     /// Held commands left to a cancel, and when: not claimed again for
     /// HAND_BACK_DELAY (see executor::Chunk::finish).
     left_to_cancels: RefCell<Vec<(pgrx::Uuid, Instant)>>,
+    /// Worker 0: abandoned attempts whose conclusion failed, and when to try
+    /// each again (see conclude_abandoned).
+    failed_conclusions: HashMap<([u8; 16], i32), Instant>,
 }
 
 impl Worker {
@@ -217,6 +224,7 @@ impl Worker {
             isolate_until: None,
             unreleased: Vec::new(),
             left_to_cancels: RefCell::new(Vec::new()),
+            failed_conclusions: HashMap::new(),
             chunk_window: usize::MAX,
             took_all_due: Cell::new(false),
             slept: Cell::new(false),
@@ -356,23 +364,38 @@ impl Worker {
     /// abandoned (src/external.rs), each in a transaction of its own, never
     /// waiting for a lock: one whose run or row is busy elsewhere (a client's
     /// open transaction) stays for a later turn. Claims leave their commands
-    /// alone until they are concluded here.
-    fn conclude_abandoned(&self) {
+    /// alone until they are concluded here. One whose conclusion fails (an
+    /// error) stays too, tried again every FAILED_CONCLUSION_PAUSE: dropped,
+    /// its attempt would go uncounted and its command be claimed again (rule 3).
+    fn conclude_abandoned(&mut self) {
         let abandoned = shmem::abandoned();
         if abandoned.is_empty() {
+            self.failed_conclusions.clear();
             return;
         }
         let mut done = Vec::new();
         for (command, attempt, token, worker) in abandoned {
+            if self.failed_conclusions.get(&(command, attempt)).is_some_and(|again| Instant::now() < *again) {
+                continue;
+            }
             let worker = if worker.is_empty() { self.name.clone() } else { worker };
             match transaction(|| executor::conclude_held(command, attempt, &worker, Some(token))) {
                 Some(executor::Conclusion::Busy) => continue,
                 Some(_) => {} // counted, or it moved on meanwhile: nothing to count
-                None => pgrx::log!(
-                    "flow: the abandoned attempt {attempt} of command {} could not be concluded",
-                    pgrx::Uuid::from_bytes(command)
-                ),
+                None => {
+                    let again = Instant::now() + FAILED_CONCLUSION_PAUSE;
+                    if self.failed_conclusions.insert((command, attempt), again).is_none() {
+                        pgrx::log!(
+                            "flow: the abandoned attempt {attempt} of command {} could not be concluded; \
+                             trying again every {} s",
+                            pgrx::Uuid::from_bytes(command),
+                            FAILED_CONCLUSION_PAUSE.as_secs()
+                        );
+                    }
+                    continue;
+                }
             }
+            self.failed_conclusions.remove(&(command, attempt));
             done.push((command, attempt));
         }
         // (what stays is tried again next turn: a poll interval later at most)
