@@ -2552,13 +2552,14 @@ BEGIN
     IF FOUND THEN
         RAISE EXCEPTION 'flow: results[%] is over flow.max_result_bytes', bad.i USING ERRCODE = 'FL004';
     END IF;
+    -- (a result for each command from here on: NULL for none)
+    results := coalesce(results, array_fill(NULL::jsonb, ARRAY[cardinality(command_ids)]));
     -- Every command held by this transaction's claims for the caller (the
     -- call of a client that claims with hold): the claims checked the
     -- caller's right, took the runs' locks and keep the rows where they
     -- were, so the settlement writes them with no read first.
     IF held_attempts IS NOT NULL AND array_position(held_attempts, NULL) IS NULL THEN
-        settled := flow._settle_batch(command_ids, lease_tokens,
-                                      coalesce(results, array_fill(NULL::jsonb, ARRAY[cardinality(command_ids)])),
+        settled := flow._settle_batch(command_ids, lease_tokens, results,
                                       array_fill(now(), ARRAY[cardinality(command_ids)]), held_attempts,
                                       flow._holding_worker(), flow._holding_rows(command_ids)::tid[], false);
         IF cardinality(settled) < cardinality(command_ids) THEN
@@ -2571,8 +2572,7 @@ BEGIN
                 SELECT flow._settle_batch(array_agg(t.id), array_agg(t.token), array_agg(t.result),
                                           array_agg(now()), array_agg(t.attempt), flow._holding_worker(),
                                           array_agg(c.ctid), false)
-                FROM unnest(command_ids, lease_tokens, coalesce(results, array_fill(NULL::jsonb,
-                            ARRAY[cardinality(command_ids)])), held_attempts) AS t(id, token, result, attempt)
+                FROM unnest(command_ids, lease_tokens, results, held_attempts) AS t(id, token, result, attempt)
                 JOIN flow._commands c ON c.id = ANY (ARRAY[t.id])   -- (a probe per command: sql/common.sql)
                 WHERE t.id <> ALL (settled));
         END IF;
@@ -2610,8 +2610,7 @@ BEGIN
                    (t.attempt IS NOT NULL
                     OR c.status = 'running' AND c.lease_token = t.token AND c.lease_pid IS NULL
                        AND c.lease_expires_at >= now()) AS settleable
-            FROM unnest(command_ids, lease_tokens, coalesce(results, array_fill(NULL::jsonb,
-                        ARRAY[cardinality(command_ids)])), held_attempts) AS t(id, token, result, attempt)
+            FROM unnest(command_ids, lease_tokens, results, held_attempts) AS t(id, token, result, attempt)
             JOIN flow._commands c ON c.id = ANY (ARRAY[t.id])   -- (a probe per command: sql/common.sql)
         ), settled AS (
             -- (a held root's first attempt spawned nothing: only flow.complete
