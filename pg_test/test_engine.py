@@ -343,13 +343,16 @@ def test_a_claim_from_several_queues_locks_only_what_it_claims(app):
     try:
         time.sleep(1.5)
         enqueue_tagged(full, 2)
-        assert app.one("SELECT count(*) FROM flow._claim('t', pg_backend_pid(), now(), 1, NULL, NULL, 0)"
-                       " WHERE queue = %s", full) == 1     # its one running: full
+        # (claimed and leased, as a worker does: its one running, it is full)
+        assert app.one("WITH c AS (SELECT * FROM flow._claim(1, NULL, 0) WHERE queue = %s)"
+                       " SELECT count(*) FROM flow._lease('t', pg_backend_pid(), now(), NULL,"
+                       " (SELECT array_agg(command_id) FROM c), (SELECT array_agg(row_at) FROM c),"
+                       " (SELECT array_agg(deadline) FROM c))", full) == 1
         for q in queues:
             enqueue_tagged(q, 10)
         with app.connect(autocommit=False) as claimer:
             claimed = claimer.execute(
-                "SELECT queue, count(*) FROM flow._claim('t', pg_backend_pid(), now(), 4, NULL, NULL, 0)"
+                "SELECT queue, count(*) FROM flow._claim(4, NULL, 0)"
                 " WHERE queue = ANY (%s) GROUP BY queue ORDER BY queue", (queues,)).fetchall()
             assert claimed == [(q, 2) for q in sorted(queues)]    # each queue's share, interleaved
             free = app.one("SELECT count(*) FROM (SELECT 1 FROM flow._commands WHERE queue = ANY (%s)"

@@ -100,7 +100,7 @@ def test_a_claim_of_no_command_takes_nothing_from_a_due_backlog(pg):
     pg.one(f"SELECT flow.define('{name}', NULL)")
     pg.one(f"SELECT cardinality(flow.enqueue_many('{name}', array_fill('{{}}'::jsonb, array[3])))")
     pg.all("ANALYZE flow._commands")
-    assert pg.one(f"SELECT count(*) FROM flow._claim('test', NULL, NULL, 0, '1 min', array['{name}'], 0)") == 0
+    assert pg.one(f"SELECT count(*) FROM flow._claim(0, array['{name}'], 0)") == 0
     assert pg.one(f"SELECT count(*) FROM flow._commands WHERE name = '{name}'"
                   " AND status = 'pending' AND attempts = 0 AND lease_token IS NULL") == 3
     with pg.connect() as c:

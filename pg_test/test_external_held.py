@@ -592,3 +592,30 @@ def test_a_savepoint_rolled_back_with_all_the_held_claims_takes_their_worker_nam
     assert row(pg, second) == ("succeeded", 1, "second", None)
     await_interrupted(pg, first)
     assert attempts(pg, first) == [(1, "interrupted", "transaction_ended", "first")]
+
+
+def test_a_held_claim_from_several_queues_gets_its_max_of_distinct_commands(pg):
+    """A held claim from several queues and definitions takes each one's share,
+    then the rest from those that have more: the commands it already holds
+    are locked by its own transaction, which SKIP LOCKED does not skip, and
+    are left alone, so it gets its max of distinct commands, each held once,
+    and settles them all."""
+    first, second = external(pg), external(pg)
+    queues = [unique("hq"), unique("hq")]
+    for name, queue, count in ((first, queues[0], 10), (first, queues[1], 1), (second, queues[0], 2)):
+        pg.one(f"SELECT cardinality(flow.enqueue_many('{name}', array_fill('{{}}'::jsonb, array[{count}]),"
+               f" queue => '{queue}'))")
+    with pg.connect(autocommit=False) as c:
+        rows = c.execute("SELECT command_id, lease_token, name, queue, lease_expires_at"
+                         " FROM flow.claim(%s, 'w', 8, hold => true)", ([first, second],)).fetchall()
+        taken = {}
+        for _, _, n, q, _ in rows:
+            taken[(n, q)] = taken.get((n, q), 0) + 1
+        assert taken == {(first, queues[0]): 5, (first, queues[1]): 1, (second, queues[0]): 2}, taken
+        assert len({r[0] for r in rows}) == 8 and all(r[4] is None for r in rows)
+        statuses = c.execute("SELECT status FROM flow.complete_many(%s, %s)",
+                             ([r[0] for r in rows], [r[1] for r in rows])).fetchall()
+        assert statuses == [("succeeded",)] * 8, statuses
+        c.commit()
+    assert pg.one("SELECT count(*) FROM flow._commands WHERE name = ANY (%s) AND status = 'succeeded'"
+                  " AND attempts = 1", [first, second]) == 8

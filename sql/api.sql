@@ -250,16 +250,66 @@ BEGIN
     SELECT s.queue, s.due_at, s.id INTO after_queue, after_at, after_id FROM flow._external_claim_start(alone) s;
     LOOP
         RETURN QUERY
+            WITH locked AS (
+                SELECT * FROM flow._claim(wanted, names, (random() * 1000)::integer, NULL, flow._claim_excluded(),
+                                          CASE WHEN after_queue IS NOT NULL THEN ARRAY[after_queue] END,
+                                          ARRAY[after_at], ARRAY[after_id], holding)
+            ), picked AS (
+                -- From one queue and for one definition (the common claim),
+                -- what the claim locked, in due order (nothing sorted).
+                SELECT k.command_id, k.run_id, k.name, k.version, k.queue, k.args, k.attempt, k.deadline, k.context,
+                       k.due_at, k.row_at, k.held, NULL::bigint AS rank, k.lane_order,
+                       -- (a held attempt's token: it names the attempt for the
+                       -- client's transaction, see src/external.rs)
+                       CASE WHEN k.held THEN flow._new_id() END AS held_token
+                FROM locked k WHERE k.claim_order IS NULL
+                UNION ALL
+                -- From several (claim_order 0), the queues interleaved
+                -- round-robin, each lane's commands ranked in due order; a
+                -- limited lane keeps its earliest up to its room (a claim
+                -- naming several definitions locked up to the room for each).
+                (SELECT k.command_id, k.run_id, k.name, k.version, k.queue, k.args, k.attempt, k.deadline, k.context,
+                        k.due_at, k.row_at, k.held, k.rank, k.lane_order, CASE WHEN k.held THEN flow._new_id() END
+                 FROM (SELECT k.*, row_number() OVER (PARTITION BY k.lane_order ORDER BY k.due_at, k.command_id) AS rank
+                       FROM locked k WHERE k.claim_order IS NOT NULL) k
+                 WHERE k.rank <= k.lane_room
+                 ORDER BY k.rank, k.lane_order
+                 LIMIT wanted)
+            ), leased AS (
+                SELECT l.*
+                FROM (SELECT array_agg(p.command_id) AS ids, array_agg(p.row_at) AS row_ats,
+                             array_agg(p.deadline) AS deadlines
+                      FROM picked p WHERE NOT p.held) a
+                CROSS JOIN LATERAL flow._lease(worker, NULL, NULL, lease_for, a.ids, a.row_ats, a.deadlines) l
+                WHERE a.ids IS NOT NULL
+            )
             SELECT c.command_id, c.run_id, c.name, c.version, c.queue, c.args, c.attempt, c.lease_token,
                    c.lease_expires_at, c.deadline, c.context
-            FROM flow._claim(worker, NULL, NULL, wanted, lease_for, names, (random() * 1000)::integer,
-                             NULL, flow._claim_excluded(), CASE WHEN after_queue IS NOT NULL THEN ARRAY[after_queue] END,
-                             ARRAY[after_at], ARRAY[after_id], holding) c
-            -- (each held claim noted for the transaction's end: src/external.rs)
-            WHERE NOT holding OR flow._note_holding(caller, c.command_id, c.lease_token, c.attempt, c.lease_expires_at IS NULL,
-                                                  c.row_at::text, worker);
+            FROM (SELECT p.*, coalesce(l.lease_token, p.held_token) AS lease_token, l.lease_expires_at
+                  FROM picked p LEFT JOIN leased l ON l.command_id = p.command_id
+                  -- (a leased command the lease did not write, which its lock
+                  -- rules out, is not handed out)
+                  WHERE p.held OR l.command_id IS NOT NULL) c
+            -- The claim notes where it ended, for the next claims of its
+            -- definition (src/external.rs): a one-time filter, run once, before
+            -- any row is handed on. (From what it locked: a held claim's
+            -- commands stay in the due index, locked, until its client's
+            -- transaction ends, and the next claims would skip each of them again.)
+            WHERE (SELECT flow._external_claim_ended(alone, wanted, array_agg(k.queue), array_agg(k.due_at),
+                                                     array_agg(k.command_id))
+                   FROM picked k)
+              -- (each held claim noted for the transaction's end: src/external.rs)
+              AND (NOT holding OR flow._note_holding(caller, c.command_id, c.lease_token, c.attempt, c.held,
+                                                     CASE WHEN c.held THEN c.row_at::text END, worker))
+            -- (in claim order: due order, or round-robin across queues)
+            ORDER BY c.rank, c.lane_order, c.due_at, c.command_id;
         GET DIAGNOSTICS taken = ROW_COUNT;
-        EXIT WHEN after_queue IS NULL OR taken >= wanted;
+        -- Short, it claims the rest: from the head, if it began where the
+        -- last claim ended; and from the queues that had more, if it took
+        -- several queues' shares (what it claimed is leased now, or held and
+        -- left alone: flow._claim_excluded). A claim from one queue that came
+        -- back short asks once more, and finds nothing or what came due meanwhile.
+        EXIT WHEN taken >= wanted OR (taken = 0 AND after_queue IS NULL);
         after_queue := NULL;
         wanted := wanted - taken;
     END LOOP;

@@ -11,28 +11,41 @@ LANGUAGE sql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
                   * (0.75 + random() * 0.5)))::double precision)
 $$;
 
--- Claim up to max_count due commands (rule 3). A command is claimed in one
--- of two ways:
--- * leased: its row says `running`, with the attempt counted and the lease
---   recorded, and the claim commits before any handler runs. External
---   workers, commands of limited queues (their running count must be seen
---   by every worker) and handlers not known to be fast are claimed so.
--- * held (in-database workers only, for the handlers in `fast_handlers`, in
+-- Claim up to max_count due commands (rule 3): lock them, and say how each
+-- is to be run. A command is claimed in one of two ways:
+-- * leased: its row will say `running`, with the attempt counted and the
+--   lease recorded (flow._lease, called by the claimant in the same
+--   transaction for the rows returned with held = false), and the claim
+--   commits before any handler runs. External workers, commands of limited
+--   queues (their running count must be seen by every worker) and handlers
+--   not known to be fast are claimed so.
+-- * held (in-database workers, for the handlers in `fast_handlers`, in
 --   queues without a limit): the row is only locked, and the worker runs
 --   and settles it in this same transaction, writing the command once. The
 --   attempt is counted at its settlement; what keeps rule 3 is the worker's
 --   record of the held attempt it is in, outside the transaction (see
---   src/attempt_record.rs). A held command is returned with no lease
---   (lease_expires_at NULL) and the number of the attempt it makes.
---   An external claim with `hold` holds its commands the same way, for its
---   client's transaction (flow.claim's hold; rule 3: src/external.rs).
+--   src/attempt_record.rs). An external claim with `hold` holds its commands
+--   the same way, for its client's transaction (flow.claim's hold; rule 3:
+--   src/external.rs).
+-- Either way this writes nothing: it returns each command locked, with the
+-- number of the attempt it makes and that attempt's deadline, its row
+-- (row_at: where its lease or its settlement writes) and no token (a lease's
+-- comes from flow._lease; a held attempt's is made by its claimant). So the
+-- rows go from the locking scan straight to the caller: a statement that
+-- also wrote the leases had to keep the locked rows in a store first (a CTE
+-- that locks is never inlined) and read them again for each of its parts,
+-- which cost more than the scan itself (an in-database claim of 1,000 held
+-- commands: 3.9 ms, 1.3 ms now).
 -- `excluded`: commands other workers' records name, or whose abandoned held
--- attempts wait for worker 0, left alone until those are concluded.
--- In-database workers pass their pid and backend start (names NULL: commands
--- with an SQL handler); external workers pass definition names and a lease.
+-- attempts wait for worker 0, or that the caller's transaction holds already,
+-- left alone.
+-- In-database workers pass no names (they claim commands with an SQL
+-- handler); external workers pass definition names.
 -- Fairness (rule 2): every unpaused queue with due work offers its head, in
--- (next_run_at, id) order, up to its free concurrency; candidates are then
--- interleaved round-robin across queues, starting at queue number `turn`.
+-- (next_run_at, id) order, up to its free concurrency, each queue (and each
+-- claimant in it) an equal share of max_count; lane_order is each queue's
+-- place in this claim's round-robin turn (from queue number `turn`), and a
+-- claim from several (claim_order 0) is put in that order by its caller.
 -- A worker draining a backlog passes where its last claim ended in each
 -- queue (after_queues[i]: after (after_at[i], after_ids[i]) in due order):
 -- the claim starts there, not at the queue's head, so it does not walk again
@@ -45,8 +58,7 @@ $$;
 -- shmem::DueFloors), and at least every second (src/worker.rs,
 -- CURSOR_SPAN); an external claim every 250 ms, and for the rest of a claim
 -- that came back short (flow.claim, src/external.rs).
-CREATE FUNCTION flow._claim(owner_name text, owner_pid integer, owner_started timestamptz,
-    max_count integer, lease interval, names text[], turn integer,
+CREATE FUNCTION flow._claim(max_count integer, names text[], turn integer,
     fast_handlers oid[] DEFAULT NULL, excluded uuid[] DEFAULT NULL,
     after_queues text[] DEFAULT NULL, after_at timestamptz[] DEFAULT NULL, after_ids uuid[] DEFAULT NULL,
     hold boolean DEFAULT false)
@@ -66,285 +78,236 @@ DECLARE
     -- whose commands the due index is read for: the definitions an external
     -- claim names (each once), or '' for an in-database worker's claim
     claimants text[] := CASE WHEN names IS NULL THEN '{""}' ELSE ARRAY(SELECT DISTINCT n FROM unnest(names) AS n) END;
-    taken integer;
 BEGIN
-    LOOP
-        -- Which queues offer due work, and to which claimants: each unpaused
-        -- queue's head in the due index for each (an ORDER BY ... LIMIT 1
-        -- probe of _commands_due per slot: an index probe whatever the
-        -- table's size or statistics, never a scan of the pending commands;
-        -- see pg_test/test_scale.py).
-        -- An external claim only takes part in the limited queues of the
-        -- definitions it names, and looks at the heads of those definitions'
-        -- commands only (per definition: the due index is keyed by lane, a queue
-        -- and its claimant, before the due time, see sql/schema.sql), so another
-        -- definition's backlog is never read.
-        SELECT array_agg(DISTINCT s.queue) FILTER (WHERE s.unlimited),
-               array_agg(s.queue) FILTER (WHERE s.unlimited), array_agg(s.claimant) FILTER (WHERE s.unlimited),
-               array_agg(s.queue) FILTER (WHERE NOT s.unlimited), array_agg(s.claimant) FILTER (WHERE NOT s.unlimited)
-        INTO lanes, slot_queues, slot_claimants, limited_queues, limited_claimants
-        FROM (
-            SELECT q.name AS queue, q.concurrency IS NULL AS unlimited, w.claimant
-            FROM flow._queues q LEFT JOIN unnest(after_queues, after_at, after_ids) AS a(queue, at, id) ON a.queue = q.name
-            CROSS JOIN unnest(claimants) AS w(claimant) CROSS JOIN LATERAL (
-                SELECT c.next_run_at FROM flow._commands c              -- index _commands_due
-                WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END) = flow._lane(q.name, w.claimant)
-                  AND c.queue = q.name AND c.external = (names IS NOT NULL)
-                  AND (CASE WHEN c.external THEN c.name ELSE '' END) = w.claimant
-                  AND c.status IN ('pending', 'waiting')
-                  AND (c.next_run_at, c.id) > (coalesce(a.at, '-infinity'), coalesce(a.id, '00000000-0000-0000-0000-000000000000'::uuid))
-                ORDER BY c.next_run_at LIMIT 1) x
-            WHERE NOT q.paused AND x.next_run_at <= now()
-              AND (q.concurrency IS NULL OR names IS NULL
-                   OR EXISTS (SELECT 1 FROM flow._definitions d WHERE d.queue = q.name AND d.name = ANY (names)))) s;
-        -- Limited queues are locked before their running commands are counted
-        -- (by the next statement, with a fresh snapshot), so the counts are exact
-        -- across all workers. A queue locked elsewhere (another worker claiming
-        -- from it, or a flow.set_queue in an open transaction) is skipped this
-        -- turn, never waited for: one open transaction can hold up one queue,
-        -- not the engine.
-        IF limited_queues IS NOT NULL THEN
-            SELECT array_agg(l.name) INTO locked FROM (
-                SELECT q.name FROM flow._queues q WHERE q.name = ANY (limited_queues)
-                ORDER BY q.name FOR NO KEY UPDATE SKIP LOCKED) l;
-            lanes := coalesce(lanes, '{}') || locked;
-            SELECT coalesce(slot_queues, '{}') || array_agg(s.queue), coalesce(slot_claimants, '{}') || array_agg(s.claimant)
-            INTO slot_queues, slot_claimants
-            FROM unnest(limited_queues, limited_claimants) AS s(queue, claimant)
-            WHERE s.queue = ANY (locked);
-        END IF;
-        -- (a claim of no command runs the statement below anyway, and takes
-        -- nothing: an idle worker plans it so, see executor::warm_plans)
-        IF coalesce(cardinality(lanes), 0) = 0 AND max_count > 0 THEN
-            RETURN;
-        END IF;
+    -- Which queues offer due work, and to which claimants: each unpaused
+    -- queue's head in the due index for each (an ORDER BY ... LIMIT 1
+    -- probe of _commands_due per slot: an index probe whatever the
+    -- table's size or statistics, never a scan of the pending commands;
+    -- see pg_test/test_scale.py).
+    -- An external claim only takes part in the limited queues of the
+    -- definitions it names, and looks at the heads of those definitions'
+    -- commands only (per definition: the due index is keyed by lane, a queue
+    -- and its claimant, before the due time, see sql/schema.sql), so another
+    -- definition's backlog is never read. (Not the excluded commands: a
+    -- queue whose due ones are all excluded would take a share and give
+    -- nothing.)
+    SELECT array_agg(DISTINCT s.queue) FILTER (WHERE s.unlimited),
+           array_agg(s.queue) FILTER (WHERE s.unlimited), array_agg(s.claimant) FILTER (WHERE s.unlimited),
+           array_agg(s.queue) FILTER (WHERE NOT s.unlimited), array_agg(s.claimant) FILTER (WHERE NOT s.unlimited)
+    INTO lanes, slot_queues, slot_claimants, limited_queues, limited_claimants
+    FROM (
+        SELECT q.name AS queue, q.concurrency IS NULL AS unlimited, w.claimant
+        FROM flow._queues q LEFT JOIN unnest(after_queues, after_at, after_ids) AS a(queue, at, id) ON a.queue = q.name
+        CROSS JOIN unnest(claimants) AS w(claimant) CROSS JOIN LATERAL (
+            SELECT c.next_run_at FROM flow._commands c              -- index _commands_due
+            WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END) = flow._lane(q.name, w.claimant)
+              AND c.queue = q.name AND c.external = (names IS NOT NULL)
+              AND (CASE WHEN c.external THEN c.name ELSE '' END) = w.claimant
+              AND c.status IN ('pending', 'waiting')
+              AND (c.next_run_at, c.id) > (coalesce(a.at, '-infinity'), coalesce(a.id, '00000000-0000-0000-0000-000000000000'::uuid))
+              AND (excluded IS NULL OR c.id <> ALL (excluded))
+            ORDER BY c.next_run_at LIMIT 1) x
+        WHERE NOT q.paused AND x.next_run_at <= now()
+          AND (q.concurrency IS NULL OR names IS NULL
+               OR EXISTS (SELECT 1 FROM flow._definitions d WHERE d.queue = q.name AND d.name = ANY (names)))) s;
+    -- Limited queues are locked before their running commands are counted
+    -- (by the next statement, with a fresh snapshot), so the counts are exact
+    -- across all workers. A queue locked elsewhere (another worker claiming
+    -- from it, or a flow.set_queue in an open transaction) is skipped this
+    -- turn, never waited for: one open transaction can hold up one queue,
+    -- not the engine.
+    IF limited_queues IS NOT NULL THEN
+        SELECT array_agg(l.name) INTO locked FROM (
+            SELECT q.name FROM flow._queues q WHERE q.name = ANY (limited_queues)
+            ORDER BY q.name FOR NO KEY UPDATE SKIP LOCKED) l;
+        lanes := coalesce(lanes, '{}') || locked;
+        SELECT coalesce(slot_queues, '{}') || array_agg(s.queue), coalesce(slot_claimants, '{}') || array_agg(s.claimant)
+        INTO slot_queues, slot_claimants
+        FROM unnest(limited_queues, limited_claimants) AS s(queue, claimant)
+        WHERE s.queue = ANY (locked);
+    END IF;
+    -- (a claim of no command runs the statement below anyway, and takes
+    -- nothing: an idle worker plans it so, see executor::warm_plans)
+    IF coalesce(cardinality(lanes), 0) = 0 AND max_count > 0 THEN
+        RETURN;
+    END IF;
 
-        RETURN QUERY
-        WITH lane AS (
-            SELECT q.name,
-                   (row_number() OVER (ORDER BY q.name) - 1)::integer AS ord,
-                   q.concurrency IS NULL AS unlimited,
-                   CASE WHEN q.concurrency IS NULL THEN max_count
-                        ELSE greatest(0, q.concurrency - (
-                            SELECT count(*) FROM flow._commands r       -- index _commands_running
-                            WHERE r.queue = q.name AND r.status = 'running'))::integer
-                   END AS room,
-                   coalesce(a.at, '-infinity') AS after_at, coalesce(a.id, '00000000-0000-0000-0000-000000000000'::uuid) AS after_id
-            FROM flow._queues q LEFT JOIN unnest(after_queues, after_at, after_ids) AS a(queue, at, id) ON a.queue = q.name
-            WHERE q.name = ANY (lanes)
-        ), share AS (
-            -- What each slot (a lane and a claimant with commands due in it:
-            -- an in-database worker, or a definition an external claim names)
-            -- gives the claim: an equal share of max_count (the remainder one
-            -- each to the slots first in this claim's turn), within the lane's
-            -- room. Every row `candidate` locks is then claimed: a row locked
-            -- and left out would stay locked for the claim's transaction (a
-            -- held chunk's whole run, an external client's transaction), and
-            -- the other claims, skipping it, would take up after it and leave
-            -- it behind until their cursors ran out (a second for a worker)
-            -- while its queue's later commands ran. (Only a limited lane of
-            -- several claimants may lock more than its room, kept to the
-            -- earliest below; the claim holds the lane's queue meanwhile, so
-            -- no other claim reads it.) A slot with less than its share leaves
-            -- the claim short: an external claim then claims the rest (the
-            -- loop below), a worker claims again at once (Worker::claim).
-            -- (A full limited lane takes no share.)
-            SELECT l.*, least(l.room, max_count / l.slots + (l.slot < max_count % l.slots)::integer) AS take
-            FROM (SELECT l.*, s.claimant,
-                         (row_number() OVER (ORDER BY ((l.ord - turn) % cardinality(lanes) + cardinality(lanes))
-                                                          % cardinality(lanes), s.claimant) - 1)::integer AS slot,
-                         (count(*) OVER ())::integer AS slots
-                  FROM lane l JOIN unnest(slot_queues, slot_claimants) AS s(queue, claimant) ON s.queue = l.name
-                  WHERE l.room > 0) l
-        ), candidate AS NOT MATERIALIZED (
-            -- (the columns each later step needs, not the whole row: a row
-            -- carried as one composite value through the steps below is built,
-            -- copied and taken apart again for every command. Not materialized:
-            -- each branch of `picked` reads the lanes itself, and only one of
-            -- them runs, so no row is copied into a store first)
-            SELECT h.id, h.run_id, h.key, h.name, h.version, h.queue, h.args, h.status, h.attempts, h.next_run_at,
-                   h.deadline, h.wait_timed_out, h.created_at, h.row_at, h.budget_start, l.ord,
-                   coalesce(l.unlimited AND (h.handler = ANY (fast_handlers) OR hold), false) AS held,
-                   h.handler, h.owner, h.takes_context, h.timeout, h.max_elapsed, h.args_type,
-                   l.room
-            FROM share l CROSS JOIN LATERAL (
-                SELECT c.id, c.run_id, c.key, c.name, c.version, c.queue, c.args, c.status, c.attempts, c.next_run_at,
-                       c.deadline, c.wait_timed_out, c.created_at, c.ctid AS row_at,
-                       d.handler::oid AS handler, d.owner::oid AS owner, d.takes_context,
-                       d.timeout, d.max_elapsed, d.args_type,
-                       flow._budget_start(c.status, c.attempts, c.next_run_at, c.budget_started_at) AS budget_start
-                FROM flow._commands c                                   -- index _commands_due
-                JOIN flow._definitions d ON d.name = c.name AND d.version = c.version
-                WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END) = flow._lane(l.name, l.claimant)
-                  AND c.queue = l.name AND c.external = (names IS NOT NULL)
-                  AND (CASE WHEN c.external THEN c.name ELSE '' END) = l.claimant
-                  AND c.status IN ('pending', 'waiting') AND c.next_run_at <= now()
-                  AND (c.next_run_at, c.id) > (l.after_at, l.after_id)
-                  AND (excluded IS NULL OR c.id <> ALL (excluded))
-                ORDER BY c.next_run_at, c.id
-                LIMIT l.take
-                FOR UPDATE OF c SKIP LOCKED
-            ) h
-            WHERE l.take > 0
-        ), picked AS (
-            -- From one queue and for one claimant (an in-database worker, or an
-            -- external one naming one definition: the common claim), the
-            -- candidates are the claim, in due order: no claim_order, nothing
-            -- sorted (each sort, window and limit below copies every row once
-            -- more: a fifth of the claim's time). An in-database worker's claim
-            -- from several queues is its candidates too (each queue took its
-            -- share within its room), with a claim_order of 0: the worker puts
-            -- it in round-robin order itself (executor::claim).
-            SELECT p.*, NULL::bigint AS rank, CASE WHEN cardinality(slot_queues) <> 1 THEN 0 END AS claim_order
-            FROM candidate p
-            WHERE cardinality(slot_queues) = 1 OR names IS NULL
-            UNION ALL
-            -- Otherwise (an external claim from several slots) the queues are
-            -- interleaved round-robin, each lane's candidates ranked in due
-            -- order (an external claim naming several definitions has a lateral
-            -- read per definition in each lane, and keeps the lane's earliest up
-            -- to its room), in claim_order. (The one-time filters make the
-            -- statement one branch or the other.)
-            (SELECT p.*,
-                    row_number() OVER (ORDER BY p.rank,
-                                       ((p.ord - turn) % cardinality(lanes) + cardinality(lanes)) % cardinality(lanes))::integer
-                        AS claim_order
-             FROM (SELECT p.*, row_number() OVER (PARTITION BY p.ord ORDER BY p.next_run_at, p.id) AS rank
-                   FROM candidate p
-                   WHERE cardinality(slot_queues) <> 1 AND names IS NOT NULL) p
-             WHERE p.rank <= p.room
-             ORDER BY p.rank, ((p.ord - turn) % cardinality(lanes) + cardinality(lanes)) % cardinality(lanes)
-             LIMIT max_count)
-        ), claimed AS (
-            UPDATE flow._commands c SET
-                status = 'running',
-                attempts = c.attempts + 1,
-                attempt_started_at = now(),
-                lease_token = flow._lease_token(),   -- (unguessable: src/api.rs)
-                lease_owner = owner_name,
-                lease_pid = owner_pid,
-                lease_backend_start = owner_started,
-                budget_started_at = p.budget_start,
-                attempt_deadline = least(now() + p.timeout, p.budget_start + p.max_elapsed, c.deadline),
-                lease_expires_at = CASE WHEN owner_pid IS NULL THEN now() + lease
-                                        ELSE coalesce(least(now() + p.timeout, p.budget_start + p.max_elapsed,
-                                                            c.deadline), 'infinity') END,
-                lease_interval = CASE WHEN owner_pid IS NULL THEN lease END,
-                wait_timed_out = flow._wait_timed_out(c.status, c.wait_timed_out)
-            FROM picked p
-            -- (by the tid `candidate` locked, as LockRows left it: the row's
-            -- latest version; a TID scan per command, not a second descent of
-            -- the primary key: sql/common.sql)
-            WHERE c.ctid = p.row_at AND NOT (c.id IS DISTINCT FROM p.id) AND NOT p.held
-            RETURNING p.*, c.attempts AS attempt, c.lease_token, c.lease_expires_at, c.attempt_deadline,
-                      c.attempt_started_at AS started, c.wait_timed_out AS timed_out
-        ), leased_runs AS (
-            -- An in-database worker runs a leased command in a chunk that locks
-            -- its run first (flow._begin_batch): a run without a row of its own
-            -- (see flow._runs) gets it here, under the lock `candidate` holds on
-            -- its root. (Its root's row would do as the run's lock, but the
-            -- chunk's settlement writes the root in a subtransaction, and a row
-            -- locked by a transaction and written by its subtransaction gets a
-            -- MultiXact: see src/executor.rs.) An external worker's claim adds
-            -- none: its completion of a root with no child locks no run.
-            -- (the run's row as flow._run_row_needed writes it, which a statement
-            -- cannot call without a result to use; the rows as they stood before
-            -- this statement's update: the run's columns are not among those it changes)
-            INSERT INTO flow._runs (id, owner, name, version, queue, args, deadline, created_at)
-            SELECT x.id, x.owner, x.name, x.version, x.queue, x.args, x.deadline, x.created_at
-            FROM flow._commands x
-            WHERE owner_pid IS NOT NULL
-              AND x.id = ANY (ARRAY(SELECT k.id FROM claimed k WHERE k.id = k.run_id))
-            ON CONFLICT (id) DO NOTHING
-        )
-        SELECT h.id, h.run_id, h.name, h.version, h.queue, h.args,
-               h.attempt, h.lease_token, h.lease_expires_at, h.attempt_deadline,
-               h.handler, h.owner,
-               -- the context a handler or external worker sees: only for handlers
-               -- that take it, and external workers (built here, in one
-               -- expression: a function per command would cost several times more;
-               -- in a branch of the CASE, so no-context handlers pay nothing for it)
-               CASE WHEN h.takes_context OR names IS NOT NULL THEN
-                   ROW(h.run_id, (SELECT r.key FROM flow._runs r WHERE r.id = h.run_id), h.id,
-                       h.key, h.name, h.version, h.queue, h.attempt, h.attempt_deadline,
-                       -- the command's waits, met (with their events) and not: by
-                       -- its own entries of _waits_pkey (a filter on event_position
-                       -- alone would walk every open wait), in that index's order,
-                       -- so the aggregates sort nothing (an ORDER BY in them sets up
-                       -- a sort per command, waits or not). A run's root (id =
-                       -- run_id) waits for nothing: the CASEs spare it both reads
-                       -- (one subquery for both lists ran for it too, to aggregate
-                       -- no row: 4 % of a writing drain, 2 % of an external one).
-                       coalesce(CASE WHEN h.id <> h.run_id THEN (
-                           SELECT jsonb_agg(jsonb_build_object('name', w.name, 'key', w.key, 'payload', w.payload,
-                                                               'position', w.position))
-                           FROM (SELECT w.name, w.key, e.payload, e.position
-                                 FROM flow._waits w LEFT JOIN flow._events e ON e.position = w.event_position
-                                 WHERE w.command_id = h.id AND w.event_position IS NOT NULL
-                                 ORDER BY w.name, w.key) w) END, '[]'),
-                       h.timed_out,
-                       coalesce(CASE WHEN h.id <> h.run_id THEN (
-                           SELECT jsonb_agg(jsonb_build_object('name', w.name, 'key', w.key))
-                           FROM (SELECT w.name, w.key FROM flow._waits w
-                                 WHERE w.command_id = h.id AND w.event_position IS NULL
-                                 ORDER BY w.name, w.key) w) END, '[]'),
-                       h.created_at, h.budget_start, h.started)::flow.context
-               END,
-               h.timeout, least(h.budget_start + h.max_elapsed, h.deadline), h.claim_order, h.args_type, h.next_run_at,
-               CASE WHEN h.lease_expires_at IS NULL THEN h.row_at END   -- (held: the row this statement locked)
-        FROM (
-            -- (a subquery, not a CTE: that would be one more copy of every row)
-            -- the attempt as a leased claim wrote it, or as the held attempt's
-            -- settlement will write it; held commands were locked by `candidate`,
-            -- here with their runs (a run locked elsewhere, by a cancel or another
-            -- chunk, leaves its command for a later claim). A run's root with no
-            -- child yet is held without its run's lock: only its own handler can
-            -- add to the run (spawn), and its chunk never waits for the run's lock
-            -- (a success of such a root writes no run; a failure takes the lock
-            -- only if it is free, see _settle_failure's wait_for_run), so a cancel
-            -- that holds the run and waits for the root (flow._cancel) cannot
-            -- deadlock with it. That lock would be the only write to the run's
-            -- row: its WAL, and a page dirtied, per command.
-            SELECT * FROM claimed
-            UNION ALL
-            -- (a held attempt's token never leaves the worker: it names the
-            -- attempt, and no client presents it, so it need not be unguessable
-            -- as a lease's: a time-ordered id does)
-            SELECT p.*, p.attempts + 1, flow._new_id(), NULL,
-                   least(now() + p.timeout, p.budget_start + p.max_elapsed, p.deadline), now(),
-                   flow._wait_timed_out(p.status, p.wait_timed_out)
-            FROM picked p
-            WHERE p.held
-              -- (a CASE: the lock is taken only when the first test fails; a root
-              -- with no child: see flow._run_rows. A root no attempt was counted
-              -- for has none, without a probe: only its own attempt can spawn,
-              -- and an attempt that kept its spawns is counted, see
-              -- flow._settle_batch's `alone`)
-              AND CASE WHEN p.id = p.run_id
-                            AND (p.attempts = 0
-                                 OR NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = p.id))  -- index _commands_parent
-                       THEN true
-                       ELSE EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = p.run_id FOR UPDATE SKIP LOCKED) END
+    RETURN QUERY
+    WITH lane AS (
+        SELECT q.name,
+               (row_number() OVER (ORDER BY q.name) - 1)::integer AS ord,
+               q.concurrency IS NULL AS unlimited,
+               CASE WHEN q.concurrency IS NULL THEN max_count
+                    ELSE greatest(0, q.concurrency - (
+                        SELECT count(*) FROM flow._commands r       -- index _commands_running
+                        WHERE r.queue = q.name AND r.status = 'running'))::integer
+               END AS room,
+               coalesce(a.at, '-infinity') AS after_at, coalesce(a.id, '00000000-0000-0000-0000-000000000000'::uuid) AS after_id
+        FROM flow._queues q LEFT JOIN unnest(after_queues, after_at, after_ids) AS a(queue, at, id) ON a.queue = q.name
+        WHERE q.name = ANY (lanes)
+    ), share AS (
+        -- What each slot (a lane and a claimant with commands due in it:
+        -- an in-database worker, or a definition an external claim names)
+        -- gives the claim: an equal share of max_count (the remainder one
+        -- each to the slots first in this claim's turn), within the lane's
+        -- room. Every row the scan below locks is returned: a row locked
+        -- and left out would stay locked for the claim's transaction (a
+        -- held chunk's whole run, an external client's transaction), and
+        -- the other claims, skipping it, would take up after it and leave
+        -- it behind until their cursors ran out (a second for a worker)
+        -- while its queue's later commands ran. (Only a limited lane of
+        -- several claimants may lock more than its room: flow.claim keeps
+        -- the earliest of them; the claim holds the lane's queue meanwhile,
+        -- so no other claim reads it.) A slot with less than its share leaves
+        -- the claim short: an external claim then claims the rest (flow.claim),
+        -- a worker claims again at once (Worker::claim).
+        -- (A full limited lane takes no share.)
+        SELECT l.*, least(l.room, max_count / l.slots + (l.slot < max_count % l.slots)::integer) AS take,
+               ((l.ord - turn) % cardinality(lanes) + cardinality(lanes)) % cardinality(lanes) AS lane_order
+        FROM (SELECT l.*, s.claimant,
+                     (row_number() OVER (ORDER BY ((l.ord - turn) % cardinality(lanes) + cardinality(lanes))
+                                                      % cardinality(lanes), s.claimant) - 1)::integer AS slot,
+                     (count(*) OVER ())::integer AS slots
+              FROM lane l JOIN unnest(slot_queues, slot_claimants) AS s(queue, claimant) ON s.queue = l.name
+              WHERE l.room > 0) l
+    )
+    SELECT h.id, h.run_id, h.name, h.version, h.queue, h.args,
+           h.attempts + 1, NULL::uuid, NULL::timestamptz, h.attempt_deadline,
+           h.handler, h.owner,
+           -- the context a handler or external worker sees: only for handlers
+           -- that take it, and external workers (built here, in one
+           -- expression: a function per command would cost several times more;
+           -- in a branch of the CASE, so no-context handlers pay nothing for it)
+           CASE WHEN h.takes_context OR names IS NOT NULL THEN
+               ROW(h.run_id, (SELECT r.key FROM flow._runs r WHERE r.id = h.run_id), h.id,
+                   h.key, h.name, h.version, h.queue, h.attempts + 1, h.attempt_deadline,
+                   -- the command's waits, met (with their events) and not: by
+                   -- its own entries of _waits_pkey (a filter on event_position
+                   -- alone would walk every open wait), in that index's order,
+                   -- so the aggregates sort nothing (an ORDER BY in them sets up
+                   -- a sort per command, waits or not). A run's root (id =
+                   -- run_id) waits for nothing: the CASEs spare it both reads
+                   -- (one subquery for both lists ran for it too, to aggregate
+                   -- no row: 4 % of a writing drain, 2 % of an external one).
+                   coalesce(CASE WHEN h.id <> h.run_id THEN (
+                       SELECT jsonb_agg(jsonb_build_object('name', w.name, 'key', w.key, 'payload', w.payload,
+                                                           'position', w.position))
+                       FROM (SELECT w.name, w.key, e.payload, e.position
+                             FROM flow._waits w LEFT JOIN flow._events e ON e.position = w.event_position
+                             WHERE w.command_id = h.id AND w.event_position IS NOT NULL
+                             ORDER BY w.name, w.key) w) END, '[]'),
+                   flow._wait_timed_out(h.status, h.wait_timed_out),
+                   coalesce(CASE WHEN h.id <> h.run_id THEN (
+                       SELECT jsonb_agg(jsonb_build_object('name', w.name, 'key', w.key))
+                       FROM (SELECT w.name, w.key FROM flow._waits w
+                             WHERE w.command_id = h.id AND w.event_position IS NULL
+                             ORDER BY w.name, w.key) w) END, '[]'),
+                   h.created_at, h.budget_start, now())::flow.context
+           END,
+           h.timeout, least(h.budget_start + h.max_elapsed, h.deadline),
+           CASE WHEN cardinality(slot_queues) <> 1 THEN 0 END, h.args_type, h.next_run_at, h.row_at,
+           h.held, h.lane_order, h.room
+    FROM (
+        SELECT h.*, least(now() + h.timeout, h.budget_start + h.max_elapsed, h.deadline) AS attempt_deadline,
+               coalesce(l.unlimited AND (h.handler = ANY (fast_handlers) OR hold), false) AS held,
+               l.lane_order, l.room
+        FROM share l CROSS JOIN LATERAL (
+            -- (the columns a caller needs, not the whole row: a row carried
+            -- as one composite value is built, copied and taken apart again
+            -- for every command)
+            SELECT c.id, c.run_id, c.key, c.name, c.version, c.queue, c.args, c.status, c.attempts, c.next_run_at,
+                   c.deadline, c.wait_timed_out, c.created_at, c.ctid AS row_at,
+                   d.handler::oid AS handler, d.owner::oid AS owner, d.takes_context,
+                   d.timeout, d.max_elapsed, d.args_type,
+                   flow._budget_start(c.status, c.attempts, c.next_run_at, c.budget_started_at) AS budget_start
+            FROM flow._commands c                                   -- index _commands_due
+            JOIN flow._definitions d ON d.name = c.name AND d.version = c.version
+            WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END) = flow._lane(l.name, l.claimant)
+              AND c.queue = l.name AND c.external = (names IS NOT NULL)
+              AND (CASE WHEN c.external THEN c.name ELSE '' END) = l.claimant
+              AND c.status IN ('pending', 'waiting') AND c.next_run_at <= now()
+              AND (c.next_run_at, c.id) > (l.after_at, l.after_id)
+              AND (excluded IS NULL OR c.id <> ALL (excluded))
+            ORDER BY c.next_run_at, c.id
+            LIMIT l.take
+            FOR UPDATE OF c SKIP LOCKED
         ) h
-        -- An external claim notes where it ended, for the next claims of its
-        -- definition (src/external.rs): a one-time filter, run once, before any
-        -- row is handed on, and never for an in-database worker's claim. (From
-        -- what it locked: a held claim's commands stay in the due index, locked,
-        -- until its client's transaction ends, and the next claims would skip
-        -- each of them again.)
-        WHERE names IS NULL
-           OR (SELECT flow._external_claim_ended(CASE WHEN cardinality(names) = 1 THEN names[1] END, max_count,
-                                                 array_agg(k.queue), array_agg(k.next_run_at), array_agg(k.id))
-               FROM picked k);
+        WHERE l.take > 0
+    ) h
+    -- A held command is held with its run locked too (a run locked elsewhere,
+    -- by a cancel or another chunk, leaves its command for a later claim). A
+    -- run's root with no child yet is held without its run's lock: only its
+    -- own handler can add to the run (spawn), and its chunk never waits for
+    -- the run's lock (a success of such a root writes no run; a failure takes
+    -- the lock only if it is free, see _settle_failure's wait_for_run), so a
+    -- cancel that holds the run and waits for the root (flow._cancel) cannot
+    -- deadlock with it. That lock would be the only write to the run's row:
+    -- its WAL, and a page dirtied, per command.
+    -- (a CASE: the lock is taken only when the first test fails; a root with
+    -- no child: see flow._run_rows. A root no attempt was counted for has
+    -- none, without a probe: only its own attempt can spawn, and an attempt
+    -- that kept its spawns is counted, see flow._settle_batch's `alone`)
+    WHERE NOT h.held
+       OR CASE WHEN h.id = h.run_id
+                    AND (h.attempts = 0
+                         OR NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = h.id))  -- index _commands_parent
+               THEN true
+               ELSE EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = h.run_id FOR UPDATE SKIP LOCKED) END;
+END $$;
 
-        -- An external claim from several lanes took each one's share: it claims
-        -- the rest of its max from the lanes that had more (its rows are
-        -- `running` now, so they are not read again), until one claims nothing.
-        EXIT WHEN names IS NULL OR cardinality(slot_queues) = 1;
-        GET DIAGNOSTICS taken = ROW_COUNT;
-        EXIT WHEN taken = 0 OR taken >= max_count;
-        max_count := max_count - taken;
-    END LOOP;
+-- Lease commands this transaction's claim locked (flow._claim, held = false):
+-- each row says `running`, its attempt counted, with a lease that expires at
+-- the attempt's deadline for an in-database worker (owner_pid, which it
+-- watches), or after `lease` for an external one, until a heartbeat. Returns
+-- each command's lease.
+CREATE FUNCTION flow._lease(owner_name text, owner_pid integer, owner_started timestamptz, lease interval,
+    command_ids uuid[], row_ats tid[], attempt_deadlines timestamptz[])
+RETURNS TABLE (command_id uuid, lease_token uuid, lease_expires_at timestamptz)
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off
+    SET plan_cache_mode = force_generic_plan AS $$
+BEGIN
+    RETURN QUERY
+    WITH leased AS (
+        UPDATE flow._commands c SET
+            status = 'running',
+            attempts = c.attempts + 1,
+            attempt_started_at = now(),
+            lease_token = flow._lease_token(),   -- (unguessable: src/api.rs)
+            lease_owner = owner_name,
+            lease_pid = owner_pid,
+            lease_backend_start = owner_started,
+            budget_started_at = flow._budget_start(c.status, c.attempts, c.next_run_at, c.budget_started_at),
+            attempt_deadline = a.attempt_deadline,
+            lease_expires_at = CASE WHEN owner_pid IS NULL THEN now() + lease
+                                    ELSE coalesce(a.attempt_deadline, 'infinity') END,
+            lease_interval = CASE WHEN owner_pid IS NULL THEN lease END,
+            wait_timed_out = flow._wait_timed_out(c.status, c.wait_timed_out)
+        FROM unnest(command_ids, row_ats, attempt_deadlines) AS a(id, row_at, attempt_deadline)
+        -- (by the tid the claim locked, as LockRows left it: the row's latest
+        -- version; a TID scan per command, not a second descent of the
+        -- primary key: sql/common.sql)
+        WHERE c.ctid = a.row_at AND NOT (c.id IS DISTINCT FROM a.id) AND c.status IN ('pending', 'waiting')
+        RETURNING c.id, c.run_id, c.lease_token, c.lease_expires_at
+    ), leased_runs AS (
+        -- An in-database worker runs a leased command in a chunk that locks
+        -- its run first (flow._begin_batch): a run without a row of its own
+        -- (see flow._runs) gets it here, under the lock the claim holds on
+        -- its root. (Its root's row would do as the run's lock, but the
+        -- chunk's settlement writes the root in a subtransaction, and a row
+        -- locked by a transaction and written by its subtransaction gets a
+        -- MultiXact: see src/executor.rs.) An external worker's claim adds
+        -- none: its completion of a root with no child locks no run.
+        -- (the run's row as flow._run_row_needed writes it, which a statement
+        -- cannot call without a result to use; the rows as they stood before
+        -- this statement's update: the run's columns are not among those it changes)
+        INSERT INTO flow._runs (id, owner, name, version, queue, args, deadline, created_at)
+        SELECT x.id, x.owner, x.name, x.version, x.queue, x.args, x.deadline, x.created_at
+        FROM flow._commands x
+        WHERE owner_pid IS NOT NULL
+          AND x.id = ANY (ARRAY(SELECT k.id FROM leased k WHERE k.id = k.run_id))
+        ON CONFLICT (id) DO NOTHING
+    )
+    SELECT k.id, k.lease_token, k.lease_expires_at FROM leased k;
 END $$;
 
 -- Milliseconds until the next command becomes due (NULL: none scheduled), so

@@ -184,7 +184,7 @@ CROSS JOIN (SELECT '' UNION SELECT d.name FROM flow._definitions d WHERE d.handl
 -- written it, from its root; a run that has one keeps it. The caller holds
 -- the root's row lock (the chunk or client running the root, a cancel or a
 -- settlement that locked it), so two callers never insert it at once.
--- (flow._claim writes the same row for the roots it leases, in its statement.)
+-- (flow._lease writes the same row for the roots it leases, in its statement.)
 CREATE FUNCTION flow._run_row_needed(run_id uuid) RETURNS void
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
 BEGIN

@@ -48,7 +48,8 @@ CREATE TYPE flow.context AS (
 -- An event a spawned command waits for; built by flow.wait(name, key).
 CREATE TYPE flow.wait_spec AS (name text, key text);
 
--- One due command handed to a worker (in-database or external) by flow._claim.
+-- One due command claimed by flow._claim, locked, for a worker (in-database
+-- or external). Its lease, if it is leased, is written by flow._lease.
 CREATE TYPE flow.claimed_command AS (
     command_id        uuid,
     run_id            uuid,
@@ -56,10 +57,10 @@ CREATE TYPE flow.claimed_command AS (
     version           integer,
     queue             text,
     args              jsonb,
-    attempt           integer,
-    lease_token       uuid,
-    lease_expires_at  timestamptz,
-    deadline          timestamptz,
+    attempt           integer,        -- the attempt it makes
+    lease_token       uuid,           -- (NULL from flow._claim: see flow._lease)
+    lease_expires_at  timestamptz,    -- (NULL from flow._claim)
+    deadline          timestamptz,    -- the attempt's deadline, if it started now
     handler           oid,
     handler_owner     oid,
     context           flow.context,
@@ -67,12 +68,14 @@ CREATE TYPE flow.claimed_command AS (
     -- the claim: the attempt deadline is min(start + attempt_timeout, hard_deadline)
     attempt_timeout   interval,
     hard_deadline     timestamptz,    -- min(retry budget end, run deadline)
-    claim_order       integer,        -- run a batch in this order: it keeps the queues interleaved
-                                      -- (NULL from a claim of one queue: the rows come in due order;
-                                      -- 0 from a worker's claim of several: it orders them itself)
+    claim_order       integer,        -- NULL from a claim of one queue: the rows come in due order;
+                                      -- 0 from a claim of several: its caller interleaves them (lane_order)
     args_type         regtype,        -- the definition's args_type: checked before the handler runs
     due_at            timestamptz,    -- its next_run_at when claimed: where the next claim may start
-    row_at            tid             -- a held command's row (locked by the claim): where its settlement writes
+    row_at            tid,            -- its row, locked by the claim: where its lease or its settlement writes
+    held              boolean,        -- held (run and settled in the claim's transaction), not leased
+    lane_order        integer,        -- its queue's place in the claim's round-robin turn
+    lane_room         integer         -- how many its queue may start (a limited queue's free concurrency)
 );
 
 -- What flow.await returns.
@@ -136,7 +139,7 @@ CREATE TABLE flow._definitions (
 -- enqueued with a key (the key is unique here), when its root spawns its
 -- first child, when it ends otherwise than by its root's success (a
 -- failure, a cancel: flow._run_row_needed), and when an in-database worker
--- leases its root (flow._claim), always under its root's row lock. A run of one command that
+-- leases its root (flow._lease), always under its root's row lock. A run of one command that
 -- succeeds (the common run) is one row, inserted once, written once more by
 -- its settlement, deleted once. Runs started before 0.2.0 all have a row
 -- (their roots have ids of their own). Read runs through flow._run_rows;

@@ -12,7 +12,7 @@
 //! children commit with their settlement in the chunk's transaction, or not at all.
 
 use crate::payload::{Context, Jsonb, RawDatum};
-use crate::{gucs, isolation, shmem};
+use crate::{api, gucs, isolation, shmem};
 use pgrx::datum::DatumWithOid;
 use pgrx::pg_sys::{self, PgBuiltInOids, PgOid};
 use pgrx::prelude::*;
@@ -496,11 +496,13 @@ impl ClaimCursor {
 }
 
 /// Claim up to `max` due commands for this worker process (flow._claim), in
-/// claim order: leased ones, and held ones of the handlers known to be fast
-/// (`fast_handlers`), which must run in this same transaction. Commands named
-/// in `excluded` are left alone. Also returns where the claim ended in each
-/// queue, and whether it interleaved several queues: each then gave no more
-/// than its share, so a claim short of `max` may have left some due.
+/// claim order: held ones, of the handlers known to be fast
+/// (`fast_handlers`), which must run in this same transaction, and leased
+/// ones, whose leases are written here too (flow._lease) and commit with the
+/// claim. Commands named in `excluded` are left alone. Also returns where
+/// the claim ended in each queue, and whether it interleaved several
+/// queues: each then gave no more than its share, so a claim short of `max`
+/// may have left some due.
 pub fn claim(
     owner: &str,
     backend_start: Option<TimestampWithTimeZone>,
@@ -511,18 +513,15 @@ pub fn claim(
 ) -> (Vec<Claimed>, ClaimCursor, bool) {
     let (after_queues, after_at, after_ids) = after.map(ClaimCursor::columns).unwrap_or_default();
     let fast: Vec<pg_sys::Oid> = FAST_HANDLERS.with(|f| f.borrow().iter().map(|oid| pg_sys::Oid::from(*oid)).collect());
-    engine_query(
-        "SELECT command_id, run_id, lease_token,
+    let (mut claimed, leased, cursor, interleaved) = engine_query(
+        "SELECT command_id, run_id, attempt,
                 (extract(epoch FROM hard_deadline) * 1000000)::bigint - 946684800000000,
                 (extract(epoch FROM attempt_timeout) * 1000000)::bigint,
-                handler, handler_owner, args, args_type::oid, CASE WHEN lease_expires_at IS NULL THEN attempt END,
-                context, queue, due_at, claim_order, row_at
-         FROM flow._claim($1, $2, $3, $4, NULL, NULL, $5, $6, $7, $8, $9, $10)",
-        &[TEXT, INT4, TIMESTAMPTZ, INT4, INT4, OID_ARRAY, UUID_ARRAY, TEXT_ARRAY, TIMESTAMPTZ_ARRAY, UUID_ARRAY],
+                handler, handler_owner, args, args_type::oid, held,
+                context, queue, due_at, claim_order, row_at, deadline
+         FROM flow._claim($1, NULL, $2, $3, $4, $5, $6, $7)",
+        &[INT4, INT4, OID_ARRAY, UUID_ARRAY, TEXT_ARRAY, TIMESTAMPTZ_ARRAY, UUID_ARRAY],
         &[
-            owner.into(),
-            unsafe { pg_sys::MyProcPid }.into(),
-            backend_start.into(),
             max.into(),
             turn.into(),
             fast.into(),
@@ -534,56 +533,102 @@ pub fn claim(
         |rows| {
             let mut cursor = ClaimCursor::default();
             // A claim from one queue has no claim order (NULL): its rows come
-            // in due order, leased ones and held ones apart, and are run so. A
-            // claim from several queues (claim order 0) is put in claim order
-            // here, not by the claim's statement (into_round_robin).
+            // in due order, and are run so. A claim from several queues (claim
+            // order 0) is put in claim order here, not by the claim's
+            // statement (into_round_robin).
             let types = [
                 UUID,
                 UUID,
-                UUID,
+                INT4,
                 INT8,
                 INT8,
                 OID,
                 OID,
                 JSONB,
                 OID,
-                INT4,
+                BOOL,
                 PgOid::Invalid,
                 TEXT,
                 TIMESTAMPTZ,
                 INT4,
                 TID,
+                TIMESTAMPTZ,
             ];
             let mut interleaved = false;
-            let mut claimed: Vec<Claimed> = self::rows(rows, &types, |row| {
+            // the leased ones' rows and attempt deadlines, for their leases
+            let mut leased: (Vec<pgrx::Uuid>, Vec<pg_sys::ItemPointerData>, Vec<Option<TimestampWithTimeZone>>) =
+                Default::default();
+            let claimed: Vec<Claimed> = self::rows(rows, &types, |row| {
                 let command_id = row.get(1).expect("command_id");
                 let (queue, due_at): (String, TimestampWithTimeZone) =
                     (row.get(12).expect("queue"), row.get(13).expect("due_at"));
                 cursor.advance(queue.clone(), due_at, command_id);
                 interleaved |= row.get::<i32>(14).is_some();
+                let attempt: i32 = row.get(3).expect("attempt");
+                let row_at: pg_sys::ItemPointerData = row.get(15).expect("row_at");
+                let held = row.get::<bool>(10).expect("held");
+                if !held {
+                    leased.0.push(command_id);
+                    leased.1.push(row_at);
+                    leased.2.push(row.get::<TimestampWithTimeZone>(16));
+                }
                 Claimed {
                     command_id,
                     run_id: row.get(2).expect("run_id"),
-                    lease_token: row.get(3).expect("lease_token"),
+                    // (a held attempt's token never leaves the worker: it
+                    // names the attempt, and no client presents it, so it need
+                    // not be unguessable as a lease's: a time-ordered id does;
+                    // a leased one's is its lease's, below)
+                    lease_token: if held { api::_new_id() } else { pgrx::Uuid::from_bytes([0; 16]) },
                     hard_deadline: row.get::<i64>(4),
                     timeout_us: row.get::<i64>(5),
                     handler: row.get::<pg_sys::Oid>(6).expect("handler"),
                     owner: row.get::<pg_sys::Oid>(7).expect("handler_owner"),
                     args: row.get::<Jsonb>(8).expect("args"),
                     args_type: row.get::<pg_sys::Oid>(9),
-                    held_attempt: row.get::<i32>(10),
+                    held_attempt: held.then_some(attempt),
                     context: row.get::<Context>(11),
                     queue,
                     due_at,
-                    row_at: row.get::<pg_sys::ItemPointerData>(15),
+                    row_at: held.then_some(row_at),
                 }
             });
-            if interleaved {
-                into_round_robin(&mut claimed, turn);
-            }
-            (claimed, cursor, interleaved)
+            (claimed, leased, cursor, interleaved)
         },
-    )
+    );
+    if !leased.0.is_empty() {
+        let (ids, row_ats, deadlines) = leased;
+        let tokens: HashMap<[u8; 16], pgrx::Uuid> = engine_query(
+            "SELECT command_id, lease_token FROM flow._lease($1, $2, $3, NULL, $4, $5, $6)",
+            &[TEXT, INT4, TIMESTAMPTZ, UUID_ARRAY, TID_ARRAY, TIMESTAMPTZ_ARRAY],
+            &[
+                owner.into(),
+                unsafe { pg_sys::MyProcPid }.into(),
+                backend_start.into(),
+                ids.into(),
+                row_ats.into(),
+                deadlines.into(),
+            ],
+            |rows| {
+                self::rows(rows, &[UUID, UUID], |row| {
+                    let id: pgrx::Uuid = row.get(1).expect("command_id");
+                    (*id.as_bytes(), row.get(2).expect("lease_token"))
+                })
+                .into_iter()
+                .collect()
+            },
+        );
+        // (each leased command's row is locked by this transaction: every
+        // lease is written; one that was not would not run)
+        claimed.retain_mut(|command| {
+            command.held_attempt.is_some()
+                || tokens.get(command.command_id.as_bytes()).map(|token| command.lease_token = *token).is_some()
+        });
+    }
+    if interleaved {
+        into_round_robin(&mut claimed, turn);
+    }
+    (claimed, cursor, interleaved)
 }
 
 /// A claim from several queues in the order a worker runs it: round-robin

@@ -132,6 +132,9 @@ CREATE INDEX _commands_running ON flow._commands (queue, lease_expires_at) WHERE
 ALTER TYPE flow.claimed_command ADD ATTRIBUTE due_at timestamptz;
 -- A held command's settlement writes the row its claim locked, found by its tid (see flow._settle_batch).
 ALTER TYPE flow.claimed_command ADD ATTRIBUTE row_at tid;
+-- A claim only locks; its claimant leases what it does not hold (flow._lease).
+ALTER TYPE flow.claimed_command ADD ATTRIBUTE held boolean, ADD ATTRIBUTE lane_order integer,
+    ADD ATTRIBUTE lane_room integer;
 -- Room in the primary key's leaves for a settlement's second entry (see
 -- sql/schema.sql; pages split from now on leave it, existing ones get it at
 -- the next REINDEX).
