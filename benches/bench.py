@@ -350,28 +350,27 @@ def enqueue_many_rate(pg, n, chunk=1000):
 
 
 def claim_plan(pg):
-    """The generic plan (as a worker caches it) of the claim's queue-head probe
-    (the statement of flow._claim in sql/claim.sql, as an in-database worker runs it)."""
+    """The generic plans (as a worker caches them) of an in-database claim's
+    two statements (flow._claim in sql/claim.sql: the queues' head probe, then
+    the locking scan), as auto_explain reports them for a claim of commands
+    enqueued into a queue of their own, rolled back."""
+    notices = []
     with pg.connect() as c:
-        # (the settings flow._claim runs with: sql/common.sql)
-        c.execute("SET plan_cache_mode = force_generic_plan")
-        for setting in ("enable_seqscan", "enable_bitmapscan", "enable_hashjoin", "enable_mergejoin", "jit"):
-            c.execute(f"SET {setting} = off")
-        c.execute("""PREPARE heads(text[], timestamptz[], uuid[]) AS
-            SELECT q.name FROM flow._queues q LEFT JOIN unnest($1, $2, $3) AS a(queue, at, id) ON a.queue = q.name
-            CROSS JOIN LATERAL (
-                SELECT min(x.next_run_at) AS next_run_at
-                FROM unnest('{""}'::text[]) AS w(claimant) CROSS JOIN LATERAL (
-                    SELECT c.next_run_at FROM flow._commands c
-                    WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END) = flow._lane(q.name, w.claimant)
-                      AND c.queue = q.name AND NOT c.external
-                      AND (CASE WHEN c.external THEN c.name ELSE '' END) = w.claimant
-                      AND c.status IN ('pending', 'waiting')
-                      AND (c.next_run_at, c.id) > (coalesce(a.at, '-infinity'),
-                                                   coalesce(a.id, '00000000-0000-0000-0000-000000000000'::uuid))
-                    ORDER BY c.next_run_at LIMIT 1) x) h
-            WHERE NOT q.paused AND h.next_run_at <= now()""")
-        return [r[0] for r in c.execute("EXPLAIN EXECUTE heads('{}', '{}', '{}')").fetchall()]
+        c.add_notice_handler(lambda d: notices.append(d.message_primary))
+        c.execute("BEGIN")
+        c.execute("SELECT flow.enqueue_many('rust_noop', array_fill('{}'::jsonb, array[3]), queue => 'plan_probe')")
+        c.execute("LOAD 'auto_explain'")
+        for setting, value in (("log_min_duration", "0"), ("log_nested_statements", "on"), ("log_level", "notice")):
+            c.execute(f"SET auto_explain.{setting} = {value}")
+        claimed = c.execute("SELECT count(*) FROM flow._claim(10, NULL, 0)").fetchone()[0]
+        c.execute("ROLLBACK")
+    lines = [f"(claimed {claimed} of 3)"]
+    for notice in notices:
+        if "SELECT array_agg(DISTINCT" in notice or "WITH lane AS" in notice:
+            plan = notice.split("\n")
+            start = next(i for i, line in enumerate(plan) if "(cost=" in line)
+            lines += [""] + plan[start:]
+    return lines
 
 
 def churn(pg, seconds, rate, every, retention):
@@ -567,7 +566,7 @@ def main():
           f"beside a reader the drain ran {m['flow drain writing handler beside a reader (jobs/s)']:,.0f} jobs/s "
           f"and the reader {m['reader during the writing drain (queries/s)']:,.0f} queries/s, "
           f"{m['reader alone (queries/s)']:,.0f} alone")
-    print("\nclaim, generic plan of the queue-head probe:\n  " + "\n  ".join(plan))
+    print("\nclaim, generic plans of its queue-head probe and its locking scan:\n  " + "\n  ".join(plan))
     print(f"\nchurn at {peak / 2:,.0f} runs/s for {churn_s} s, flow.retention = '{retention}' "
           "(elapsed, MB of flow's tables and indexes, runs kept, of which not finished):")
     for at, mb, kept, pending in samples:

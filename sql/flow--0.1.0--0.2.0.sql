@@ -3218,7 +3218,7 @@ BEGIN
                 -- From one queue and for one definition (the common claim),
                 -- what the claim locked, in due order (nothing sorted).
                 SELECT k.command_id, k.run_id, k.name, k.version, k.queue, k.args, k.attempt, k.deadline, k.context,
-                       k.due_at, k.row_at, k.held, NULL::bigint AS rank, k.lane_order,
+                       k.due_at, k.row_at, k.held,
                        -- (a held attempt's token: it names the attempt for the
                        -- client's transaction, see src/external.rs)
                        CASE WHEN k.held THEN flow._new_id() END AS held_token
@@ -3229,7 +3229,7 @@ BEGIN
                 -- limited lane keeps its earliest up to its room (a claim
                 -- naming several definitions locked up to the room for each).
                 (SELECT k.command_id, k.run_id, k.name, k.version, k.queue, k.args, k.attempt, k.deadline, k.context,
-                        k.due_at, k.row_at, k.held, k.rank, k.lane_order, CASE WHEN k.held THEN flow._new_id() END
+                        k.due_at, k.row_at, k.held, CASE WHEN k.held THEN flow._new_id() END
                  FROM (SELECT k.*, row_number() OVER (PARTITION BY k.lane_order ORDER BY k.due_at, k.command_id) AS rank
                        FROM locked k WHERE k.claim_order IS NOT NULL) k
                  WHERE k.rank <= k.lane_room
@@ -3245,11 +3245,11 @@ BEGIN
             )
             SELECT c.command_id, c.run_id, c.name, c.version, c.queue, c.args, c.attempt, c.lease_token,
                    c.lease_expires_at, c.deadline, c.context
-            FROM (SELECT p.*, coalesce(l.lease_token, p.held_token) AS lease_token, l.lease_expires_at
-                  FROM picked p LEFT JOIN leased l ON l.command_id = p.command_id
-                  -- (a leased command the lease did not write, which its lock
-                  -- rules out, is not handed out)
-                  WHERE p.held OR l.command_id IS NOT NULL) c
+            FROM (-- the leased ones, then the held ones, each in claim order
+                  SELECT p.*, l.lease_token, l.lease_expires_at
+                  FROM leased l JOIN picked p ON p.command_id = l.command_id
+                  UNION ALL
+                  SELECT p.*, p.held_token, NULL FROM picked p WHERE p.held) c
             -- The claim notes where it ended, for the next claims of its
             -- definition (src/external.rs): a one-time filter, run once, before
             -- any row is handed on. (From what it locked: a held claim's
@@ -3260,9 +3260,7 @@ BEGIN
                    FROM picked k)
               -- (each held claim noted for the transaction's end: src/external.rs)
               AND (NOT holding OR flow._note_holding(caller, c.command_id, c.lease_token, c.attempt, c.held,
-                                                     CASE WHEN c.held THEN c.row_at::text END, worker))
-            -- (in claim order: due order, or round-robin across queues)
-            ORDER BY c.rank, c.lane_order, c.due_at, c.command_id;
+                                                     CASE WHEN c.held THEN c.row_at::text END, worker));
         GET DIAGNOSTICS taken = ROW_COUNT;
         -- Short, it claims the rest: from the head, if it began where the
         -- last claim ended; and from the queues that had more, if it took

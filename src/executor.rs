@@ -597,27 +597,7 @@ pub fn claim(
         },
     );
     if !leased.0.is_empty() {
-        let (ids, row_ats, deadlines) = leased;
-        let tokens: HashMap<[u8; 16], pgrx::Uuid> = engine_query(
-            "SELECT command_id, lease_token FROM flow._lease($1, $2, $3, NULL, $4, $5, $6)",
-            &[TEXT, INT4, TIMESTAMPTZ, UUID_ARRAY, TID_ARRAY, TIMESTAMPTZ_ARRAY],
-            &[
-                owner.into(),
-                unsafe { pg_sys::MyProcPid }.into(),
-                backend_start.into(),
-                ids.into(),
-                row_ats.into(),
-                deadlines.into(),
-            ],
-            |rows| {
-                self::rows(rows, &[UUID, UUID], |row| {
-                    let id: pgrx::Uuid = row.get(1).expect("command_id");
-                    (*id.as_bytes(), row.get(2).expect("lease_token"))
-                })
-                .into_iter()
-                .collect()
-            },
-        );
+        let tokens = lease(owner, backend_start, leased);
         // (each leased command's row is locked by this transaction: every
         // lease is written; one that was not would not run)
         claimed.retain_mut(|command| {
@@ -629,6 +609,36 @@ pub fn claim(
         into_round_robin(&mut claimed, turn);
     }
     (claimed, cursor, interleaved)
+}
+
+/// Write the leases of commands this transaction's claim locked and does not
+/// hold (flow._lease): their ids, rows and attempt deadlines. Returns each
+/// one's lease token.
+fn lease(
+    owner: &str,
+    backend_start: Option<TimestampWithTimeZone>,
+    (ids, row_ats, deadlines): (Vec<pgrx::Uuid>, Vec<pg_sys::ItemPointerData>, Vec<Option<TimestampWithTimeZone>>),
+) -> HashMap<[u8; 16], pgrx::Uuid> {
+    engine_query(
+        "SELECT command_id, lease_token FROM flow._lease($1, $2, $3, NULL, $4, $5, $6)",
+        &[TEXT, INT4, TIMESTAMPTZ, UUID_ARRAY, TID_ARRAY, TIMESTAMPTZ_ARRAY],
+        &[
+            owner.into(),
+            unsafe { pg_sys::MyProcPid }.into(),
+            backend_start.into(),
+            ids.into(),
+            row_ats.into(),
+            deadlines.into(),
+        ],
+        |rows| {
+            self::rows(rows, &[UUID, UUID], |row| {
+                let id: pgrx::Uuid = row.get(1).expect("command_id");
+                (*id.as_bytes(), row.get(2).expect("lease_token"))
+            })
+            .into_iter()
+            .collect()
+        },
+    )
 }
 
 /// A claim from several queues in the order a worker runs it: round-robin
