@@ -182,3 +182,15 @@ def define_external(pg, prefix, user="postgres", **kw):
     params = "".join(f", {k} => {v}" for k, v in kw.items())
     pg.one(f"SELECT flow.define('{name}', NULL{params})", user=user)
     return name
+
+
+def spread_over_two_queues(pg, define):
+    """Two external definitions (made by `define`) with due commands in two
+    new queues: 10 of the first and 2 of the second in queues[0], 1 of the
+    first in queues[1]. Returns (first, second, queues)."""
+    first, second = define(pg), define(pg)
+    queues = [unique("xq"), unique("xq")]
+    for name, queue, count in ((first, queues[0], 10), (first, queues[1], 1), (second, queues[0], 2)):
+        pg.one(f"SELECT cardinality(flow.enqueue_many('{name}', array_fill('{{}}'::jsonb, array[{count}]),"
+               f" queue => '{queue}'))")
+    return first, second, queues

@@ -6,7 +6,7 @@ import uuid
 import psycopg
 import pytest
 
-from conftest import define_external, external_workers_cluster, unique
+from conftest import define_external, external_workers_cluster, spread_over_two_queues, unique
 
 
 @pytest.fixture(scope="module")
@@ -135,11 +135,7 @@ def test_a_claim_from_several_queues_and_definitions_gets_its_max_and_locks_only
     rest from those that have more: it gets its max while that many are due,
     interleaved, and locks no command it does not take (one locked and left
     out stayed locked for the client's transaction, skipped by other claims)."""
-    first, second = external(pg), external(pg)
-    queues = [unique("xq"), unique("xq")]
-    for name, queue, count in ((first, queues[0], 10), (first, queues[1], 1), (second, queues[0], 2)):
-        pg.one(f"SELECT cardinality(flow.enqueue_many('{name}', array_fill('{{}}'::jsonb, array[{count}]),"
-               f" queue => '{queue}'))")
+    first, second, queues = spread_over_two_queues(pg, external)
     with pg.connect(autocommit=False) as c:
         rows = c.execute("SELECT name, queue FROM flow.claim(%s, 'w', 8)", ([first, second],)).fetchall()
         taken = {(n, q): rows.count((n, q)) for n, q in set(rows)}

@@ -10,7 +10,7 @@ import psycopg
 import pytest
 from psycopg.types.json import Jsonb
 
-from conftest import define_external, external_workers_cluster, unique
+from conftest import define_external, external_workers_cluster, spread_over_two_queues, unique
 
 
 @pytest.fixture(scope="module")
@@ -600,11 +600,7 @@ def test_a_held_claim_from_several_queues_gets_its_max_of_distinct_commands(pg):
     are locked by its own transaction, which SKIP LOCKED does not skip, and
     are left alone, so it gets its max of distinct commands, each held once,
     and settles them all."""
-    first, second = external(pg), external(pg)
-    queues = [unique("hq"), unique("hq")]
-    for name, queue, count in ((first, queues[0], 10), (first, queues[1], 1), (second, queues[0], 2)):
-        pg.one(f"SELECT cardinality(flow.enqueue_many('{name}', array_fill('{{}}'::jsonb, array[{count}]),"
-               f" queue => '{queue}'))")
+    first, second, queues = spread_over_two_queues(pg, external)
     with pg.connect(autocommit=False) as c:
         rows = c.execute("SELECT command_id, lease_token, name, queue, lease_expires_at"
                          " FROM flow.claim(%s, 'w', 8, hold => true)", ([first, second],)).fetchall()
