@@ -252,7 +252,8 @@ def test_internal_functions_are_not_callable_by_ordinary_roles(pg):
         " AND has_function_privilege('mallory', p.oid, 'EXECUTE')")}
     assert "_ticket" in callable_   # (runs in the caller's context: everyone's)
     assert callable_ <= {"_ticket", "_decide", "_worker_states", "_counters", "_args_misfit", "_among", "_lane"}
-    for name in ("_lease_token", "_claim", "_settle_batch", "_complete_many", "_lock_runs", "_external_claim_ended"):
+    for name in ("_lease_token", "_claim", "_lease", "_settle_batch", "_complete_many", "_lock_runs",
+                 "_external_claim_ended"):
         assert pg.one("SELECT count(*) FROM pg_proc p WHERE p.pronamespace = 'flow'::regnamespace"
                       " AND p.proname = %s", name) >= 1
         assert name not in callable_
