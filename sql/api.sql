@@ -207,8 +207,9 @@ END $$;
 -- (Not a thin SQL wrapper like the others: every layer of set-returning
 -- function copies each claimed row, with its context, once more, and an SQL
 -- function's statement is planned at every call. This is an external
--- worker's hot path, so flow._claim's rows are handed on here directly, by a
--- plan kept for the session.)
+-- worker's hot path, so flow._claim's rows are leased (those it does not
+-- hold, by flow._lease), interleaved and handed on here directly, in one
+-- statement whose plan is kept for the session.)
 -- A claim of one definition takes up where the last full claim of it ended,
 -- whichever worker made it, as an in-database worker's claim takes up where
 -- its last one ended (see flow._claim): the index entries of the commands

@@ -991,8 +991,8 @@ $$;
 -- rows go from the locking scan straight to the caller: a statement that
 -- also wrote the leases had to keep the locked rows in a store first (a CTE
 -- that locks is never inlined) and read them again for each of its parts,
--- which cost more than the scan itself (an in-database claim of 1,000 held
--- commands: 3.9 ms, 1.3 ms now).
+-- which cost more than the scan itself (the statement of an in-database
+-- claim of 1,000 held commands: 3.9 ms, 2.5 ms now).
 -- `excluded`: commands other workers' records name, or whose abandoned held
 -- attempts wait for worker 0, or that the caller's transaction holds already,
 -- left alone.
@@ -3167,8 +3167,9 @@ END $$;
 -- (Not a thin SQL wrapper like the others: every layer of set-returning
 -- function copies each claimed row, with its context, once more, and an SQL
 -- function's statement is planned at every call. This is an external
--- worker's hot path, so flow._claim's rows are handed on here directly, by a
--- plan kept for the session.)
+-- worker's hot path, so flow._claim's rows are leased (those it does not
+-- hold, by flow._lease), interleaved and handed on here directly, in one
+-- statement whose plan is kept for the session.)
 -- A claim of one definition takes up where the last full claim of it ended,
 -- whichever worker made it, as an in-database worker's claim takes up where
 -- its last one ended (see flow._claim): the index entries of the commands
