@@ -252,17 +252,18 @@ BEGIN
     LOOP
         RETURN QUERY
             WITH locked AS (
-                SELECT * FROM flow._claim(wanted, names, (random() * 1000)::integer, NULL, flow._claim_excluded(),
-                                          CASE WHEN after_queue IS NOT NULL THEN ARRAY[after_queue] END,
-                                          ARRAY[after_at], ARRAY[after_id], holding)
+                SELECT k.*,
+                       -- (a held attempt's token: it names the attempt for the
+                       -- client's transaction, see src/external.rs)
+                       CASE WHEN k.held THEN flow._new_id() END AS held_token
+                FROM flow._claim(wanted, names, (random() * 1000)::integer, NULL, flow._claim_excluded(),
+                                 CASE WHEN after_queue IS NOT NULL THEN ARRAY[after_queue] END,
+                                 ARRAY[after_at], ARRAY[after_id], holding) k
             ), picked AS (
                 -- From one queue and for one definition (the common claim),
                 -- what the claim locked, in due order (nothing sorted).
                 SELECT k.command_id, k.run_id, k.name, k.version, k.queue, k.args, k.attempt, k.deadline, k.context,
-                       k.due_at, k.row_at, k.held,
-                       -- (a held attempt's token: it names the attempt for the
-                       -- client's transaction, see src/external.rs)
-                       CASE WHEN k.held THEN flow._new_id() END AS held_token
+                       k.due_at, k.row_at, k.held, k.held_token
                 FROM locked k WHERE k.claim_order IS NULL
                 UNION ALL
                 -- From several (claim_order 0), the queues interleaved
@@ -270,7 +271,7 @@ BEGIN
                 -- limited lane keeps its earliest up to its room (a claim
                 -- naming several definitions locked up to the room for each).
                 (SELECT k.command_id, k.run_id, k.name, k.version, k.queue, k.args, k.attempt, k.deadline, k.context,
-                        k.due_at, k.row_at, k.held, CASE WHEN k.held THEN flow._new_id() END
+                        k.due_at, k.row_at, k.held, k.held_token
                  FROM (SELECT k.*, row_number() OVER (PARTITION BY k.lane_order ORDER BY k.due_at, k.command_id) AS rank
                        FROM locked k WHERE k.claim_order IS NOT NULL) k
                  WHERE k.rank <= k.lane_room

@@ -135,7 +135,9 @@ BEGIN
     RETURN QUERY
     WITH lane AS (
         SELECT q.name,
-               (row_number() OVER (ORDER BY q.name) - 1)::integer AS ord,
+               -- (its place in this claim's round-robin turn: from queue number `turn`, in name order)
+               (((row_number() OVER (ORDER BY q.name) - 1 - turn) % cardinality(lanes) + cardinality(lanes))
+                   % cardinality(lanes))::integer AS lane_order,
                q.concurrency IS NULL AS unlimited,
                CASE WHEN q.concurrency IS NULL THEN max_count
                     ELSE greatest(0, q.concurrency - (
@@ -162,17 +164,15 @@ BEGIN
         -- the claim short: an external claim then claims the rest (flow.claim),
         -- a worker claims again at once (Worker::claim).
         -- (A full limited lane takes no share.)
-        SELECT l.*, least(l.room, max_count / l.slots + (l.slot < max_count % l.slots)::integer) AS take,
-               ((l.ord - turn) % cardinality(lanes) + cardinality(lanes)) % cardinality(lanes) AS lane_order
+        SELECT l.*, least(l.room, max_count / l.slots + (l.slot < max_count % l.slots)::integer) AS take
         FROM (SELECT l.*, s.claimant,
-                     (row_number() OVER (ORDER BY ((l.ord - turn) % cardinality(lanes) + cardinality(lanes))
-                                                      % cardinality(lanes), s.claimant) - 1)::integer AS slot,
+                     (row_number() OVER (ORDER BY l.lane_order, s.claimant) - 1)::integer AS slot,
                      (count(*) OVER ())::integer AS slots
               FROM lane l JOIN unnest(slot_queues, slot_claimants) AS s(queue, claimant) ON s.queue = l.name
               WHERE l.room > 0) l
     )
     SELECT h.id, h.run_id, h.name, h.version, h.queue, h.args,
-           h.attempts + 1, NULL::uuid, NULL::timestamptz, h.attempt_deadline,
+           h.attempts + 1, h.attempt_deadline,
            h.handler, h.owner,
            -- the context a handler or external worker sees: only for handlers
            -- that take it, and external workers (built here, in one
@@ -286,7 +286,7 @@ BEGIN
         -- (by the tid the claim locked, as LockRows left it: the row's latest
         -- version; a TID scan per command, not a second descent of the
         -- primary key: sql/common.sql)
-        WHERE c.ctid = a.row_at AND NOT (c.id IS DISTINCT FROM a.id) AND c.status IN ('pending', 'waiting')
+        WHERE c.ctid = a.row_at AND NOT (c.id IS DISTINCT FROM a.id) AND c.status::text IN ('pending', 'waiting')
         RETURNING c.id, c.run_id, c.lease_token, c.lease_expires_at
     ), leased_runs AS (
         -- An in-database worker runs a leased command in a chunk that locks

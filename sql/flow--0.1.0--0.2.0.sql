@@ -59,8 +59,7 @@ DROP FUNCTION flow._require_use(oid, flow._definitions);
 DROP FUNCTION flow._first_due(interval, timestamptz);
 DROP FUNCTION flow._deadline(interval);
 DROP FUNCTION flow._insert_roots(flow._definitions, text, timestamptz, timestamptz, uuid[], jsonb[]);
--- Claims keep their interleaving; external leases remember their length.
-ALTER TYPE flow.claimed_command ADD ATTRIBUTE claim_order integer;
+-- External leases remember their length.
 ALTER TABLE flow._commands ADD COLUMN lease_interval interval;
 UPDATE flow._commands SET lease_interval = lease_expires_at - attempt_started_at
 WHERE status = 'running' AND lease_pid IS NULL;
@@ -84,7 +83,6 @@ END $$;
 DROP FUNCTION flow.define(text, regprocedure, integer, text, integer, interval, interval, interval, interval, bigint);
 DROP FUNCTION flow._define(oid, text, regprocedure, integer, text, integer, interval, interval, interval, interval);
 ALTER TABLE flow._definitions ADD COLUMN args_type regtype;
-ALTER TYPE flow.claimed_command ADD ATTRIBUTE args_type regtype;
 -- Runs, commands, attempts and waits lose their foreign keys (see
 -- sql/schema.sql): flow._prune deletes what they cascaded.
 ALTER TABLE flow._runs DROP CONSTRAINT _runs_name_version_fkey;
@@ -126,19 +124,23 @@ ALTER TABLE flow._commands SET (autovacuum_vacuum_scale_factor = 0.02, autovacuu
 ALTER TABLE flow._attempts SET (autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_cost_delay = 0);
 -- Claims hold the commands of handlers known to be fast (see flow._claim).
 DROP FUNCTION flow._claim(text, integer, timestamptz, integer, interval, text[], integer);
+-- What a claim hands its claimant (see sql/schema.sql): it only locks now, so
+-- no lease, and it says how each command is run, where it ended, which row it
+-- locked and how its queues are interleaved. Made anew: the two functions
+-- that returned it (flow._claim, flow._claim_external) are gone by here.
+DROP TYPE flow.claimed_command;
+CREATE TYPE flow.claimed_command AS (
+    command_id uuid, run_id uuid, name text, version integer, queue text, args jsonb, attempt integer,
+    deadline timestamptz, handler oid, handler_owner oid, context flow.context, attempt_timeout interval,
+    hard_deadline timestamptz, claim_order integer, args_type regtype, due_at timestamptz, row_at tid,
+    held boolean, lane_order integer, lane_room integer
+);
 -- The handler context is built in flow._claim itself.
 DROP FUNCTION flow._context(flow._commands);
 -- Running commands are indexed by their lease's expiry too (external claims
 -- conclude the expired ones first).
 DROP INDEX flow._commands_running;
 CREATE INDEX _commands_running ON flow._commands (queue, lease_expires_at) WHERE status = 'running';
--- A claim tells where it ended in each queue, and takes up from there (see flow._claim).
-ALTER TYPE flow.claimed_command ADD ATTRIBUTE due_at timestamptz;
--- A held command's settlement writes the row its claim locked, found by its tid (see flow._settle_batch).
-ALTER TYPE flow.claimed_command ADD ATTRIBUTE row_at tid;
--- A claim only locks; its claimant leases what it does not hold (flow._lease).
-ALTER TYPE flow.claimed_command ADD ATTRIBUTE held boolean, ADD ATTRIBUTE lane_order integer,
-    ADD ATTRIBUTE lane_room integer;
 -- Room in the primary key's leaves for a settlement's second entry (see
 -- sql/schema.sql; pages split from now on leave it, existing ones get it at
 -- the next REINDEX).
@@ -1092,7 +1094,9 @@ BEGIN
     RETURN QUERY
     WITH lane AS (
         SELECT q.name,
-               (row_number() OVER (ORDER BY q.name) - 1)::integer AS ord,
+               -- (its place in this claim's round-robin turn: from queue number `turn`, in name order)
+               (((row_number() OVER (ORDER BY q.name) - 1 - turn) % cardinality(lanes) + cardinality(lanes))
+                   % cardinality(lanes))::integer AS lane_order,
                q.concurrency IS NULL AS unlimited,
                CASE WHEN q.concurrency IS NULL THEN max_count
                     ELSE greatest(0, q.concurrency - (
@@ -1119,17 +1123,15 @@ BEGIN
         -- the claim short: an external claim then claims the rest (flow.claim),
         -- a worker claims again at once (Worker::claim).
         -- (A full limited lane takes no share.)
-        SELECT l.*, least(l.room, max_count / l.slots + (l.slot < max_count % l.slots)::integer) AS take,
-               ((l.ord - turn) % cardinality(lanes) + cardinality(lanes)) % cardinality(lanes) AS lane_order
+        SELECT l.*, least(l.room, max_count / l.slots + (l.slot < max_count % l.slots)::integer) AS take
         FROM (SELECT l.*, s.claimant,
-                     (row_number() OVER (ORDER BY ((l.ord - turn) % cardinality(lanes) + cardinality(lanes))
-                                                      % cardinality(lanes), s.claimant) - 1)::integer AS slot,
+                     (row_number() OVER (ORDER BY l.lane_order, s.claimant) - 1)::integer AS slot,
                      (count(*) OVER ())::integer AS slots
               FROM lane l JOIN unnest(slot_queues, slot_claimants) AS s(queue, claimant) ON s.queue = l.name
               WHERE l.room > 0) l
     )
     SELECT h.id, h.run_id, h.name, h.version, h.queue, h.args,
-           h.attempts + 1, NULL::uuid, NULL::timestamptz, h.attempt_deadline,
+           h.attempts + 1, h.attempt_deadline,
            h.handler, h.owner,
            -- the context a handler or external worker sees: only for handlers
            -- that take it, and external workers (built here, in one
@@ -1243,7 +1245,7 @@ BEGIN
         -- (by the tid the claim locked, as LockRows left it: the row's latest
         -- version; a TID scan per command, not a second descent of the
         -- primary key: sql/common.sql)
-        WHERE c.ctid = a.row_at AND NOT (c.id IS DISTINCT FROM a.id) AND c.status IN ('pending', 'waiting')
+        WHERE c.ctid = a.row_at AND NOT (c.id IS DISTINCT FROM a.id) AND c.status::text IN ('pending', 'waiting')
         RETURNING c.id, c.run_id, c.lease_token, c.lease_expires_at
     ), leased_runs AS (
         -- An in-database worker runs a leased command in a chunk that locks
@@ -3212,17 +3214,18 @@ BEGIN
     LOOP
         RETURN QUERY
             WITH locked AS (
-                SELECT * FROM flow._claim(wanted, names, (random() * 1000)::integer, NULL, flow._claim_excluded(),
-                                          CASE WHEN after_queue IS NOT NULL THEN ARRAY[after_queue] END,
-                                          ARRAY[after_at], ARRAY[after_id], holding)
+                SELECT k.*,
+                       -- (a held attempt's token: it names the attempt for the
+                       -- client's transaction, see src/external.rs)
+                       CASE WHEN k.held THEN flow._new_id() END AS held_token
+                FROM flow._claim(wanted, names, (random() * 1000)::integer, NULL, flow._claim_excluded(),
+                                 CASE WHEN after_queue IS NOT NULL THEN ARRAY[after_queue] END,
+                                 ARRAY[after_at], ARRAY[after_id], holding) k
             ), picked AS (
                 -- From one queue and for one definition (the common claim),
                 -- what the claim locked, in due order (nothing sorted).
                 SELECT k.command_id, k.run_id, k.name, k.version, k.queue, k.args, k.attempt, k.deadline, k.context,
-                       k.due_at, k.row_at, k.held,
-                       -- (a held attempt's token: it names the attempt for the
-                       -- client's transaction, see src/external.rs)
-                       CASE WHEN k.held THEN flow._new_id() END AS held_token
+                       k.due_at, k.row_at, k.held, k.held_token
                 FROM locked k WHERE k.claim_order IS NULL
                 UNION ALL
                 -- From several (claim_order 0), the queues interleaved
@@ -3230,7 +3233,7 @@ BEGIN
                 -- limited lane keeps its earliest up to its room (a claim
                 -- naming several definitions locked up to the room for each).
                 (SELECT k.command_id, k.run_id, k.name, k.version, k.queue, k.args, k.attempt, k.deadline, k.context,
-                        k.due_at, k.row_at, k.held, CASE WHEN k.held THEN flow._new_id() END
+                        k.due_at, k.row_at, k.held, k.held_token
                  FROM (SELECT k.*, row_number() OVER (PARTITION BY k.lane_order ORDER BY k.due_at, k.command_id) AS rank
                        FROM locked k WHERE k.claim_order IS NOT NULL) k
                  WHERE k.rank <= k.lane_room

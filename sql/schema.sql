@@ -57,9 +57,7 @@ CREATE TYPE flow.claimed_command AS (
     version           integer,
     queue             text,
     args              jsonb,
-    attempt           integer,        -- the attempt it makes
-    lease_token       uuid,           -- (NULL from flow._claim: see flow._lease)
-    lease_expires_at  timestamptz,    -- (NULL from flow._claim)
+    attempt           integer,        -- the attempt it makes (no lease: see flow._lease)
     deadline          timestamptz,    -- the attempt's deadline, if it started now
     handler           oid,
     handler_owner     oid,

@@ -55,8 +55,7 @@ DROP FUNCTION flow._require_use(oid, flow._definitions);
 DROP FUNCTION flow._first_due(interval, timestamptz);
 DROP FUNCTION flow._deadline(interval);
 DROP FUNCTION flow._insert_roots(flow._definitions, text, timestamptz, timestamptz, uuid[], jsonb[]);
--- Claims keep their interleaving; external leases remember their length.
-ALTER TYPE flow.claimed_command ADD ATTRIBUTE claim_order integer;
+-- External leases remember their length.
 ALTER TABLE flow._commands ADD COLUMN lease_interval interval;
 UPDATE flow._commands SET lease_interval = lease_expires_at - attempt_started_at
 WHERE status = 'running' AND lease_pid IS NULL;
@@ -80,7 +79,6 @@ END $$;
 DROP FUNCTION flow.define(text, regprocedure, integer, text, integer, interval, interval, interval, interval, bigint);
 DROP FUNCTION flow._define(oid, text, regprocedure, integer, text, integer, interval, interval, interval, interval);
 ALTER TABLE flow._definitions ADD COLUMN args_type regtype;
-ALTER TYPE flow.claimed_command ADD ATTRIBUTE args_type regtype;
 -- Runs, commands, attempts and waits lose their foreign keys (see
 -- sql/schema.sql): flow._prune deletes what they cascaded.
 ALTER TABLE flow._runs DROP CONSTRAINT _runs_name_version_fkey;
@@ -122,19 +120,23 @@ ALTER TABLE flow._commands SET (autovacuum_vacuum_scale_factor = 0.02, autovacuu
 ALTER TABLE flow._attempts SET (autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_cost_delay = 0);
 -- Claims hold the commands of handlers known to be fast (see flow._claim).
 DROP FUNCTION flow._claim(text, integer, timestamptz, integer, interval, text[], integer);
+-- What a claim hands its claimant (see sql/schema.sql): it only locks now, so
+-- no lease, and it says how each command is run, where it ended, which row it
+-- locked and how its queues are interleaved. Made anew: the two functions
+-- that returned it (flow._claim, flow._claim_external) are gone by here.
+DROP TYPE flow.claimed_command;
+CREATE TYPE flow.claimed_command AS (
+    command_id uuid, run_id uuid, name text, version integer, queue text, args jsonb, attempt integer,
+    deadline timestamptz, handler oid, handler_owner oid, context flow.context, attempt_timeout interval,
+    hard_deadline timestamptz, claim_order integer, args_type regtype, due_at timestamptz, row_at tid,
+    held boolean, lane_order integer, lane_room integer
+);
 -- The handler context is built in flow._claim itself.
 DROP FUNCTION flow._context(flow._commands);
 -- Running commands are indexed by their lease's expiry too (external claims
 -- conclude the expired ones first).
 DROP INDEX flow._commands_running;
 CREATE INDEX _commands_running ON flow._commands (queue, lease_expires_at) WHERE status = 'running';
--- A claim tells where it ended in each queue, and takes up from there (see flow._claim).
-ALTER TYPE flow.claimed_command ADD ATTRIBUTE due_at timestamptz;
--- A held command's settlement writes the row its claim locked, found by its tid (see flow._settle_batch).
-ALTER TYPE flow.claimed_command ADD ATTRIBUTE row_at tid;
--- A claim only locks; its claimant leases what it does not hold (flow._lease).
-ALTER TYPE flow.claimed_command ADD ATTRIBUTE held boolean, ADD ATTRIBUTE lane_order integer,
-    ADD ATTRIBUTE lane_room integer;
 -- Room in the primary key's leaves for a settlement's second entry (see
 -- sql/schema.sql; pages split from now on leave it, existing ones get it at
 -- the next REINDEX).
