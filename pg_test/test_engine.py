@@ -866,6 +866,33 @@ def test_pruning_moves_past_a_backlog_of_unfinished_runs(app):
     app.all(f"SELECT flow.cancel(r.id) FROM flow.runs r WHERE r.name = '{backlog}'")
 
 
+def test_pruning_windows_count_a_run_with_a_row_once(app):
+    """The pruning window merges the runs with a row of their own (a key) and
+    the runs' roots by id: a keyed run, which is in both, is one run of the
+    window, deleted with its row, and a window of 3 runs moves on by 3 runs,
+    whichever kind they are, until every finished run before the cut is gone."""
+    name = define(app, "app.hello")
+    runs = [enqueue(app, name, key=f"'{unique('k')}'") if i % 2 else enqueue(app, name) for i in range(9)]
+    for run in runs:
+        assert app.await_run(run, "10s")[0] == "succeeded"
+    keyed = runs[1::2]
+    assert app.one("SELECT count(*) FROM flow._runs WHERE id = ANY (%s)", keyed) == 4
+    time.sleep(1.1)
+    # (from the first of these runs on, 3 at a time)
+    after = app.one("SELECT max(id::text)::uuid FROM flow._run_rows WHERE id < %s", runs[0])
+    windows = []
+    while True:
+        n, last = app.all("SELECT pruned, last FROM flow._prune('1 s', 3, %s)", after)[0]
+        windows.append((n, last))
+        if last is None or last >= runs[-1]:
+            break
+        after = last
+    assert [n for n, _ in windows] == [3, 3, 3]
+    assert [last for _, last in windows] == [runs[2], runs[5], runs[8]]
+    assert app.one("SELECT count(*) FROM flow._run_rows WHERE id = ANY (%s)", runs) == 0
+    assert app.one("SELECT count(*) FROM flow._commands WHERE run_id = ANY (%s)", runs) == 0
+    assert app.one("SELECT count(*) FROM flow._runs WHERE id = ANY (%s)", keyed) == 0
+
 def test_a_run_of_one_command_is_its_root_alone(app):
     """A run without a key is its root command: enqueue writes no row of the
     run's own, and its only command succeeding writes that command alone. The

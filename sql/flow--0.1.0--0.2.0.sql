@@ -1779,8 +1779,9 @@ DECLARE
     hex text := lpad(to_hex((extract(epoch FROM cut) * 1000)::bigint), 12, '0');
     bound uuid := (substr(hex, 1, 8) || '-' || substr(hex, 9, 4) || '-7000-8000-000000000000')::uuid;
     start uuid := coalesce(after, '00000000-0000-0000-0000-000000000000');
+    seen uuid[];
     with_row uuid[];
-    ended_alone uuid[];
+    alone_at tid[];
     ended_ids uuid[];
 BEGIN
     -- (committed without waiting for its WAL to reach disk: a deletion lost
@@ -1789,43 +1790,59 @@ BEGIN
     -- of 84,000 runs/s the drain fell behind once runs expired)
     PERFORM flow._commit_without_flush();
     -- The window: the next max_runs runs, those with a row of their own and
-    -- those without, which are their roots (see flow._runs), each part read
-    -- in id order from its primary key and cut at max_runs (as one union
-    -- ordered by id, the planner sorted every run after `after`). A run
+    -- the runs' roots (see flow._runs), each part read in id order from its
+    -- primary key and cut at max_runs, merged by id (as one union ordered by
+    -- id, the planner sorted every run after `after`). A run with a row has
+    -- its root in both parts: grouped as one run that has a row (rather than
+    -- a probe of _runs for every root: 40 % of the window's time). A run
     -- without a row is its root alone, and ended when the root did: that is
-    -- read here, with the root, and such a run is its root's row to delete
-    -- (the common run; no lookup of its run or of its commands). A run with a
-    -- row is read through flow._run_rows below.
-    SELECT (array_agg(x.id ORDER BY x.id DESC))[1], array_agg(x.id) FILTER (WHERE x.has_row),
-           array_agg(x.id) FILTER (WHERE NOT x.has_row AND x.finished_at < cut)
-    INTO last, with_row, ended_alone
+    -- read here, with where the root's row is, and such a run is that row to
+    -- delete (the common run; no lookup of its run or of its commands). A
+    -- run with a row is read through flow._run_rows below.
+    SELECT array_agg(x.id ORDER BY x.id),   -- (in the order read: nothing to sort)
+           array_agg(x.id) FILTER (WHERE x.has_row),
+           array_agg(x.row_at) FILTER (WHERE NOT x.has_row AND x.finished_at < cut)
+    INTO seen, with_row, alone_at
     FROM (
-        SELECT w.id, w.has_row, w.finished_at FROM (
-            (SELECT r.id, true AS has_row, NULL::timestamptz AS finished_at FROM flow._runs r
+        SELECT w.id, bool_or(w.has_row) AS has_row, max(w.finished_at) AS finished_at, max(w.row_at) AS row_at
+        FROM (
+            (SELECT r.id, true AS has_row, NULL::timestamptz AS finished_at, NULL::tid AS row_at FROM flow._runs r
              WHERE r.id > start AND r.id < bound ORDER BY r.id LIMIT max_runs)
             UNION ALL
-            (SELECT c.id, false, c.finished_at FROM flow._commands c
-             WHERE c.id > start AND c.id < bound AND c.id = c.run_id AND NOT EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = c.id)
+            (SELECT c.id, false, c.finished_at, c.ctid FROM flow._commands c
+             WHERE c.id > start AND c.id < bound AND c.id = c.run_id
              ORDER BY c.id LIMIT max_runs)) w
-        ORDER BY w.id LIMIT max_runs) x;
+        GROUP BY w.id ORDER BY w.id LIMIT max_runs) x;
+    last := seen[cardinality(seen)];
     -- which of the runs with a row ended (finished runs never change again,
     -- so what ended here is still ended below)
     SELECT array_agg(v.id) INTO ended_ids FROM flow._run_rows v
     WHERE v.id = ANY (with_row) AND v.status <> 'running' AND v.finished_at < cut;
     WITH run_rows AS (
         DELETE FROM flow._runs r WHERE r.id = ANY (ended_ids)
-    ), commands AS (
+    ), alone AS (
+        -- (by where the window read each root, a TID scan: no descent of the
+        -- primary key, 40 % of this statement's time. Only prune deletes a
+        -- command and a finished one never changes, so that row is still the
+        -- root read: a row put in its place would have finished after the cut)
+        DELETE FROM flow._commands c
+        WHERE c.ctid = ANY (alone_at) AND c.id = c.run_id AND c.finished_at < cut
+        RETURNING c.id, c.status, c.attempts, c.lease_token, c.parent_id, c.run_id
+    ), of_rows AS (
         -- (each run's commands by a subquery on its id, not a lateral join:
         -- see flow._commands_of)
         DELETE FROM flow._commands c
         WHERE c.id = ANY (ARRAY(SELECT unnest(ARRAY(SELECT k.id FROM flow._commands_of(gone.id) k))
-                                FROM unnest(ended_ids) AS gone(id)) || ended_alone)
-        RETURNING c.id, c.parent_id IS NULL AS root,
-                  -- (a success at its first attempt, settled by 0.2.0 on, has no
-                  -- row in _attempts: see sql/schema.sql; 0.1.0 left the command
-                  -- no lease token)
-                  NOT (c.status = 'succeeded' AND c.attempts = 1 AND c.lease_token IS NOT NULL) AS attempted_before,
-                  c.id <> c.run_id AS may_wait   -- (a run's root waits for nothing)
+                                FROM unnest(ended_ids) AS gone(id)))
+        RETURNING c.id, c.status, c.attempts, c.lease_token, c.parent_id, c.run_id
+    ), commands AS (
+        SELECT c.id, c.parent_id IS NULL AS root,
+               -- (a success at its first attempt, settled by 0.2.0 on, has no
+               -- row in _attempts: see sql/schema.sql; 0.1.0 left the command
+               -- no lease token)
+               NOT (c.status = 'succeeded' AND c.attempts = 1 AND c.lease_token IS NOT NULL) AS attempted_before,
+               c.id <> c.run_id AS may_wait   -- (a run's root waits for nothing)
+        FROM (SELECT * FROM alone UNION ALL SELECT * FROM of_rows) c
     ), attempts AS (
         -- (the common run, one command that succeeded at once, probes neither)
         DELETE FROM flow._attempts a USING commands WHERE commands.attempted_before AND a.command_id = ANY (ARRAY[commands.id])
