@@ -830,16 +830,20 @@ def test_pruned_runs_are_counted_when_the_pruning_commits(app):
 
 def test_pruning_commits_without_waiting_for_its_flush(app):
     """A pass of pruning (or of retiring events) commits without waiting for
-    its WAL to reach disk: a deletion a crash loses is done again. Only its own
-    transaction does: the session's setting is back at the next."""
+    its WAL to reach disk: a deletion a crash loses is done again; and it
+    compresses the full-page images it writes (lz4: the server's is off).
+    Only its own transaction does: the session's settings are back at the next."""
     with app.connect() as c:
         session = c.execute("SHOW synchronous_commit").fetchone()[0]
         assert session != "off"
+        assert c.execute("SHOW wal_compression").fetchone()[0] == "off"
         for pass_ in ("SELECT * FROM flow._prune('1 hour', 10, NULL)", "SELECT flow._retire_events('1 hour', 10)"):
             with c.transaction():
                 c.execute(pass_)
                 assert c.execute("SHOW synchronous_commit").fetchone()[0] == "off"
+                assert c.execute("SHOW wal_compression").fetchone()[0] == "lz4"
             assert c.execute("SHOW synchronous_commit").fetchone()[0] == session
+            assert c.execute("SHOW wal_compression").fetchone()[0] == "off"
 
 
 def test_pruning_moves_past_a_backlog_of_unfinished_runs(app):
