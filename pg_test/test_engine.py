@@ -897,6 +897,7 @@ def test_pruning_windows_count_a_run_with_a_row_once(app):
     assert app.one("SELECT count(*) FROM flow._commands WHERE run_id = ANY (%s)", runs) == 0
     assert app.one("SELECT count(*) FROM flow._runs WHERE id = ANY (%s)", keyed) == 0
 
+
 def test_a_run_of_one_command_is_its_root_alone(app):
     """A run without a key is its root command: enqueue writes no row of the
     run's own, and its only command succeeding writes that command alone. The
