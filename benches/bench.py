@@ -11,7 +11,8 @@ fsync and synchronous_commit on) and flow's defaults otherwise.
 
 Targets (each a ratio measured here, never an absolute time):
   drain       20,000 pre-enqueued no-op runs, flow.noop and a PL/pgSQL no-op,
-              >= 3x graphile-worker's drain
+              >= 3x graphile-worker's drain; and flow.noop's spread over 10
+              roles' own queues, printed against the single-owner drain
   writing     a handler that INSERTs one row, >= 2x graphile-worker's no-op drain
               (drained alone, as graphile-worker's is); a second drain beside a
               reader shows the reader's rate; subtransaction SLRU traffic shown
@@ -51,6 +52,8 @@ from conftest import Cluster  # noqa: E402
 PEERS = ROOT.parent / "shared" / "peers"
 N_DRAIN = int(os.environ.get("FLOW_BENCH_DRAIN", 20000))
 N_LATENCY = int(os.environ.get("FLOW_BENCH_LATENCY", 2000))
+# the many-owner drain: N_DRAIN runs spread over this many roles' own queues
+OWNERS = 10
 # (the peer figure most targets are held against)
 GRAPHILE_DRAIN = "graphile drain (jobs/s)"
 SETTINGS = ["shared_buffers = '1GB'", "synchronous_commit = on", "max_wal_size = '1GB'", "max_connections = 100",
@@ -82,6 +85,10 @@ def start(workers):
             SELECT flow.define('writing', 'bench.write(jsonb, flow.context)'::regprocedure, queue => 'drain');
             CREATE TABLE bench.reader AS SELECT g AS id, md5(g::text) AS v FROM generate_series(1, 1000) g;
         """)
+        # the many-owner drain's roles: each defines a flow.noop of its own, in its own queue
+        for i in range(OWNERS):
+            c.execute(f"CREATE ROLE bench_owner_{i}; SET ROLE bench_owner_{i};"
+                      f" SELECT flow.define('owner_noop_{i}', 'flow.noop'::regproc); RESET ROLE")
     touch_shared_buffers(cluster)
     return cluster
 
@@ -165,6 +172,33 @@ def drain(pg, name, n=None, watch=None):
         c.execute("TRUNCATE bench.sink")
         c.execute("VACUUM ANALYZE flow._commands")
         c.execute("CHECKPOINT")   # the next measurement does not pay for this one's dirty pages
+    return n / elapsed
+
+
+def drain_owners(pg, n=None):
+    """Drain n pre-enqueued flow.noop runs spread evenly over OWNERS roles,
+    each in its own queue; returns jobs/s. A worker's transaction holds one
+    owner's handlers (the security model), so this is what a drain of many
+    owners costs against the single-owner drain."""
+    n = n or N_DRAIN
+    queues = [f"role:bench_owner_{i}" for i in range(OWNERS)]
+    with pg.connect() as c:
+        for i, q in enumerate(queues):
+            c.execute("SELECT flow.set_queue(%s, paused => true)", (q,))
+            c.execute(f"SET ROLE bench_owner_{i}")
+            c.execute(f"SELECT flow.enqueue_many('owner_noop_{i}', array_fill('{{}}'::jsonb, array[%s]))",
+                      (n // OWNERS,))
+            c.execute("RESET ROLE")
+        c.execute("CHECKPOINT")
+        before = finished_count(c)
+        t0 = time.perf_counter()
+        c.execute("SELECT flow.set_queue(q, paused => false) FROM unnest(%s::text[]) q", (queues,))
+        while (done := int(finished_count(c) - before)) < n:
+            time.sleep(0.005)
+        elapsed = time.perf_counter() - t0
+        clear_flow_tables(c)
+        c.execute("VACUUM ANALYZE flow._commands")
+        c.execute("CHECKPOINT")
     return n / elapsed
 
 
@@ -478,6 +512,7 @@ def main():
             quiet(pg)
             add("flow drain flow.noop (jobs/s)", drain(pg, "rust_noop"))
             add("flow drain PL/pgSQL no-op (jobs/s)", drain(pg, "plpgsql_noop"))
+            add(f"flow drain flow.noop, {OWNERS} owners (jobs/s)", drain_owners(pg))
             # the ratio's drain runs alone, as graphile-worker's does; a second
             # one runs beside a reader, whose throughput it must not take
             slru = subtrans_slru(pg)
@@ -567,6 +602,10 @@ def main():
         met = ratio >= target if sense == ">=" else ratio <= target
         print(f"| {what} | {value:,.1f} | {against:,.1f} | {ratio:.2f} | {sense} {target} | {'yes' if met else 'NO'} "
               f"| {of_medians:.2f} |")
+    owners = f"flow drain flow.noop, {OWNERS} owners (jobs/s)"
+    print(f"\nmany owners: the drain of {N_DRAIN:,} flow.noop runs over {OWNERS} roles' own queues runs at "
+          f"{statistics.median(o / s for o, s in zip(fig[owners], fig['flow drain flow.noop (jobs/s)'])):.2f}x "
+          f"the single-owner drain ({m[owners]:,.0f} jobs/s, {m[owners] / g_drain:.2f}x graphile-worker's drain)")
     print(f"\nscale against the 20,000-pending drains (the 1,000-pending one is mostly a drain's start): "
           f"{m[f'flow drain, {scale_n:,} pending (jobs/s)'] / m['flow drain flow.noop (jobs/s)']:.2f}x")
     print(f"\nplain-SQL floor of an in-database engine (../shared/peers/floor/indb.sql, batch 100, 2 sessions): "

@@ -18,6 +18,10 @@ def pg():
     with cluster.connect() as c:
         c.execute("""
             CREATE ROLE alice LOGIN; CREATE ROLE bob LOGIN; CREATE ROLE mallory LOGIN;
+            -- alice and bob keep tables in public, and say so (their handlers
+            -- get their own search_path; mallory's, none: "$user" alone)
+            ALTER ROLE alice SET search_path = "$user", public;
+            ALTER ROLE bob SET search_path = "$user", public;
             -- a DBA lets mallory schedule SQL of her own (pg_cron style): the attacks
             -- below must still run as mallory and nobody else
             GRANT EXECUTE ON FUNCTION flow.run_sql(jsonb) TO mallory;
@@ -199,10 +203,11 @@ def test_session_leftovers_do_not_survive_the_attempt(pg):
 
 
 def test_a_handlers_search_path_is_its_own_and_never_outlives_its_attempt(pg):
-    """A handler starts with `"$user", public` and may change it as its own
-    (SET, set_config, RESET); whatever it did is gone with its attempt, failed
-    or not: every worker's next handler starts with `"$user", public` again,
-    and the engine's own SQL (which pins its own path) keeps working."""
+    """A handler starts with its owner's search_path (mallory sets none:
+    `"$user"` alone) and may change it as its own (SET, set_config, RESET);
+    whatever it did is gone with its attempt, failed or not: every worker's
+    next handler starts with `"$user"` again, and the engine's own SQL (which
+    pins its own path) keeps working."""
     mallory_on_every_worker(pg, """
         SET search_path = pg_temp, public;
         DO $d$ BEGIN
@@ -219,7 +224,7 @@ def test_a_handlers_search_path_is_its_own_and_never_outlives_its_attempt(pg):
         assert error_of(pg, run)[1] == "boom"
     mallory_on_every_worker(pg, """
         DO $d$ BEGIN
-            IF current_setting('search_path') <> '"$user", public' THEN
+            IF current_setting('search_path') <> '"$user"' THEN
                 RAISE EXCEPTION 'search_path left behind: %', current_setting('search_path');
             END IF;
         END $d$""")
@@ -251,7 +256,9 @@ def test_internal_functions_are_not_callable_by_ordinary_roles(pg):
         "SELECT p.proname FROM pg_proc p WHERE p.pronamespace = 'flow'::regnamespace AND p.proname LIKE '\\_%'"
         " AND has_function_privilege('mallory', p.oid, 'EXECUTE')")}
     assert "_ticket" in callable_   # (runs in the caller's context: everyone's)
-    assert callable_ <= {"_ticket", "_decide", "_worker_states", "_counters", "_args_misfit", "_among", "_lane"}
+    assert callable_ <= {"_ticket", "_decide", "_worker_rows", "_counters", "_args_misfit", "_among", "_lane",
+                         "_span_ok"}
+    assert "_worker_states" not in callable_   # (other roles' commands: flow._worker_rows hides them)
     for name in ("_lease_token", "_claim", "_lease", "_settle_batch", "_complete_many", "_lock_runs",
                  "_external_claim_ended"):
         assert pg.one("SELECT count(*) FROM pg_proc p WHERE p.pronamespace = 'flow'::regnamespace"
@@ -986,3 +993,630 @@ def test_a_failing_handler_never_makes_another_roles_handler_run_again(pg):
         assert pg.await_run(run, user=user)[0] in ("succeeded", "failed")
     # alice's handler ran once for each of her 230 commands: none ran again
     assert pg.one("SELECT last_value FROM app.alice_calls") == 230
+
+
+# ---------------------------------------------------------------- 12. the gateway to user code (0.3.0)
+# Every call of user code goes through src/gateway.rs: as its owner, with the
+# owner's search_path, in a GUC nest level rolled back after it, leaving no
+# session state behind; a worker's transaction holds one owner's handlers.
+
+@pytest.fixture(scope="module")
+def planted(pg):
+    """mallory's own schema, mallory_s, with operators the engine's SQL would
+    resolve to if its search_path ever included it: each records who ran it
+    (and, run by a superuser, would make mallory one)."""
+    pg.all("CREATE SCHEMA mallory_s AUTHORIZATION mallory; CREATE SCHEMA alice_s AUTHORIZATION alice")
+    pg.all("""
+        CREATE TABLE mallory_s.calls (who text, op text);
+        GRANT USAGE ON SCHEMA mallory_s TO PUBLIC;
+        GRANT INSERT ON mallory_s.calls TO PUBLIC;
+        CREATE FUNCTION mallory_s.noted(op text) RETURNS void LANGUAGE plpgsql AS $$
+        BEGIN
+            BEGIN EXECUTE 'ALTER ROLE mallory SUPERUSER'; EXCEPTION WHEN OTHERS THEN NULL; END;
+            INSERT INTO mallory_s.calls VALUES (current_user, op);
+        END $$;
+        CREATE FUNCTION mallory_s.gt(a integer, b integer) RETURNS boolean LANGUAGE plpgsql AS $$
+        BEGIN PERFORM mallory_s.noted('>'); RETURN a OPERATOR(pg_catalog.>) b; END $$;
+        CREATE OPERATOR mallory_s.> (LEFTARG = integer, RIGHTARG = integer, FUNCTION = mallory_s.gt);
+        CREATE FUNCTION mallory_s.oideq(a oid, b oid) RETURNS boolean LANGUAGE plpgsql AS $$
+        BEGIN PERFORM mallory_s.noted('=oid'); RETURN a OPERATOR(pg_catalog.=) b; END $$;
+        CREATE OPERATOR mallory_s.= (LEFTARG = oid, RIGHTARG = oid, FUNCTION = mallory_s.oideq);
+        CREATE FUNCTION mallory_s.uuideq(a uuid, b uuid) RETURNS boolean LANGUAGE plpgsql AS $$
+        BEGIN PERFORM mallory_s.noted('=uuid'); RETURN a OPERATOR(pg_catalog.=) b; END $$;
+        CREATE OPERATOR mallory_s.= (LEFTARG = uuid, RIGHTARG = uuid, FUNCTION = mallory_s.uuideq);
+        CREATE FUNCTION mallory_s.mul(a numeric, b integer) RETURNS numeric LANGUAGE plpgsql AS $$
+        BEGIN PERFORM mallory_s.noted('*'); RETURN a OPERATOR(pg_catalog.*) b; END $$;
+        CREATE OPERATOR mallory_s.* (LEFTARG = numeric, RIGHTARG = integer, FUNCTION = mallory_s.mul);
+    """, user="mallory")
+    # (a backend's type is shown to its own role and superusers only)
+    pg.all("""
+        CREATE FUNCTION app.in_worker() RETURNS boolean LANGUAGE sql SECURITY DEFINER AS $$
+            SELECT backend_type = 'flow worker' FROM pg_stat_activity WHERE pid = pg_backend_pid() $$;
+        GRANT EXECUTE ON FUNCTION app.in_worker() TO PUBLIC;
+    """)
+    return pg
+
+
+# What an args_type check of mallory's tries to leave behind in the session
+# that runs it (every kind of setting, and state that outlives a subtransaction).
+CHECK_ACTIONS = {
+    "search_path": "PERFORM set_config('search_path', 'mallory_s, pg_catalog', false)",
+    "read_only": "PERFORM set_config('default_transaction_read_only', 'on', false)",
+    "isolation": "PERFORM set_config('default_transaction_isolation', 'serializable', false)",
+    "statement_timeout": "PERFORM set_config('statement_timeout', '5', false)",
+    "role": "PERFORM set_config('role', 'alice', false)",
+    "constraints": "SET CONSTRAINTS ALL IMMEDIATE",
+    "advisory_lock": "PERFORM pg_advisory_lock(4711)",
+    "advisory_unlock_all": "PERFORM pg_advisory_unlock_all()",
+    "setseed": "PERFORM setseed(0.5)",
+}
+
+
+def check_domain(pg, schema, owner, action, only_in_worker=False):
+    """A domain over jsonb owned by `owner`, whose CHECK does `action`
+    (everywhere, or only when a flow worker runs it) and lets the args pass."""
+    name = unique("dom")
+    cond = "app.in_worker()" if only_in_worker else "true"
+    pg.all(f"""
+        CREATE FUNCTION {schema}.{name}_ok(v jsonb) RETURNS boolean LANGUAGE plpgsql AS $$
+        BEGIN IF {cond} THEN {action}; END IF; RETURN true; END $$;
+        CREATE DOMAIN {schema}.{name} AS jsonb CHECK ({schema}.{name}_ok(VALUE));""", user=owner)
+    return f"{schema}.{name}"
+
+
+SESSION_STATE = """SELECT current_setting('search_path'), current_setting('default_transaction_read_only'),
+    current_setting('default_transaction_isolation'), current_setting('statement_timeout'), current_user::text,
+    (SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid())"""
+
+
+def no_escalation(pg):
+    assert is_superuser(pg, "mallory") is False
+    # mallory's planted operators ran as nobody but mallory, if at all
+    assert pg.one("SELECT count(*) FROM mallory_s.calls WHERE who <> 'mallory'") == 0
+
+
+def first_random_after_setseed(pg):
+    with pg.connect() as c:
+        c.execute("SELECT setseed(0.5)")
+        return c.execute("SELECT random()").fetchone()[0]
+
+
+@pytest.mark.parametrize("action", sorted(CHECK_ACTIONS))
+def test_an_args_check_leaves_nothing_in_the_enqueuers_session(planted, action):
+    """Path 1, enqueue: the check runs in the caller's own session, inside
+    flow.enqueue (SECURITY DEFINER): nothing it sets outlives it, so the rest
+    of the enqueue is never planned under mallory's path (as superuser), and
+    the session is as it was."""
+    pg = planted
+    domain = check_domain(pg, "mallory_s", "mallory", CHECK_ACTIONS[action])
+    name = unique("chk")
+    pg.one(f"SELECT flow.define('{name}', 'flow.noop'::regproc, args_type => '{domain}')", user="mallory")
+    predicted = first_random_after_setseed(pg)
+    for call in (f"SELECT flow.enqueue('{name}', '{{}}', key => '{unique('k')}')",
+                 f"SELECT flow.enqueue_many('{name}', array['{{}}'::jsonb, '{{}}'])"):
+        with pg.connect("mallory") as c:
+            before = c.execute(SESSION_STATE).fetchone()
+            try:
+                c.execute(call)
+                refused = None
+            except psycopg.Error as e:
+                refused = e.sqlstate
+            assert c.execute(SESSION_STATE).fetchone() == before
+            if action == "setseed":
+                assert c.execute("SELECT random()").fetchone()[0] != predicted
+        # what may run in a check does; what would outlive it is refused
+        harmless = action in ("search_path", "read_only", "isolation", "statement_timeout")
+        assert (refused is None) if harmless else (refused in ("42501", "0A000")), refused
+    no_escalation(pg)
+
+
+def test_an_args_check_of_another_role_leaves_nothing_in_your_session(planted):
+    """alice's granted definition, whose check sets search_path: bob enqueues
+    it, and his session's next unqualified call is still his own."""
+    pg = planted
+    domain = check_domain(pg, "alice_s", "alice", "PERFORM set_config('search_path', 'alice_s, pg_catalog', false)")
+    name = unique("granted")
+    pg.one(f"SELECT flow.define('{name}', 'flow.noop'::regproc, args_type => '{domain}')", user="alice")
+    pg.one(f"SELECT flow.grant_definition('{name}', 'bob')", user="alice")
+    with pg.connect("bob") as c:
+        before = c.execute(SESSION_STATE).fetchone()
+        run = c.execute(f"SELECT flow.enqueue('{name}')").fetchone()[0]
+        assert c.execute(SESSION_STATE).fetchone() == before
+    assert pg.await_run(run, user="bob")[0] == "succeeded"
+
+
+@pytest.mark.parametrize("action", sorted(CHECK_ACTIONS))
+def test_an_args_check_in_a_worker_leaves_nothing_for_its_claims(planted, action):
+    """Path 2, worker: the check runs before each attempt, in the worker's
+    own session; its settings are rolled back and its state refused, so the
+    worker's claims (which serve every role) never run mallory's operators,
+    and alice's work goes on on every worker."""
+    pg = planted
+    domain = check_domain(pg, "mallory_s", "mallory", CHECK_ACTIONS[action], only_in_worker=True)
+    name = unique("wchk")
+    pg.one(f"SELECT flow.define('{name}', 'flow.noop'::regproc, args_type => '{domain}', max_attempts => 1)",
+           user="mallory")
+    runs = pg.one(f"SELECT flow.enqueue_many('{name}', array_fill('{{}}'::jsonb, array[6]))", user="mallory")
+    harmless = action in ("search_path", "read_only", "isolation", "statement_timeout")
+    for run in runs:
+        status = pg.await_run(run, user="mallory")[0]
+        # refused in the check: the args are taken not to fit (argument_decode)
+        assert status == ("succeeded" if harmless else "failed")
+    if not harmless:
+        assert pg.one("SELECT count(*) FROM flow._commands WHERE run_id = ANY (%s)"
+                      " AND last_error_code = 'argument_decode'", runs) == len(runs)
+    base = 8000 + 100 * sorted(CHECK_ACTIONS).index(action)
+    for i in range(base, base + 6):
+        # (a deferred foreign key: a check's SET CONSTRAINTS would break it)
+        assert alice_runs(pg, "app.alice_family",
+                          f'{{"id": {i}, "parent": {i}, "with_parent": true}}')[1][0] == "succeeded"
+    assert pg.one("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objid = 4711") == 0
+    no_escalation(pg)
+
+
+@pytest.mark.parametrize("action", ["search_path", "read_only", "constraints", "advisory_lock"])
+def test_an_args_check_at_spawn_leaves_nothing_for_the_rest_of_the_spawn(planted, action):
+    """Path 3, spawn: the check of the child's definition runs inside the
+    handler that spawns it, and flow._spawn goes on (as the extension owner)
+    after it: under its own path, with nothing of the check left."""
+    pg = planted
+    domain = check_domain(pg, "mallory_s", "mallory", CHECK_ACTIONS[action])
+    child = unique("child")
+    pg.one(f"SELECT flow.define('{child}', 'flow.noop'::regproc, args_type => '{domain}')", user="mallory")
+    spawner = unique("spawner")
+    pg.one(f"SELECT flow.define('{spawner}', 'app.mallory_sql'::regproc, max_attempts => 1)", user="mallory")
+    sql = f"""DO $d$ BEGIN
+        PERFORM flow.spawn('{child}', '{{}}', key => 'c1');
+        IF current_setting('search_path') LIKE 'mallory_s%' THEN RAISE EXCEPTION 'path leaked'; END IF;
+    END $d$"""
+    run = pg.one("SELECT flow.enqueue(%s, jsonb_build_object('sql', %s::text))", spawner, sql, user="mallory")
+    status = pg.await_run(run, user="mallory")[0]
+    harmless = action in ("search_path", "read_only")
+    # a refused check is an invalid spawn: the spawner fails, permanently
+    assert status == ("succeeded" if harmless else "failed")
+    assert alice_runs(pg, "app.alice_void")[1][0] == "succeeded"
+    no_escalation(pg)
+
+
+# ---------------------------------------------------------------- 13. intervals
+
+MIXED = "'4000000 mons -119999999 days'"
+
+
+@pytest.mark.parametrize("call, code", [
+    (f"SELECT flow.define('{{n}}', 'app.alice_void'::regproc, max_elapsed => {MIXED})", "FL015"),
+    (f"SELECT flow.define('{{n}}', 'app.alice_void'::regproc, timeout => {MIXED})", "FL015"),
+    ("SELECT flow.define('{n}', 'app.alice_void'::regproc, backoff => '1 mon -29 days')", "FL015"),
+    ("SELECT flow.define('{n}', 'app.alice_void'::regproc, backoff_max => '1 day -1 sec')", "FL015"),
+    (f"SELECT flow.enqueue('{{d}}', deadline => {MIXED})", "FL005"),
+    ("SELECT flow.enqueue('{d}', start_after => '1 day -1 hour')", "FL005"),
+    ("SELECT flow.enqueue_many('{d}', array['{{}}'::jsonb], deadline => '1 mon -1 day')", "FL005"),
+])
+def test_a_mixed_sign_interval_is_refused_and_changes_nothing(pg, call, code):
+    d = unique("d")
+    pg.one(f"SELECT flow.define('{d}', 'app.alice_void'::regproc)", user="alice")
+    before = pg.one("SELECT count(*) FROM flow._definitions") + pg.one("SELECT count(*) FROM flow._commands")
+    assert pg.sqlstate(call.format(n=unique("n"), d=d), user="alice") == code
+    assert pg.one("SELECT count(*) FROM flow._definitions") + pg.one("SELECT count(*) FROM flow._commands") == before
+
+
+def test_no_row_can_hold_an_interval_that_breaks_the_claim(pg):
+    """The tables hold every stored duration to the API's rule, and the claim
+    adds a command's durations with a function that cannot raise: one row can
+    never fail the statement that serves every role."""
+    d = unique("d")
+    pg.one(f"SELECT flow.define('{d}', 'app.alice_void'::regproc, timeout => '1 s')", user="alice")
+    assert pg.sqlstate(f"UPDATE flow._definitions SET timeout = {MIXED} WHERE name = %s", d) == "23514"
+    assert pg.sqlstate(f"UPDATE flow._definitions SET max_elapsed = '-1 day' WHERE name = %s", d) == "23514"
+    assert pg.one(f"SELECT flow._deadline(now(), {MIXED})") is None
+    assert pg.one("SELECT flow._deadline('infinity', '1 day')") is None
+    assert pg.one("SELECT flow._deadline('2030-01-01 00:00+00', '1 day') = '2030-01-02 00:00+00'")
+    # and the workers claim on: the command runs under its (1 s) timeout
+    assert pg.await_run(pg.one(f"SELECT flow.enqueue('{d}')", user="alice"), user="alice")[0] == "succeeded"
+
+
+def test_a_mixed_sign_retry_after_fails_its_command_and_nothing_else(pg):
+    run, (status, _, _) = run_sql_as(pg, "mallory", "SELECT flow.retry_after('1 mon -40 days')", max_attempts=3)
+    assert status == "failed"
+    assert error_of(pg, run)[0] == "invalid_retry_after"
+    assert alice_runs(pg, "app.alice_void")[1][0] == "succeeded"
+
+
+# ---------------------------------------------------------------- 14. one owner per transaction
+
+def shared_queue(pg, *users):
+    """A paused queue of alice's that the other `users` may use too."""
+    q = unique("shared")
+    pg.one(f"SELECT flow.set_queue('{q}', paused => true)", user="alice")
+    for user in users:
+        pg.one(f"SELECT flow.grant_queue('{q}', '{user}')", user="alice")
+    return q
+
+
+def warm(pg, user, name, times=3):
+    """Run `name` until every worker knows it as fast (its commands are then
+    held: claimed, run and settled in one transaction)."""
+    for _ in range(times):
+        for run in pg.one(f"SELECT flow.enqueue_many('{name}', array_fill('{{}}'::jsonb, array[20]))", user=user):
+            assert pg.await_run(run, user=user)[0] == "succeeded"
+
+
+def interleaved(pg, q, batches):
+    """Enqueue (user, name, args) in turn into paused queue `q`, then unpause
+    it: they are due together, and claimed together. Returns (run, user) pairs."""
+    runs = [(pg.one(f"SELECT flow.enqueue('{name}', '{args}')", user=user), user) for user, name, args in batches]
+    pg.one(f"SELECT flow.set_queue('{q}', paused => false)", user="alice")
+    return runs
+
+
+def test_large_object_descriptors_never_cross_roles(pg):
+    pg.all("""
+        CREATE FUNCTION app.alice_lo(args jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
+        BEGIN RETURN jsonb_build_object('fd', lo_open((args->>'lo')::oid, 393216)); END $$;
+        ALTER FUNCTION app.alice_lo(jsonb) OWNER TO alice;
+        CREATE FUNCTION app.mallory_lo(args jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
+        DECLARE stolen integer := 0;
+        BEGIN
+            FOR fd IN 0..15 LOOP
+                BEGIN
+                    PERFORM lo_lseek(fd, 0, 0);
+                    IF length(loread(fd, 100)) > 0 THEN stolen := stolen + 1; END IF;
+                    PERFORM lo_lseek(fd, 0, 0);
+                    PERFORM lowrite(fd, 'pwned');
+                EXCEPTION WHEN OTHERS THEN NULL;
+                END;
+            END LOOP;
+            RETURN jsonb_build_object('stolen', stolen);
+        END $$;
+        ALTER FUNCTION app.mallory_lo(jsonb) OWNER TO mallory;
+    """)
+    lo = pg.one("SELECT lo_from_bytea(0, 'alice''s secret')", user="alice")
+    q = shared_queue(pg, "mallory")
+    a, m = unique("alo"), unique("mlo")
+    pg.one(f"SELECT flow.define('{a}', 'app.alice_lo'::regproc, queue => '{q}')", user="alice")
+    pg.one(f"SELECT flow.define('{m}', 'app.mallory_lo'::regproc, queue => '{q}')", user="mallory")
+    pg.one(f"SELECT flow.set_queue('{q}', paused => false)", user="alice")
+    warm(pg, "mallory", m)
+    for _ in range(3):
+        for run in pg.one(f"SELECT flow.enqueue_many('{a}', array_fill(jsonb_build_object('lo', {lo}), array[5]))",
+                          user="alice"):
+            assert pg.await_run(run, user="alice")[0] == "succeeded"
+    pg.one(f"SELECT flow.set_queue('{q}', paused => true)", user="alice")
+    runs = interleaved(pg, q, [b for _ in range(20) for b in (("alice", a, f'{{"lo": {lo}}}'), ("mallory", m, "{}"))])
+    for run, user in runs:
+        status, result, _ = pg.await_run(run, user=user)
+        assert status == "succeeded"
+        if user == "mallory":
+            assert result == {"stolen": 0}
+    assert pg.one("SELECT convert_from(lo_get(%s), 'UTF8')", lo, user="alice") == "alice's secret"
+
+
+def test_setseed_in_one_roles_handler_never_predicts_anothers_random(pg):
+    pg.all("""
+        CREATE FUNCTION app.mallory_seeds(args jsonb) RETURNS void LANGUAGE sql AS $$ SELECT setseed(0.5) $$;
+        ALTER FUNCTION app.mallory_seeds(jsonb) OWNER TO mallory;
+        CREATE FUNCTION app.alice_draws(args jsonb) RETURNS jsonb LANGUAGE sql AS
+            $$ SELECT jsonb_build_object('r', random()) $$;
+        ALTER FUNCTION app.alice_draws(jsonb) OWNER TO alice;
+    """)
+    predicted = first_random_after_setseed(pg)
+    q = shared_queue(pg, "mallory")
+    a, m = unique("draw"), unique("seed")
+    pg.one(f"SELECT flow.define('{a}', 'app.alice_draws'::regproc, queue => '{q}')", user="alice")
+    pg.one(f"SELECT flow.define('{m}', 'app.mallory_seeds'::regproc, queue => '{q}')", user="mallory")
+    pg.one(f"SELECT flow.set_queue('{q}', paused => false)", user="alice")
+    warm(pg, "alice", a)
+    warm(pg, "mallory", m)
+    pg.one(f"SELECT flow.set_queue('{q}', paused => true)", user="alice")
+    runs = interleaved(pg, q, [b for _ in range(30) for b in (("mallory", m, "{}"), ("alice", a, "{}"))])
+    drawn = []
+    for run, user in runs:
+        status, result, _ = pg.await_run(run, user=user)
+        assert status == "succeeded"
+        if user == "alice":
+            drawn.append(result["r"])
+    assert predicted not in drawn
+
+
+def test_a_worker_killed_by_one_roles_handler_runs_no_other_roles_handler_again(pg):
+    """mallory's handler, known as fast (so held with whatever else is due),
+    stops its worker on purpose by swallowing its timeout: the transaction it
+    was in held no handler of alice's, so none of hers runs twice."""
+    pg.all("""
+        CREATE SEQUENCE app.alice_kill_calls;
+        ALTER SEQUENCE app.alice_kill_calls OWNER TO alice;
+        CREATE FUNCTION app.alice_counted2(args jsonb) RETURNS jsonb LANGUAGE sql
+            AS $$ SELECT jsonb_build_object('call', nextval('app.alice_kill_calls')) $$;
+        ALTER FUNCTION app.alice_counted2(jsonb) OWNER TO alice;
+        CREATE FUNCTION app.mallory_stalls(args jsonb) RETURNS void LANGUAGE plpgsql AS $$
+        BEGIN
+            WHILE (args->>'stall')::boolean LOOP
+                BEGIN PERFORM pg_sleep(10); EXCEPTION WHEN query_canceled THEN NULL; END;
+            END LOOP;
+        END $$;
+        ALTER FUNCTION app.mallory_stalls(jsonb) OWNER TO mallory;
+    """)
+    q = shared_queue(pg, "mallory")
+    a, m = unique("counted"), unique("stalls")
+    pg.one(f"SELECT flow.define('{a}', 'app.alice_counted2'::regproc, queue => '{q}')", user="alice")
+    pg.one(f"SELECT flow.define('{m}', 'app.mallory_stalls'::regproc, queue => '{q}', timeout => '200 ms',"
+           " max_attempts => 1)", user="mallory")
+    pg.one(f"SELECT flow.set_queue('{q}', paused => false)", user="alice")
+    warm(pg, "alice", a)
+    for _ in range(3):
+        for run in pg.one(f"SELECT flow.enqueue_many('{m}', array_fill('{{\"stall\": false}}'::jsonb, array[20]))",
+                          user="mallory"):
+            assert pg.await_run(run, user="mallory")[0] == "succeeded"
+    pg.one(f"SELECT flow.set_queue('{q}', paused => true)", user="alice")
+    batches = [("alice", a, "{}")] * 20 + [("mallory", m, '{"stall": true}')] + [("alice", a, "{}")] * 20
+    runs = interleaved(pg, q, batches)
+    for run, user in runs:
+        assert pg.await_run(run, "60s", user=user)[0] == ("failed" if user == "mallory" else "succeeded")
+    assert pg.one("SELECT last_value FROM app.alice_kill_calls") == 60 + 40
+    pg.wait_for("SELECT count(*) = 2 FROM flow.workers WHERE pid IS NOT NULL")
+
+
+# ---------------------------------------------------------------- 15. a handler's search_path is its owner's
+
+def test_a_handler_runs_with_its_owners_search_path(planted):
+    pg = planted
+    pg.all("GRANT CREATE ON SCHEMA public TO PUBLIC")     # as in a cluster upgraded from PostgreSQL 14
+    try:
+        pg.all("CREATE FUNCTION alice_s.calc(x integer) RETURNS integer LANGUAGE sql AS 'SELECT x * 2'",
+               user="alice")
+        pg.all("""CREATE FUNCTION public.calc(x integer) RETURNS integer LANGUAGE plpgsql AS $$
+                  BEGIN PERFORM mallory_s.noted('calc'); RETURN -1; END $$""", user="mallory")
+        pg.all("""CREATE FUNCTION alice_s.compute(args jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
+                  BEGIN RETURN jsonb_build_object('v', calc(21), 'path', current_setting('search_path')); END $$""",
+               user="alice")
+        compute = "alice_s.compute"
+        for setting, path in (("ALTER ROLE alice SET search_path = alice_s", "alice_s"),
+                              ("ALTER ROLE alice IN DATABASE postgres SET search_path = alice_s, public",
+                               "alice_s, public"),
+                              ("ALTER ROLE alice IN DATABASE postgres RESET search_path", "alice_s")):
+            pg.all(setting)
+            run, (status, result, _) = alice_runs(pg, compute)
+            assert (status, result) == ("succeeded", {"v": 42, "path": path})
+        # with none of her own, "$user" alone: not mallory's public.calc
+        pg.all("ALTER ROLE alice RESET search_path")
+        run, (status, _, _) = alice_runs(pg, compute, max_attempts=1)
+        assert status == "failed" and error_of(pg, run)[0] == "42883"
+        assert pg.one("SELECT count(*) FROM mallory_s.calls WHERE op = 'calc'") == 0
+    finally:
+        pg.all("REVOKE CREATE ON SCHEMA public FROM PUBLIC")
+        pg.all("DROP FUNCTION IF EXISTS public.calc(integer)")
+        pg.all('ALTER ROLE alice SET search_path = "$user", public')
+
+
+# ---------------------------------------------------------------- 16. fairness over owners
+
+def test_a_role_with_many_queues_gets_one_turn_among_the_roles(pg):
+    """mallory puts 5 commands of 20 ms in each of 200 queues of her own;
+    alice's 20 fast commands, enqueued after, do not wait for them: claims go
+    round-robin over owners first, then over each owner's queues."""
+    slow = unique("slow")
+    pg.one(f"SELECT flow.define('{slow}', 'flow.run_sql'::regproc)", user="mallory")
+    with pg.connect("mallory") as c:
+        for i in range(200):
+            c.execute(f"SELECT flow.enqueue_many('{slow}', array_fill('{{\"sql\": \"SELECT pg_sleep(0.02)\"}}'::jsonb,"
+                      f" array[5]), queue => 'mq_{i}_{slow}')")
+    fast = unique("fast")
+    pg.one(f"SELECT flow.define('{fast}', 'app.alice_void'::regproc)", user="alice")
+    started = time.time()
+    runs = pg.one(f"SELECT flow.enqueue_many('{fast}', array_fill('{{}}'::jsonb, array[20]))", user="alice")
+    for run in runs:
+        assert pg.await_run(run, user="alice")[0] == "succeeded"
+    took = time.time() - started
+    backlog = pg.one("SELECT count(*) FROM flow._commands WHERE name = %s AND status = 'pending'", slow)
+    pg.all(f"SELECT flow.cancel(r.id) FROM flow.runs r WHERE r.name = '{slow}' AND r.status = 'running'",
+           user="mallory")
+    assert took < 3, f"alice waited {took:.1f} s"
+    assert backlog > 500
+
+
+# ---------------------------------------------------------------- 17. leaks and smaller defects
+
+def test_the_workers_raw_state_is_not_for_ordinary_roles(pg):
+    assert pg.sqlstate("SELECT * FROM flow._worker_states()", user="mallory") == "42501"
+    # a forged ticket names nobody
+    assert pg.sqlstate("SELECT * FROM flow._worker_rows(42)", user="mallory") == "42501"
+    assert pg.one("SELECT count(*) FROM flow.workers", user="mallory") == 2
+
+
+def test_drop_role_tells_nothing_to_who_may_not_drop_it(pg):
+    name = unique("owned")
+    pg.one(f"SELECT flow.define('{name}', NULL)", user="alice")
+    # PostgreSQL's own refusal, the same for a role that owns flow objects and one that does not
+    for role in ("alice", "bob"):
+        assert pg.sqlstate(f"DROP ROLE {role}", user="mallory") == "42501"
+        assert pg.sqlstate(f"DROP OWNED BY {role}", user="mallory") == "42501"
+
+
+def test_defining_a_taken_name_does_not_say_whose_it_is(pg):
+    name = unique("taken")
+    pg.one(f"SELECT flow.define('{name}', 'app.alice_void'::regproc)", user="alice")
+    with pg.connect("mallory") as c:
+        with pytest.raises(psycopg.Error) as caught:
+            c.execute(f"SELECT flow.define('{name}', 'app.mallory_sql'::regproc)")
+    assert caught.value.sqlstate == "FL011"
+    assert "alice" not in str(caught.value) and "alice" not in (caught.value.diag.message_detail or "")
+
+
+def test_one_role_cannot_take_every_held_claim(pg):
+    """A role's open transactions hold at most 1,024 commands (and their
+    attempts waiting for worker 0): another role's held claims still work."""
+    m, a = unique("mx"), unique("ax")
+    pg.one(f"SELECT flow.define('{m}', NULL)", user="mallory")
+    pg.one(f"SELECT flow.define('{a}', NULL)", user="alice")
+    pg.one(f"SELECT cardinality(flow.enqueue_many('{m}', array_fill('{{}}'::jsonb, array[1100])))", user="mallory")
+    pg.one(f"SELECT cardinality(flow.enqueue_many('{a}', array_fill('{{}}'::jsonb, array[10])))", user="alice")
+    hog = pg.connect("mallory", autocommit=False)
+    try:
+        taken = sum(len(hog.execute(f"SELECT * FROM flow.claim(array['{m}'], 'hog', 512, hold => true)").fetchall())
+                    for _ in range(2))
+        assert taken == 1024
+        with pytest.raises(psycopg.Error) as caught:
+            hog.execute(f"SELECT * FROM flow.claim(array['{m}'], 'hog', 1, hold => true)")
+        assert caught.value.sqlstate == "53400"
+        hog.rollback()
+        with pg.connect("alice", autocommit=False) as other:
+            rows = other.execute(f"SELECT command_id, lease_token FROM flow.claim(array['{a}'], 'a1', 10,"
+                                 " hold => true)").fetchall()
+            assert len(rows) == 10
+            other.execute("SELECT count(*) FROM flow.complete_many(%s, %s)",
+                          ([r[0] for r in rows], [r[1] for r in rows]))
+            other.commit()
+    finally:
+        hog.close()
+    # mallory's rolled-back claims are counted by worker 0, and give their places back
+    pg.wait_for(f"SELECT count(*) = 1024 FROM flow.attempts a JOIN flow._commands c ON c.id = a.command_id"
+                f" WHERE c.name = '{m}' AND a.outcome = 'interrupted'", timeout=60)
+    pg.all(f"SELECT flow.cancel(r.id) FROM flow.runs r WHERE r.name = '{m}' AND r.status = 'running'",
+           user="mallory")
+
+
+def test_a_cancel_never_lands_on_another_roles_handler(pg):
+    """flow.cancel signals the worker running the cancelled run's handler; a
+    signal that arrives after that handler ended is not charged to the next
+    one (another role's): it is given back and runs again, uncharged."""
+    pg.all("""
+        CREATE OR REPLACE FUNCTION app.bob_naps(args jsonb) RETURNS void LANGUAGE sql AS $$ SELECT pg_sleep(0.01) $$;
+        ALTER FUNCTION app.bob_naps(jsonb) OWNER TO bob;
+        CREATE OR REPLACE FUNCTION app.alice_naps(args jsonb) RETURNS void LANGUAGE sql AS $$ SELECT pg_sleep(0.01) $$;
+        ALTER FUNCTION app.alice_naps(jsonb) OWNER TO alice;
+    """)
+    b, a = unique("bnap"), unique("anap")
+    pg.one(f"SELECT flow.define('{b}', 'app.bob_naps'::regproc)", user="bob")
+    pg.one(f"SELECT flow.define('{a}', 'app.alice_naps'::regproc)", user="alice")
+    bobs = pg.one(f"SELECT flow.enqueue_many('{b}', array_fill('{{}}'::jsonb, array[300]))", user="bob")
+    alices = pg.one(f"SELECT flow.enqueue_many('{a}', array_fill('{{}}'::jsonb, array[300]))", user="alice")
+    with pg.connect("bob") as c:
+        for run in bobs:
+            c.execute("SELECT flow.cancel(%s)", (run,))
+    for run in alices:
+        assert pg.await_run(run, "60s", user="alice")[0] == "succeeded"
+    assert pg.one("SELECT count(*) FROM flow.attempts WHERE run_id = ANY (%s) AND outcome <> 'succeeded'",
+                  alices, user="alice") == 0
+
+
+# ---------------------------------------------------------------- 18. functional defects
+
+def test_every_role_reads_its_runs_attempts(pg):
+    run, (status, _, _) = alice_runs(pg, "app.alice_void")
+    assert status == "succeeded"
+    assert pg.one("SELECT attempts FROM flow.runs WHERE id = %s", run, user="alice") == 1
+
+
+def test_reassign_owned_moves_a_roles_events(pg):
+    pg.all("CREATE ROLE carol LOGIN")
+    pg.one("SELECT flow.emit('carol_says', 'k1', '{\"x\": 1}')", user="carol")
+    pg.all("REASSIGN OWNED BY carol TO alice")
+    pg.all("DROP ROLE carol")
+    assert pg.one("SELECT owner::text FROM flow._events WHERE name = 'carol_says'") == "alice"
+    assert pg.one("SELECT payload FROM flow.events WHERE name = 'carol_says'", user="alice") == {"x": 1}
+    # and the journal is still append-only for everything else
+    assert pg.sqlstate("UPDATE flow._events SET payload = '{}' WHERE name = 'carol_says'") == "55000"
+
+
+# ---------------------------------------------------------------- 19. one gateway, checked
+
+def test_user_code_is_called_only_through_the_gateway():
+    """The places that switch to another role, call a handler or run an
+    args check are gateway.rs's alone: a new call of user code elsewhere
+    fails this test (and the canary below checks each path at run time)."""
+    from conftest import ROOT
+    sources = {p.name: p.read_text() for p in (ROOT / "src").glob("*.rs")}
+    for name, text in sources.items():
+        if name != "gateway.rs":
+            assert "SetUserIdAndSecContext" not in text, name
+            assert "_args_misfit(" not in text, name
+            assert "AfterTriggerFireDeferred" not in text, name
+    # the handler is called in one place, inside the gateway
+    calls = [line for line in sources["executor.rs"].splitlines()
+             if "call_handler(" in line and "fn call_handler" not in line and not line.strip().startswith("//")]
+    assert calls and all("gateway::run_handler(" in line for line in calls), calls
+    sql = {p.name: p.read_text() for p in (ROOT / "sql").glob("*.sql") if not p.name.startswith("flow--")}
+    users = sorted(name for name, text in sql.items() if "_args_misfit_as(" in text)
+    assert users == ["definitions.sql", "enqueue.sql"], users
+    assert sum(text.count("flow._args_misfit(") for text in sql.values()) == 1   # its definition
+
+
+def test_every_path_of_user_code_runs_as_its_owner_with_its_path(planted):
+    """A canary check, handler and deferred trigger of alice's say whom they
+    run as, with which search_path, and whether they are restricted, on every
+    path: enqueue, enqueue_many, a granted enqueue by bob, spawn, the worker's
+    check before an attempt, the handler and what it defers. (A check's
+    writes are rolled back with it, so the canary check says it in its
+    error, which the args misfit carries.)"""
+    pg = planted
+    pg.all("ALTER ROLE alice SET search_path = alice_s, public")
+    try:
+        pg.all("""
+            CREATE FUNCTION alice_s.song() RETURNS text LANGUAGE plpgsql AS $$
+            DECLARE restricted boolean := false;
+            BEGIN
+                BEGIN CREATE TEMP TABLE canary_probe (x int); DROP TABLE canary_probe;
+                EXCEPTION WHEN OTHERS THEN restricted := true; END;
+                RETURN format('canary[%s|%s|%s]', current_user, current_setting('search_path'), restricted);
+            END $$;
+            -- sings (fails) where its args say: at enqueue, in the worker, always
+            CREATE FUNCTION alice_s.canary_ok(v jsonb) RETURNS boolean LANGUAGE plpgsql AS $$
+            DECLARE here text := (CASE WHEN app.in_worker() THEN 'worker' ELSE 'enqueue' END);
+            BEGIN
+                IF (v->>'sing') IN (here, 'always') THEN
+                    RAISE EXCEPTION USING ERRCODE = '22023', MESSAGE = alice_s.song();
+                END IF;
+                RETURN true;
+            END $$;
+            CREATE DOMAIN alice_s.canary_args AS jsonb CHECK (alice_s.canary_ok(VALUE));
+            CREATE TABLE alice_s.canary (site text, song text);
+            CREATE TABLE alice_s.nest (id int PRIMARY KEY);
+            CREATE FUNCTION alice_s.nest_trigger() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN INSERT INTO alice_s.canary VALUES ('deferred trigger', alice_s.song()); RETURN NULL; END $$;
+            CREATE CONSTRAINT TRIGGER nest_sings AFTER INSERT ON alice_s.nest DEFERRABLE INITIALLY DEFERRED
+                FOR EACH ROW EXECUTE FUNCTION alice_s.nest_trigger();
+            CREATE FUNCTION alice_s.canary_handler(args jsonb) RETURNS void LANGUAGE plpgsql AS $$
+            BEGIN
+                INSERT INTO alice_s.canary VALUES ('handler', alice_s.song());
+                INSERT INTO alice_s.nest VALUES ((args->>'n')::int);
+                IF args ? 'child' THEN
+                    PERFORM flow.spawn(args->>'child', jsonb_build_object('sing', 'always'), key => 'c');
+                END IF;
+            END $$;
+        """, user="alice")
+        name = unique("canary")
+        pg.one(f"SELECT flow.define('{name}', 'alice_s.canary_handler'::regproc, args_type => 'alice_s.canary_args',"
+               " max_attempts => 1)", user="alice")
+        pg.one(f"SELECT flow.grant_definition('{name}', 'bob')", user="alice")
+        songs = {}
+        for site, call, user in (
+                ("enqueue", f"SELECT flow.enqueue('{name}', '{{\"sing\": \"enqueue\"}}')", "alice"),
+                ("enqueue_many", f"SELECT flow.enqueue_many('{name}', array['{{\"sing\": \"enqueue\"}}'::jsonb])",
+                 "alice"),
+                ("granted enqueue", f"SELECT flow.enqueue('{name}', '{{\"sing\": \"enqueue\"}}')", "bob")):
+            with pg.connect(user) as c:
+                with pytest.raises(psycopg.Error) as caught:
+                    c.execute(call)
+            assert caught.value.sqlstate == "FL019"
+            songs[site] = str(caught.value)
+        # in the worker, before the attempt: the command fails (argument_decode) with the song
+        run = pg.one(f"SELECT flow.enqueue('{name}', '{{\"sing\": \"worker\", \"n\": 1}}')", user="alice")
+        assert pg.await_run(run, user="alice")[0] == "failed"
+        songs["worker check"] = error_of(pg, run)[1]
+        # at spawn, inside alice's handler: an invalid spawn fails it, with the song
+        run = pg.one(f"SELECT flow.enqueue('{name}', jsonb_build_object('n', 2, 'child', '{name}'))", user="alice")
+        assert pg.await_run(run, user="alice")[0] == "failed"
+        assert error_of(pg, run)[0] == "invalid_decision"
+        songs["spawn"] = error_of(pg, run)[1]
+        # the handler, and the trigger it deferred, write theirs
+        run = pg.one(f"SELECT flow.enqueue('{name}', '{{\"n\": 3}}')", user="alice")
+        assert pg.await_run(run, user="alice")[0] == "succeeded"
+        for site, song in pg.all("SELECT site, song FROM alice_s.canary"):
+            songs.setdefault(site, song)
+        assert set(songs) == {"enqueue", "enqueue_many", "granted enqueue", "worker check", "spawn", "handler",
+                              "deferred trigger"}
+        for site, song in songs.items():
+            restricted = site not in ("handler", "deferred trigger")
+            assert f"canary[alice|alice_s, public|{'t' if restricted else 'f'}]" in song, (site, song)
+    finally:
+        pg.all('ALTER ROLE alice SET search_path = "$user", public')

@@ -180,10 +180,10 @@ CREATE FUNCTION flow.retry_after(delay interval, message text DEFAULT 'retry req
 RETURNS void
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
-    IF delay IS NULL OR delay <= interval '0' OR delay > interval '100 years' THEN
+    IF delay IS NULL OR NOT flow._span_ok(delay, false) THEN
         PERFORM flow._decide('permanent', 'invalid_retry_after',
-            format('flow: retry_after delay must be positive and at most 100 years, got %s', delay), NULL);
-        RAISE EXCEPTION 'flow: retry_after delay must be positive and at most 100 years, got %', delay
+            format('flow: retry_after delay must be positive, with no negative field, and at most 100 years, got %s', delay), NULL);
+        RAISE EXCEPTION 'flow: retry_after delay must be positive, with no negative field, and at most 100 years, got %', delay
             USING ERRCODE = 'FL005';
     END IF;
     PERFORM flow._decide('retry_after', 'retry_after', coalesce(message, 'retry requested by its handler'),
@@ -371,9 +371,27 @@ CREATE VIEW flow.runs WITH (security_barrier) AS
 SELECT r.id, r.key, r.name, r.version, r.queue, r.status, r.args, r.result, r.error,
        r.error ->> 'message' AS last_error, r.deadline, r.created_at, r.finished_at,
        r.owner::regrole AS owner,
-       (SELECT sum(c.attempts) FROM flow._commands_of(r.id) c)::integer AS attempts
+       -- (_command_rows, not flow._commands_of: a view's function calls are
+       -- checked against the caller, who may not execute the engine's own)
+       (SELECT sum(c.attempts) FROM flow._command_rows c WHERE c.run_id = r.id)::integer AS attempts
 FROM flow._run_rows r
 WHERE pg_has_role(current_user, r.owner, 'MEMBER');
+
+-- What each in-database worker is doing now (shared memory), as the caller
+-- may see it: the command it runs is named only if the caller is a member of
+-- the command's owner (the engine, as superuser, sees every one). The views
+-- read the workers through this (flow._worker_states is the engine's own):
+-- the ticket says who called, from the view's own call.
+CREATE FUNCTION flow._worker_rows(caller_ticket bigint DEFAULT flow._ticket())
+RETURNS TABLE (worker integer, pid integer, state text, command_id uuid, since timestamptz, handled bigint)
+LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    WITH me AS MATERIALIZED (SELECT flow._redeem(caller_ticket) AS caller)
+    SELECT w.worker, w.pid, w.state,
+           (SELECT c.id FROM flow._commands c
+            WHERE c.id = w.command_id AND pg_has_role(me.caller, c.owner, 'MEMBER')),
+           w.since, w.handled
+    FROM flow._worker_states() w CROSS JOIN me
+$$;
 
 -- The attempts in-database workers are in now, of commands they hold (see
 -- flow._claim): nothing in the table says so until the attempt is settled,
@@ -381,7 +399,7 @@ WHERE pg_has_role(current_user, r.owner, 'MEMBER');
 CREATE VIEW flow._held_attempts AS
 SELECT c.id AS command_id, c.attempts + 1 AS attempt, format('%s:%s', current_database(), w.pid) AS owner,
        w.since AS started_at
-FROM flow._worker_states() w JOIN flow._commands c ON c.id = w.command_id
+FROM flow._worker_rows() w JOIN flow._commands c ON c.id = w.command_id
 WHERE c.status IN ('pending', 'waiting');
 
 CREATE VIEW flow.commands WITH (security_barrier) AS
@@ -485,14 +503,11 @@ SELECT w.command_id, c.run_id, w.name, w.key, w.event_position, w.satisfied_at
 FROM flow._waits w JOIN flow._command_rows c ON c.id = w.command_id
 WHERE pg_has_role(current_user, c.owner, 'MEMBER');
 
--- What each in-database worker is doing now (shared memory).
+-- What each in-database worker is doing now (shared memory); another role's
+-- command is not named (flow._worker_rows).
 CREATE VIEW flow.workers AS
-SELECT w.worker, w.pid, w.state,
-       -- another role's command is not named
-       (SELECT c.id FROM flow._commands c
-        WHERE c.id = w.command_id AND pg_has_role(current_user, c.owner, 'MEMBER')) AS command_id,
-       w.since, w.handled
-FROM flow._worker_states() w;
+SELECT w.worker, w.pid, w.state, w.command_id, w.since, w.handled
+FROM flow._worker_rows() w;
 
 -- Engine counters since the server started (shared memory), plus recent attempts.
 CREATE VIEW flow.stats AS
@@ -522,7 +537,7 @@ lines (family, ord, line) AS (
               FROM c WHERE c.name NOT LIKE 'attempts\_%' AND c.name NOT LIKE 'stops\_%' AND c.name NOT LIKE 'runs\_%'
     UNION ALL SELECT 'flow_workers', 1, '# TYPE flow_workers gauge'
     UNION ALL SELECT 'flow_workers', 2, format('flow_workers{state="%s"} %s', w.state, count(*))
-              FROM flow._worker_states() w GROUP BY w.state)
+              FROM flow._worker_rows() w GROUP BY w.state)
 SELECT l.line FROM lines l ORDER BY replace(l.family, '_us', '_seconds_total'), l.ord, l.line;
 
 -- Throughput and latency of attempts finished in the last minute, per definition.
@@ -553,7 +568,7 @@ DECLARE
 BEGIN
     FOR f IN SELECT p.oid::regprocedure FROM pg_proc p
              WHERE p.pronamespace = 'flow'::regnamespace AND p.proname LIKE '\_%'
-               AND p.proname NOT IN ('_ticket', '_decide', '_worker_states', '_counters', '_args_misfit', '_among', '_lane') LOOP
+               AND p.proname NOT IN ('_ticket', '_decide', '_worker_rows', '_counters', '_args_misfit', '_among', '_lane', '_span_ok') LOOP
         EXECUTE format('REVOKE ALL ON FUNCTION %s FROM PUBLIC', f);
     END LOOP;
 END $$;

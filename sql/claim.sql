@@ -78,6 +78,8 @@ DECLARE
     -- whose commands the due index is read for: the definitions an external
     -- claim names (each once), or '' for an in-database worker's claim
     claimants text[] := CASE WHEN names IS NULL THEN '{""}' ELSE ARRAY(SELECT DISTINCT n FROM unnest(names) AS n) END;
+    -- other owners' queues have due work too: the claim is one turn of several
+    other_owners_due boolean;
 BEGIN
     -- Which queues offer due work, and to which claimants: each unpaused
     -- queue's head in the due index for each (an ORDER BY ... LIMIT 1
@@ -91,12 +93,18 @@ BEGIN
     -- definition's backlog is never read. (Not the excluded commands: a
     -- queue whose due ones are all excluded would take a share and give
     -- nothing.)
-    SELECT array_agg(DISTINCT s.queue) FILTER (WHERE s.unlimited),
-           array_agg(s.queue) FILTER (WHERE s.unlimited), array_agg(s.claimant) FILTER (WHERE s.unlimited),
-           array_agg(s.queue) FILTER (WHERE NOT s.unlimited), array_agg(s.claimant) FILTER (WHERE NOT s.unlimited)
-    INTO lanes, slot_queues, slot_claimants, limited_queues, limited_claimants
-    FROM (
-        SELECT q.name AS queue, q.concurrency IS NULL AS unlimited, w.claimant
+    -- Fairness over owners (rule 2): an in-database worker's claim serves the
+    -- queues of one owner, the one whose turn it is (`turn`) among the
+    -- owners of queues with due work, and round-robin over that owner's
+    -- queues; its next claim serves the next owner. (A queue's owner is the
+    -- role that made it; the `default` queue, which no role owns, takes a
+    -- turn of its own.) So a role with 200 queues gets one turn among the
+    -- roles with due work, not 200, and a claim holds one owner's commands
+    -- (a chunk never runs two owners' handlers: src/worker.rs). An external
+    -- claim names definitions its caller may claim, and is not split so.
+    WITH due AS (
+        SELECT q.name AS queue, coalesce(q.owner::oid, 0::oid) AS queue_owner, q.concurrency IS NULL AS unlimited,
+               w.claimant
         FROM flow._queues q LEFT JOIN unnest(after_queues, after_at, after_ids) AS a(queue, at, id) ON a.queue = q.name
         CROSS JOIN unnest(claimants) AS w(claimant) CROSS JOIN LATERAL (
             SELECT c.next_run_at FROM flow._commands c              -- index _commands_due
@@ -109,7 +117,19 @@ BEGIN
             ORDER BY c.next_run_at LIMIT 1) x
         WHERE NOT q.paused AND x.next_run_at <= now()
           AND (q.concurrency IS NULL OR names IS NULL
-               OR EXISTS (SELECT 1 FROM flow._definitions d WHERE d.queue = q.name AND d.name = ANY (names)))) s;
+               OR EXISTS (SELECT 1 FROM flow._definitions d WHERE d.queue = q.name AND d.name = ANY (names)))
+    ), turns AS (
+        SELECT o.owners[1 + ((turn % cardinality(o.owners)) + cardinality(o.owners)) % cardinality(o.owners)] AS owner,
+               cardinality(o.owners) AS owners
+        FROM (SELECT array_agg(DISTINCT d.queue_owner ORDER BY d.queue_owner) AS owners FROM due d) o
+    )
+    SELECT array_agg(DISTINCT s.queue) FILTER (WHERE s.unlimited),
+           array_agg(s.queue) FILTER (WHERE s.unlimited), array_agg(s.claimant) FILTER (WHERE s.unlimited),
+           array_agg(s.queue) FILTER (WHERE NOT s.unlimited), array_agg(s.claimant) FILTER (WHERE NOT s.unlimited),
+           coalesce(bool_or(t.owners > 1), false)
+    INTO lanes, slot_queues, slot_claimants, limited_queues, limited_claimants, other_owners_due
+    FROM due s CROSS JOIN turns t
+    WHERE names IS NOT NULL OR s.queue_owner = t.owner;
     -- Limited queues are locked before their running commands are counted
     -- (by the next statement, with a fresh snapshot), so the counts are exact
     -- across all workers. A queue locked elsewhere (another worker claiming
@@ -204,11 +224,17 @@ BEGIN
                              ORDER BY w.name, w.key) w) END, '[]'),
                    h.created_at, h.budget_start, now())::flow.context
            END,
-           h.timeout, least(h.budget_start + h.max_elapsed, h.deadline),
-           CASE WHEN cardinality(slot_queues) <> 1 THEN 0 END, h.args_type, h.next_run_at, h.row_at,
+           h.timeout, least(flow._deadline(h.budget_start, h.max_elapsed), h.deadline),
+           -- (a claim from several queues, or one owner's turn of several:
+           -- claim order 0, so the worker claims again at once)
+           CASE WHEN cardinality(slot_queues) <> 1 OR (other_owners_due AND names IS NULL) THEN 0 END,
+           h.args_type, h.next_run_at, h.row_at,
            h.held, h.lane_order, h.room
     FROM (
-        SELECT h.*, least(now() + h.timeout, h.budget_start + h.max_elapsed, h.deadline) AS attempt_deadline,
+        -- (an attempt's deadlines: flow._deadline never raises, whatever one
+        -- row holds, so no row can fail the claim for every role: src/spans.rs)
+        SELECT h.*, least(flow._deadline(now(), h.timeout), flow._deadline(h.budget_start, h.max_elapsed),
+                          h.deadline) AS attempt_deadline,
                coalesce(l.unlimited AND (h.handler = ANY (fast_handlers) OR hold), false) AS held,
                l.lane_order, l.room
         FROM share l CROSS JOIN LATERAL (

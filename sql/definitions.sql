@@ -1,19 +1,42 @@
 -- Definitions and queues: define, grants, queue settings and ownership.
 
--- Durations flow keeps or adds to timestamps: positive (or zero where
--- zero_ok) and at most 100 years, so no timestamp arithmetic in the claim,
--- the settlement or recovery can ever overflow on one command's account.
+-- Durations flow keeps or adds to timestamps: no field negative (a month, a
+-- day and a microsecond are not comparable, so mixed signs have no meaning:
+-- '4000000 mons -119999999 days' compares as one day and overflows any
+-- timestamp it is added to), some field positive (or all zero where
+-- zero_ok), and at most 100 years as PostgreSQL compares intervals (a month
+-- as 30 days), so every field is bounded too (flow._span_ok,
+-- src/spans.rs). No timestamp arithmetic in the claim, the settlement or
+-- recovery can then overflow on one command's account; the tables' CHECKs
+-- hold it for every row (sql/schema.sql).
 CREATE FUNCTION flow._require_span(what text, value interval, zero_ok boolean DEFAULT false,
     code text DEFAULT 'FL005')
 RETURNS interval
 LANGUAGE plpgsql IMMUTABLE AS $$
 BEGIN
-    IF value < interval '0' OR (value = interval '0' AND NOT zero_ok) OR value > interval '100 years' THEN
-        RAISE EXCEPTION 'flow: % must be %positive and at most 100 years, got %',
+    IF NOT flow._span_ok(value, zero_ok) THEN
+        RAISE EXCEPTION 'flow: % must be %positive, with no negative field, and at most 100 years, got %',
             what, CASE WHEN zero_ok THEN 'zero or ' ELSE '' END, value USING ERRCODE = code;
     END IF;
     RETURN value;
 END $$;
+
+-- The search_path a role's own session would start with in this database:
+-- its setting for this database (ALTER ROLE ... IN DATABASE ... SET), its
+-- own (ALTER ROLE ... SET), the database's (ALTER DATABASE ... SET), in that
+-- order; NULL when none sets one. The gateway gives it to the role's
+-- handlers and args checks ("$user" alone for NULL: src/gateway.rs).
+CREATE FUNCTION flow._search_path_of(role oid) RETURNS text
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT substr(c.setting, length('search_path=') + 1)
+    FROM pg_db_role_setting s CROSS JOIN LATERAL unnest(s.setconfig) AS c(setting)
+    WHERE s.setrole IN (0, _search_path_of.role)
+      AND s.setdatabase IN (0, (SELECT d.oid FROM pg_database d WHERE d.datname = current_database()))
+      AND (s.setrole <> 0 OR s.setdatabase <> 0)
+      AND c.setting LIKE 'search\_path=%'
+    ORDER BY s.setrole <> 0 DESC, s.setdatabase <> 0 DESC
+    LIMIT 1
+$$;
 
 -- A role named in a grant: 'PUBLIC' (any case) or an existing role.
 CREATE FUNCTION flow._grantee(role text) RETURNS regrole
@@ -153,11 +176,18 @@ END $$;
 -- Why args do not fit an args_type (NULL: they fit). A composite type takes
 -- a JSON object whose keys are its attributes and whose values convert
 -- (jsonb_populate_record); a domain over jsonb takes what its checks allow.
-CREATE FUNCTION flow._args_misfit(args_type regtype, args jsonb) RETURNS text
+-- Called only through the gateway (src/gateway.rs, check_args), as the
+-- definition's owner: its own statements run under the pinned path, the
+-- owner's code (the domain's checks, the columns' types) under `path`, the
+-- owner's own search_path. (Executable by PUBLIC: it runs as its caller.)
+CREATE FUNCTION flow._args_misfit(args_type regtype, args jsonb, path text) RETURNS text
 LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     t pg_type;
     unknown text;
+    -- (the type's name as the pinned path prints it: qualified wherever it
+    -- is not in pg_catalog, so the owner's path cannot change what it names)
+    cast_sql text;
 BEGIN
     SELECT * INTO t FROM pg_type WHERE oid = args_type;
     IF t.typtype = 'c' THEN
@@ -168,10 +198,12 @@ BEGIN
         IF FOUND THEN
             RETURN format('%s has no attribute %s', args_type, unknown);
         END IF;
-        EXECUTE format('SELECT jsonb_populate_record(NULL::%s, $1)', args_type) USING args;
+        cast_sql := format('SELECT pg_catalog.jsonb_populate_record(NULL::%s, $1)', args_type);
     ELSE
-        EXECUTE format('SELECT $1::%s', args_type) USING args;
+        cast_sql := format('SELECT $1::%s', args_type);
     END IF;
+    PERFORM set_config('search_path', coalesce(path, '"$user"'), true);
+    EXECUTE cast_sql USING args;
     RETURN NULL;
 EXCEPTION WHEN data_exception OR integrity_constraint_violation OR check_violation THEN
     RETURN SQLERRM;
@@ -371,7 +403,10 @@ BEGIN
     UPDATE flow._queues q SET owner = new_role WHERE q.owner = ANY (old_roles);
     UPDATE flow._runs r SET owner = new_role WHERE r.owner = ANY (old_roles);
     UPDATE flow._commands c SET owner = new_role WHERE c.owner = ANY (old_roles);
+    -- (the journal lets an entry change its owner only so: sql/schema.sql)
+    PERFORM set_config('flow_internal.reassigning', 'on', true);
     UPDATE flow._events e SET owner = new_role WHERE e.owner = ANY (old_roles);
+    PERFORM set_config('flow_internal.reassigning', 'off', true);
     PERFORM flow._mark_owner(new_role);
     -- the old roles own nothing of flow here any more (see _mark_owner)
     PERFORM flow._unmark_owner(old) FROM unnest(old_roles) old;

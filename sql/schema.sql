@@ -102,6 +102,14 @@ CREATE TABLE flow._definition_names (
     starters  regrole[] NOT NULL DEFAULT '{}'        -- granted to start its commands ('-': PUBLIC)
 );
 
+-- Whether an interval is a duration flow may keep: no field negative, some
+-- positive unless zero_ok, at most 100 years (src/spans.rs; sql/definitions.sql,
+-- _require_span). Declared here, before the functions pgrx writes: the
+-- tables' CHECKs below hold every stored duration to it, so no timestamp
+-- arithmetic on a row can overflow.
+CREATE FUNCTION flow._span_ok(span interval, zero_ok boolean)
+RETURNS boolean LANGUAGE c IMMUTABLE STRICT PARALLEL SAFE AS 'MODULE_PATHNAME', '_span_ok_wrapper';
+
 CREATE TABLE flow._definitions (
     name           text NOT NULL CHECK (name <> ''),
     version        integer NOT NULL CHECK (version >= 1),
@@ -110,10 +118,10 @@ CREATE TABLE flow._definitions (
     owner          regrole NOT NULL,     -- regrole: pg_dump writes the role's name, not its OID
     queue          text NOT NULL REFERENCES flow._queues (name),
     max_attempts   integer NOT NULL CHECK (max_attempts >= 1),
-    backoff        interval NOT NULL CHECK (backoff > interval '0'),
-    backoff_max    interval NOT NULL,
-    max_elapsed    interval CHECK (max_elapsed > interval '0'),
-    timeout        interval CHECK (timeout > interval '0'),
+    backoff        interval NOT NULL CHECK (flow._span_ok(backoff, false)),
+    backoff_max    interval NOT NULL CHECK (flow._span_ok(backoff_max, false)),
+    max_elapsed    interval CHECK (flow._span_ok(max_elapsed, false)),
+    timeout        interval CHECK (flow._span_ok(timeout, false)),
     created_at     timestamptz NOT NULL DEFAULT now(),
     updated_at     timestamptz NOT NULL DEFAULT now(),
     args_type      regtype,                           -- what args must fit (NULL: any JSON object)
@@ -318,12 +326,19 @@ ALTER TABLE flow._queues SET (autovacuum_analyze_threshold = 0, autovacuum_analy
 
 -- The journal is append-only, even for the extension owner's own code paths.
 -- (flow._retire_events alone may delete old entries no wait refers to, under
--- flow.event_retention.)
+-- flow.event_retention; REASSIGN OWNED, flow._reassign_owned, alone may give
+-- an entry another owner, and change nothing else of it.)
 CREATE FUNCTION flow._journal_is_append_only() RETURNS trigger
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     IF TG_OP = 'DELETE' AND current_setting('flow_internal.retiring_events', true) = 'on' THEN
         RETURN OLD;
+    END IF;
+    IF TG_OP = 'UPDATE' AND current_setting('flow_internal.reassigning', true) = 'on'
+       AND (NEW.position, NEW.id, NEW.name, NEW.key, NEW.payload, NEW.run_id, NEW.command_id, NEW.emitted_at)
+           IS NOT DISTINCT FROM
+           (OLD.position, OLD.id, OLD.name, OLD.key, OLD.payload, OLD.run_id, OLD.command_id, OLD.emitted_at) THEN
+        RETURN NEW;
     END IF;
     RAISE EXCEPTION 'flow: the event journal is append-only' USING ERRCODE = '55000';
 END $$;

@@ -359,7 +359,7 @@ BEGIN
     ELSE
         next_at := clock_timestamp() + CASE WHEN outcome = 'retry_after' AND retry_delay > interval '0' THEN retry_delay
                                 ELSE flow._backoff(d.backoff, d.backoff_max, c.attempts) END;
-        IF d.max_elapsed IS NOT NULL AND next_at > c.budget_started_at + d.max_elapsed THEN
+        IF next_at > flow._deadline(c.budget_started_at, d.max_elapsed) THEN
             stop := 'elapsed_limit';
         ELSIF c.deadline IS NOT NULL AND next_at >= c.deadline THEN
             stop := 'deadline_before_next_attempt';

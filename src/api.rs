@@ -147,7 +147,9 @@ fn _current_command() -> Option<pgrx::Uuid> {
     executor::current_command().map(pgrx::Uuid::from_bytes)
 }
 
-/// One row per configured worker, from shared memory.
+/// One row per configured worker, from shared memory (the engine's: the
+/// views read it through flow._worker_rows, which names only the caller's
+/// commands).
 #[pg_extern(volatile, parallel_safe)]
 fn _worker_states() -> TableIterator<
     'static,

@@ -12,7 +12,7 @@
 //! children commit with their settlement in the chunk's transaction, or not at all.
 
 use crate::payload::{Context, Jsonb, RawDatum};
-use crate::{api, gucs, isolation, shmem};
+use crate::{api, gateway, gucs, shmem};
 use pgrx::datum::DatumWithOid;
 use pgrx::pg_sys::{self, PgBuiltInOids, PgOid};
 use pgrx::prelude::*;
@@ -48,6 +48,8 @@ pub struct Claimed {
     /// Its queue and due time: where it is in its queue's claim order (with its id).
     pub queue: String,
     pub due_at: TimestampWithTimeZone,
+    /// The attempt's deadline as the claim computed it (what a lease expires at).
+    pub attempt_deadline: Option<TimestampWithTimeZone>,
 }
 
 /// What a settlement names: the command, and its lease or held attempt.
@@ -65,7 +67,7 @@ impl Claimed {
 
     /// The attempt's deadline for a handler starting at `now` (TimestampTz µs).
     fn deadline(&self, now: i64) -> Option<i64> {
-        let timeout = self.timeout_us.or_else(isolation::default_attempt_timeout_us);
+        let timeout = self.timeout_us.or_else(gateway::default_attempt_timeout_us);
         let soft = timeout.map(|t| now.saturating_add(t));
         match (soft, self.hard_deadline) {
             (Some(a), Some(b)) => Some(a.min(b)),
@@ -320,6 +322,7 @@ pub fn engine_query<R>(
     args: &[DatumWithOid],
     read: impl FnOnce(pgrx::spi::SpiTupleTable) -> R,
 ) -> R {
+    gateway::ensure_engine_path();
     holding_off_cancels(|| {
         Spi::connect_mut(|client| {
             ENGINE_PLANS.with(|plans| {
@@ -567,10 +570,11 @@ pub fn claim(
                 let attempt: i32 = row.get(3).expect("attempt");
                 let row_at: pg_sys::ItemPointerData = row.get(15).expect("row_at");
                 let held = row.get::<bool>(10).expect("held");
+                let attempt_deadline = row.get::<TimestampWithTimeZone>(16);
                 if !held {
                     leased.0.push(command_id);
                     leased.1.push(row_at);
-                    leased.2.push(row.get::<TimestampWithTimeZone>(16));
+                    leased.2.push(attempt_deadline);
                 }
                 Claimed {
                     command_id,
@@ -591,6 +595,7 @@ pub fn claim(
                     queue,
                     due_at,
                     row_at: held.then_some(row_at),
+                    attempt_deadline,
                 }
             });
             (claimed, leased, cursor, interleaved)
@@ -609,6 +614,35 @@ pub fn claim(
         into_round_robin(&mut claimed, turn);
     }
     (claimed, cursor, interleaved)
+}
+
+/// Lease, in the claim's transaction, held commands this worker will not run
+/// in it: those of other owners than the one whose handlers the claim's
+/// chunk runs (a transaction never holds two owners' handlers). They run
+/// later, leased, in chunks of their own owner's.
+pub fn lease_instead(
+    owner: &str,
+    backend_start: Option<TimestampWithTimeZone>,
+    mut held: Vec<Claimed>,
+) -> Vec<Claimed> {
+    if held.is_empty() {
+        return held;
+    }
+    let rows = (
+        held.iter().map(|c| c.command_id).collect(),
+        held.iter().map(|c| c.row_at.expect("a held command has its row")).collect(),
+        held.iter().map(|c| c.attempt_deadline).collect(),
+    );
+    let tokens = lease(owner, backend_start, rows);
+    // (each row is locked by this transaction: every lease is written)
+    held.retain_mut(|command| {
+        let token = tokens.get(command.command_id.as_bytes());
+        if let Some(token) = token {
+            (command.lease_token, command.held_attempt, command.row_at) = (*token, None, None);
+        }
+        token.is_some()
+    });
+    held
 }
 
 /// Write the leases of commands this transaction's claim locked and does not
@@ -969,13 +1003,13 @@ fn is_transient(caught: &pg_sys::panic::CaughtError) -> bool {
 /// own memory context; `end` keeps or rolls it back and restores the
 /// caller's memory context and resource owner. After PL/pgSQL's exception
 /// blocks.
-struct Subtransaction {
+pub(crate) struct Subtransaction {
     outer_context: pg_sys::MemoryContext,
     outer_owner: pg_sys::ResourceOwner,
 }
 
 impl Subtransaction {
-    fn begin() -> Subtransaction {
+    pub(crate) fn begin() -> Subtransaction {
         let (outer_context, outer_owner) = unsafe { (pg_sys::CurrentMemoryContext, pg_sys::CurrentResourceOwner) };
         unsafe {
             pg_sys::BeginInternalSubTransaction(std::ptr::null());
@@ -984,7 +1018,7 @@ impl Subtransaction {
         Subtransaction { outer_context, outer_owner }
     }
 
-    fn end(&self, keep: bool) {
+    pub(crate) fn end(&self, keep: bool) {
         unsafe {
             if keep {
                 pg_sys::ReleaseCurrentSubTransaction();
@@ -1000,7 +1034,7 @@ impl Subtransaction {
 /// Run `body`, turning an ERROR it raises into `on_error(caught)`, with the
 /// caller's memory context and resource owner back. The (sub)transaction the
 /// ERROR happened in must then be rolled back before anything else runs.
-fn catching<R, E>(
+pub(crate) fn catching<R, E>(
     body: impl FnOnce() -> Result<R, E>,
     on_error: impl FnOnce(pg_sys::panic::CaughtError) -> E,
 ) -> Result<R, E> {
@@ -1032,27 +1066,18 @@ pub fn in_subtransaction<R, E>(
 
 /// Why an attempt fails before its handler starts, if it does: its deadline
 /// passed, or its args no longer fit the definition's args_type (retrying
-/// cannot fix them, as the reference's decode step; checked as the owner, in
-/// a subtransaction of its own, so whatever a domain's check does fails this
-/// command alone).
+/// cannot fix them, as the reference's decode step; checked as the owner
+/// through the gateway, so whatever a domain's check does fails this
+/// command alone and is undone).
 fn refused_before_start(command: &Claimed, remaining_ms: Option<i64>) -> Option<Failure> {
     if let Some(ms) = remaining_ms.filter(|ms| *ms <= 0) {
         return Some(timeout_failure(ms));
     }
     let args_type = command.args_type?;
-    let oid = PgOid::BuiltIn(PgBuiltInOids::OIDOID);
-    let misfit = in_subtransaction(
-        || {
-            Ok(engine_query(
-                "SELECT flow._args_misfit_as($1, $2, $3::pg_catalog.text)",
-                &[oid, oid, JSONB],
-                &[command.owner.into(), args_type.into(), (&command.args).into()],
-                |t| t.first().get_one::<String>().ok().flatten(),
-            ))
-        },
-        |caught| Some(caught_report(&caught).message().to_string()),
-    );
-    let message = misfit.unwrap_or_else(|e| e)?;
+    let message = match gateway::check_args(command.owner, args_type, &command.args.to_text()) {
+        Ok(misfit) => misfit?,
+        Err(caught) => caught_report(&caught).message().to_string(),
+    };
     Some(Failure { class: "permanent", code: "argument_decode".into(), message, delay_us: None })
 }
 
@@ -1090,7 +1115,7 @@ fn attempt(index: usize, command: &Claimed, group: Option<&Subtransaction>, now:
         gucs::inject_fault("handler_start");
         // The deadline covers what fires when the handler returns, too.
         let result = with_deadline(remaining_ms, || {
-            isolation::run_as_owner(command.owner, || call_handler(command, deadline, now))
+            gateway::run_handler(command.owner, || call_handler(command, deadline, now))
         });
         CURRENT_COMMAND.with(|c| c.set(None));
         gucs::inject_fault("handler_return");
@@ -1129,7 +1154,11 @@ fn attempt(index: usize, command: &Claimed, group: Option<&Subtransaction>, now:
         }
         Ok(Ok(result))
     };
-    let on_error = |caught| classify(caught, deadline, shmem::cancel_requested(index, &run));
+    let signals_before = note_cancel_signals(index);
+    let on_error = |caught| {
+        let late_cancel = shmem::cancel_signals(index) != signals_before;
+        classify(caught, deadline, shmem::cancel_requested(index, &run), late_cancel)
+    };
     let outcome = match group {
         None => in_subtransaction(body, on_error),
         Some(group) => {
@@ -1145,7 +1174,7 @@ fn attempt(index: usize, command: &Claimed, group: Option<&Subtransaction>, now:
     shmem::observe("handler_us", started.elapsed().as_micros() as u64);
     note_handler_time(command.handler, started.elapsed());
     // A cancel that comes late, after the handler, must not hit the cleanup.
-    holding_off_cancels(isolation::after_attempt);
+    holding_off_cancels(gateway::after_handler);
     ATTEMPT_IN_PROGRESS.with(|c| c.set(None));
     match outcome {
         Ok(Ok(result)) => Attempted::Succeeded(result),
@@ -1286,7 +1315,7 @@ fn handler_context(command: &Claimed) -> &Context {
 /// handler is not: fmgr would plan its body again in every subtransaction,
 /// where SPI inlines it). The function's own SECURITY DEFINER and SET clauses
 /// apply as under SPI (fmgr_info wraps it); the caller runs it as its owner
-/// with the pinned search_path (isolation::run_as_owner), in its subtransaction.
+/// with its owner's search_path (gateway::run_handler), in its subtransaction.
 struct DirectCall {
     /// In DIRECT_CALL_MEMORY: the function's FmgrInfo and a call info for its arguments.
     fcinfo: *mut pg_sys::FunctionCallInfoBaseData,
@@ -1608,8 +1637,27 @@ fn timeout_failure(over_ms: i64) -> Failure {
     }
 }
 
-/// Classify a caught handler error (rule 5).
-fn classify(caught: pg_sys::panic::CaughtError, deadline: Option<i64>, cancel_requested: bool) -> Failure {
+thread_local! {
+    /// flow.cancel's signals to this worker when its last attempt started.
+    static CANCEL_SIGNALS_AT_START: Cell<u32> = const { Cell::new(0) };
+}
+
+/// At an attempt's start: how many cancels flow.cancel had sent this worker
+/// when the attempt before it started (see shmem::cancel_signals).
+fn note_cancel_signals(index: usize) -> u32 {
+    CANCEL_SIGNALS_AT_START.with(|c| c.replace(shmem::cancel_signals(index)))
+}
+
+/// Classify a caught handler error (rule 5). `late_cancel`: flow.cancel
+/// signalled this worker since the attempt before this one started, so a
+/// statement cancel of a run nobody cancelled was meant for that attempt's:
+/// this one is given back uncharged, as a cancelled one is.
+fn classify(
+    caught: pg_sys::panic::CaughtError,
+    deadline: Option<i64>,
+    cancel_requested: bool,
+    late_cancel: bool,
+) -> Failure {
     use pg_sys::panic::CaughtError;
     let report = match &caught {
         CaughtError::PostgresError(r) | CaughtError::ErrorReport(r) => r,
@@ -1645,6 +1693,9 @@ fn classify(caught: pg_sys::panic::CaughtError, deadline: Option<i64>, cancel_re
         let now = unsafe { pg_sys::GetCurrentTimestamp() };
         if message.contains("statement timeout") || deadline.is_some_and(|d| now >= d) {
             return timeout_failure(0);
+        }
+        if late_cancel {
+            return cancelled_failure();
         }
         return Failure { class: "interrupted", code: "cancelled".into(), message, delay_us: None };
     }

@@ -72,8 +72,9 @@ fn _external_claim_ended(
 // interrupted in a transaction of its own (retried by policy), and external
 // claims leave those commands alone until it has. A backend's exit rolls
 // its transaction back the same way. Only a crash of the server (which
-// empties shared memory) or a full list (4,096 attempts waiting) loses an
-// abandoned attempt's count.
+// empties shared memory) loses an abandoned attempt's count: every held
+// command has its place from its claim on (shmem::reserve_abandon_room,
+// HELD_PER_ROLE of them per role).
 
 /// A command claimed held by the open transaction.
 struct HeldClaim {
@@ -137,11 +138,21 @@ fn _note_holding(
     // (a place for its attempt among the abandoned ones, kept until the
     // transaction has ended: an error here aborts the claim, whose commands
     // noted so far have theirs)
-    if !shmem::reserve_abandon_room() {
+    if let Err(full) = shmem::reserve_abandon_room(caller) {
+        let message = match full {
+            shmem::NoPlace::All => {
+                "flow: 16384 commands are held by open transactions or wait for worker 0".to_string()
+            }
+            shmem::NoPlace::Role => format!(
+                "flow: this role holds {} commands in open transactions or waiting for worker 0 already",
+                shmem::HELD_PER_ROLE
+            ),
+        };
         pgrx::ereport!(
             ERROR,
             PgSqlErrorCode::ERRCODE_CONFIGURATION_LIMIT_EXCEEDED,
-            "flow: 4096 commands are held by open transactions or wait for worker 0; end some first, or claim with a lease"
+            message,
+            "End some of those transactions first, or claim with a lease."
         );
     }
     HELD_WORKER.with(|w| {
@@ -156,8 +167,9 @@ fn _note_holding(
         level: nest_level(),
         settled: None,
     };
-    if HELD.with(|h| h.borrow_mut().insert(*command_id.as_bytes(), claim)).is_some() {
-        shmem::abandon(&[], 1); // (claimed again after its earlier attempt ended: one place is enough)
+    if let Some(earlier) = HELD.with(|h| h.borrow_mut().insert(*command_id.as_bytes(), claim)) {
+        // (claimed again after its earlier attempt ended: one place is enough)
+        shmem::abandon(&[], &[earlier.caller]);
     }
     true
 }
@@ -239,21 +251,22 @@ fn _claim_excluded() -> Option<Vec<pgrx::Uuid>> {
 /// go to them).
 fn abandon_where(ended: impl Fn(&HeldClaim) -> bool, abandoned: impl Fn(&HeldClaim) -> bool) {
     let worker = HELD_WORKER.with(|w| w.borrow().clone()).unwrap_or_default();
-    let (left, forgotten): (Vec<([u8; 16], i32, [u8; 16])>, usize) = HELD.with(|h| {
+    let (left, forgotten): (Vec<([u8; 16], i32, [u8; 16], pg_sys::Oid)>, Vec<pg_sys::Oid>) = HELD.with(|h| {
         let mut h = h.borrow_mut();
         let picked: Vec<[u8; 16]> = h.iter().filter(|(_, c)| ended(c)).map(|(id, _)| *id).collect();
-        let forgotten = picked.len();
+        let mut forgotten = Vec::with_capacity(picked.len());
         let left = picked
             .into_iter()
             .filter_map(|id| {
                 let claim = h.remove(&id)?;
-                abandoned(&claim).then_some((id, claim.attempt, claim.token))
+                forgotten.push(claim.caller);
+                abandoned(&claim).then_some((id, claim.attempt, claim.token, claim.caller))
             })
             .collect();
         (left, forgotten)
     });
-    let list: Vec<_> = left.iter().map(|(id, n, token)| (*id, *n, *token, worker.as_str())).collect();
-    let lost = shmem::abandon(&list, forgotten);
+    let list: Vec<_> = left.iter().map(|(id, n, token, role)| (*id, *n, *token, worker.as_str(), *role)).collect();
+    let lost = shmem::abandon(&list, &forgotten);
     if lost > 0 {
         // (as a transaction ends: a LOG line, never an error)
         pgrx::log!("flow: {lost} abandoned held attempts could not be left to worker 0 and go uncounted");

@@ -1,11 +1,12 @@
 //! flow's one ProcessUtility hook (installed in `_PG_init`, so it runs in
 //! every backend of the server): it costs a thread-local read and a node tag
 //! comparison per utility statement, and dispatches to the concern it serves.
-//! - `isolation`: inside a handler, refuse what would outlive its attempt.
+//! - `gateway`: inside a check, refuse every SQL command; inside a handler,
+//!   refuse what would outlive its attempt.
 //! - `roles`: DROP ROLE cannot leave flow objects with a dangling owner;
 //!   REASSIGN OWNED moves flow's ownership too.
 
-use crate::{isolation, roles};
+use crate::{gateway, roles};
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 use std::ffi::c_char;
@@ -32,7 +33,7 @@ unsafe extern "C-unwind" fn utility_hook(
     qc: *mut pg_sys::QueryCompletion,
 ) {
     let stmt = unsafe { (*pstmt).utilityStmt };
-    isolation::check_utility(stmt);
+    gateway::check_utility(stmt);
     roles::before_utility(stmt);
     unsafe {
         match PREVIOUS_UTILITY_HOOK {

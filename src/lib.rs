@@ -2,8 +2,8 @@
 //!
 //! Layout: `gucs` (settings), `shmem` (worker table, counters, wake-ups),
 //! `api` (internal SQL functions the public SQL API in `sql/` stands on),
-//! `handlers` (built-in Rust handlers), `invariants` (a command row's CHECK), `isolation` (what keeps a handler to
-//! its owner's rights), `roles` (ownership and the role commands), `hooks`
+//! `handlers` (built-in Rust handlers), `invariants` (a command row's CHECK), `gateway` (every call of user
+//! code: as its owner, with its owner's search_path, leaving nothing behind), `locks` (flow's own lock tags), `roles` (ownership and the role commands), `hooks`
 //! (the utility hook), `executor` (run and settle one claimed command), `external` (external claims' cursor, claims held by a client's transaction), `worker` (the background worker loop).
 
 use pgrx::prelude::*;
@@ -12,14 +12,16 @@ mod api;
 mod attempt_record;
 mod executor;
 mod external;
+mod gateway;
 mod gucs;
 mod handlers;
 mod hooks;
 mod invariants;
-mod isolation;
+mod locks;
 mod payload;
 mod roles;
 mod shmem;
+mod spans;
 mod worker;
 
 ::pgrx::pg_module_magic!(name, version);
@@ -46,6 +48,7 @@ pub extern "C-unwind" fn _PG_init() {
     }
     gucs::init();
     hooks::init();
+    gateway::init();
     shmem::init();
     external::init();
     worker::register();

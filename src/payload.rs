@@ -58,14 +58,23 @@ impl Jsonb {
     /// side's `octet_length(value::text)`; the binary size cannot bound it:
     /// a number such as 1e1000 is a few bytes in jsonb).
     pub fn text_size(&self) -> usize {
+        self.with_text(|text| text.to_bytes().len())
+    }
+
+    /// Its JSON text, as jsonb's output function writes it.
+    pub fn to_text(&self) -> String {
+        self.with_text(|text| text.to_string_lossy().into_owned())
+    }
+
+    fn with_text<R>(&self, read: impl FnOnce(&std::ffi::CStr) -> R) -> R {
         // SAFETY: jsonb_out of a valid jsonb datum returns a palloc'd C string
         unsafe {
             let datum = self.to_datum();
             let text = pg_sys::DirectFunctionCall1Coll(Some(jsonb_out), pg_sys::InvalidOid, datum);
-            let size = std::ffi::CStr::from_ptr(text.cast_mut_ptr()).to_bytes().len();
+            let result = read(std::ffi::CStr::from_ptr(text.cast_mut_ptr()));
             pg_sys::pfree(text.cast_mut_ptr());
             pg_sys::pfree(datum.cast_mut_ptr());
-            size
+            result
         }
     }
 }

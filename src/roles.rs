@@ -9,7 +9,7 @@
 //! - REASSIGN OWNED BY old TO new moves them to the new role.
 //! (As for PostgreSQL's own objects, run REASSIGN OWNED in each database.)
 
-use crate::isolation;
+use crate::gateway;
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 
@@ -36,21 +36,37 @@ fn role_oids(list: *mut pg_sys::List) -> Vec<pg_sys::Oid> {
 /// privileges were checked by PostgreSQL, and flow's tables are not the
 /// caller's to read or write.
 fn as_superuser<R>(f: impl FnOnce() -> R) -> R {
-    isolation::as_role(pg_sys::Oid::from(pg_sys::BOOTSTRAP_SUPERUSERID), 0, f)
+    gateway::as_role(pg_sys::Oid::from(pg_sys::BOOTSTRAP_SUPERUSERID), 0, f)
+}
+
+/// Whether PostgreSQL will let the current user go on with this statement
+/// for `role` (its own checks come after the hook): flow answers only then,
+/// so that its answer tells nobody else whether a role owns flow objects.
+/// DROP ROLE needs CREATEROLE (and superuser for a superuser); DROP OWNED
+/// needs the role's privileges.
+fn may_drop(dropping_role: bool, role: pg_sys::Oid) -> bool {
+    unsafe {
+        if dropping_role {
+            pg_sys::has_createrole_privilege(pg_sys::GetUserId())
+                && (!pg_sys::superuser_arg(role) || pg_sys::superuser())
+        } else {
+            pg_sys::has_privs_of_role(pg_sys::GetUserId(), role)
+        }
+    }
 }
 
 pub fn before_utility(stmt: *mut pg_sys::Node) {
-    let roles = match unsafe { (*stmt).type_ } {
-        pg_sys::NodeTag::T_DropRoleStmt => unsafe { (*(stmt as *mut pg_sys::DropRoleStmt)).roles },
+    let (dropping_role, roles) = match unsafe { (*stmt).type_ } {
+        pg_sys::NodeTag::T_DropRoleStmt => (true, unsafe { (*(stmt as *mut pg_sys::DropRoleStmt)).roles }),
         // DROP OWNED would revoke the mark that makes DROP ROLE elsewhere fail
         // (flow._mark_owner) and leave flow's objects behind without an owner.
-        pg_sys::NodeTag::T_DropOwnedStmt => unsafe { (*(stmt as *mut pg_sys::DropOwnedStmt)).roles },
+        pg_sys::NodeTag::T_DropOwnedStmt => (false, unsafe { (*(stmt as *mut pg_sys::DropOwnedStmt)).roles }),
         _ => return,
     };
     if !flow_installed() {
         return;
     }
-    for role in role_oids(roles) {
+    for role in role_oids(roles).into_iter().filter(|role| may_drop(dropping_role, *role)) {
         let owns = as_superuser(|| Spi::get_one_with_args::<bool>("SELECT flow._owns_anything($1)", &[role.into()]));
         if let Ok(Some(true)) = owns {
             let name = unsafe { std::ffi::CStr::from_ptr(pg_sys::GetUserNameFromId(role, false)) }

@@ -232,6 +232,9 @@ pub struct ActivitySlot {
     /// How many of WorkerSlot::cancel_runs are set (changed under the WORKERS
     /// lock; read without it: none set, no cancel to look for).
     cancels: AtomicU32,
+    /// How many statement cancels flow.cancel has sent this worker since it
+    /// started (see `cancel_signals`).
+    cancel_signals: AtomicU32,
     _pad: [u64; 7],
 }
 
@@ -528,68 +531,128 @@ pub fn note_external_end(definition: &str, end: Option<(&str, i64, [u8; 16])>, s
     slot.end = end;
 }
 
-/// How many abandoned attempts wait at once for worker 0 (see `abandon`).
-const ABANDONED: usize = 4096;
+/// How many held commands' places there are in all (see `abandon`): held
+/// by open transactions, or abandoned and waiting for worker 0.
+const ABANDONED: usize = 16_384;
+/// How many of those places one role's claims may take at once: one role
+/// holding thousands of commands in open transactions cannot lock every
+/// other role out of held claims.
+pub const HELD_PER_ROLE: u32 = 1_024;
+/// How many roles may hold places at once.
+const HOLDING_ROLES: usize = 1_024;
 
 /// An attempt of a command held by an external client's transaction that
 /// ended without settling it (src/external.rs): the command, the number of
-/// the attempt, its token, and the client's worker name.
+/// the attempt, its token, the client's worker name, and the role whose
+/// claim it was.
 #[derive(Copy, Clone)]
 struct AbandonedAttempt {
     command: [u8; 16],
     attempt: i32,
     token: [u8; 16],
     worker: SharedName,
+    role: pg_sys::Oid,
+}
+
+/// The places one role's claims take (0 roles: a free entry).
+#[derive(Copy, Clone, Default)]
+struct RolePlaces {
+    role: u32,
+    places: u32,
 }
 
 /// The abandoned attempts, and the room reserved for those that may come:
 /// every command a transaction holds has a place here from its claim on
 /// (`reserve_abandon_room`), so an abandoned attempt always fits, whatever
-/// other roles hold.
+/// other roles hold; and how many places each role takes.
 #[derive(Copy, Clone)]
 pub struct Abandoned {
     len: usize,
     reserved: usize,
     attempts: [AbandonedAttempt; ABANDONED],
+    roles: [RolePlaces; HOLDING_ROLES],
 }
 
 impl Default for Abandoned {
     fn default() -> Self {
-        let none = AbandonedAttempt { command: [0; 16], attempt: 0, token: [0; 16], worker: SharedName::NONE };
-        Abandoned { len: 0, reserved: 0, attempts: [none; ABANDONED] }
+        let none = AbandonedAttempt {
+            command: [0; 16],
+            attempt: 0,
+            token: [0; 16],
+            worker: SharedName::NONE,
+            role: pg_sys::InvalidOid,
+        };
+        Abandoned { len: 0, reserved: 0, attempts: [none; ABANDONED], roles: [RolePlaces::default(); HOLDING_ROLES] }
     }
 }
 
-/// Reserve a place for one held command's attempt; false when all are
-/// taken (by attempts waiting for worker 0, or reserved by open transactions).
-pub fn reserve_abandon_room() -> bool {
+impl Abandoned {
+    /// Add `delta` to `role`'s places (an entry is taken for a new role and
+    /// freed at zero); false when it would go over `limit`, or no entry is
+    /// free (nothing changed then).
+    fn add_places(&mut self, role: pg_sys::Oid, delta: i64, limit: u32) -> bool {
+        let role = role.to_u32();
+        let at = self.roles.iter().position(|r| r.places > 0 && r.role == role);
+        let Some(at) = at.or_else(|| (delta > 0).then(|| self.roles.iter().position(|r| r.places == 0)).flatten())
+        else {
+            return false;
+        };
+        let places = (i64::from(self.roles[at].places) + delta).max(0);
+        if delta > 0 && places > i64::from(limit) {
+            return false;
+        }
+        self.roles[at] = RolePlaces { role, places: places as u32 };
+        true
+    }
+}
+
+/// Why a held claim found no place (`reserve_abandon_room`).
+pub enum NoPlace {
+    /// every place is taken
+    All,
+    /// the role has HELD_PER_ROLE places already (or too many roles hold some)
+    Role,
+}
+
+/// Reserve a place for one held command's attempt, claimed by `role`
+/// (a superuser's claims have no limit of their own).
+pub fn reserve_abandon_room(role: pg_sys::Oid) -> Result<(), NoPlace> {
+    let limit = if unsafe { pg_sys::superuser_arg(role) } { u32::MAX } else { HELD_PER_ROLE };
     let mut table = ABANDONED_TABLE.exclusive();
     if table.len + table.reserved >= ABANDONED {
-        return false;
+        return Err(NoPlace::All);
+    }
+    if !table.add_places(role, 1, limit) {
+        return Err(NoPlace::Role);
     }
     table.reserved += 1;
-    true
+    Ok(())
 }
 
 unsafe impl PGRXSharedMemory for Abandoned {}
 
-/// Leave these attempts (command, attempt, token, worker) to worker 0, which
-/// concludes them as interrupted (`abandoned`), and wake it; and give back
-/// `released` reservations (those of these attempts, and of held commands
-/// that were settled). Called as a transaction ends: raises nothing. Returns
-/// how many did not fit (none, while each came with its reservation).
-pub fn abandon(attempts: &[([u8; 16], i32, [u8; 16], &str)], released: usize) -> usize {
-    if attempts.is_empty() && released == 0 {
+/// Leave these attempts (command, attempt, token, worker, role) to worker 0,
+/// which concludes them as interrupted (`abandoned`), and wake it; and give
+/// back the reservations of `released` (the role of each: those of these
+/// attempts, and of held commands that were settled). Called as a
+/// transaction ends: raises nothing. Returns how many did not fit (none,
+/// while each came with its reservation).
+pub fn abandon(attempts: &[([u8; 16], i32, [u8; 16], &str, pg_sys::Oid)], released: &[pg_sys::Oid]) -> usize {
+    if attempts.is_empty() && released.is_empty() {
         return 0;
     }
     let mut table = ABANDONED_TABLE.exclusive();
-    table.reserved = table.reserved.saturating_sub(released);
+    table.reserved = table.reserved.saturating_sub(released.len());
+    for role in released {
+        table.add_places(*role, -1, u32::MAX);
+    }
     if attempts.is_empty() {
         return 0;
     }
     let mut lost = 0;
-    for (command, attempt, token, worker) in attempts {
-        if table.len == ABANDONED {
+    for (command, attempt, token, worker, role) in attempts {
+        // (its reservation, given back above, becomes its entry's place)
+        if table.len == ABANDONED || !table.add_places(*role, 1, u32::MAX) {
             lost += 1;
             continue;
         }
@@ -604,6 +667,7 @@ pub fn abandon(attempts: &[([u8; 16], i32, [u8; 16], &str)], released: usize) ->
             attempt: *attempt,
             token: *token,
             worker: SharedName::new(&worker[..cut]).unwrap_or(SharedName::NONE),
+            role: *role,
         };
         table.len += 1;
     }
@@ -643,7 +707,9 @@ pub fn forget_abandoned(done: &[([u8; 16], i32)]) {
     let mut kept = 0;
     for i in 0..table.len {
         let a = table.attempts[i];
-        if !done.contains(&(a.command, a.attempt)) {
+        if done.contains(&(a.command, a.attempt)) {
+            table.add_places(a.role, -1, u32::MAX);
+        } else {
             table.attempts[kept] = a;
             kept += 1;
         }
@@ -784,6 +850,8 @@ pub fn interrupt_run(run: [u8; 16]) {
         // cancel before the handler starts, or this sees the handler's run.
         fence(Ordering::SeqCst);
         if runs_handler_of(index, &run) {
+            // (counted before it is sent: see cancel_signals)
+            ACTIVITIES.get().slots[index].cancel_signals.fetch_add(1, Ordering::SeqCst);
             unsafe { libc_kill(slot.pid, SIGINT) };
         }
     }
@@ -806,6 +874,16 @@ pub fn stop_workers_of(run: [u8; 16]) -> i32 {
 fn runs_handler_of(index: usize, run: &[u8; 16]) -> bool {
     let now = activity(index);
     now.busy && now.run == *run
+}
+
+/// How many statement cancels flow.cancel has sent worker `index`. A
+/// signal is delivered some time after it is sent, and may land on the
+/// handler after the one it was sent for: a worker that sees a cancel while
+/// a handler of a run nobody cancelled runs, and this count moved since the
+/// attempt before this one started, takes it for a late one and gives the
+/// attempt back uncharged (src/executor.rs).
+pub fn cancel_signals(index: usize) -> u32 {
+    ACTIVITIES.get().slots[index].cancel_signals.load(Ordering::SeqCst)
 }
 
 /// Whether flow.cancel asked worker `index` to leave `run` alone.

@@ -9,7 +9,7 @@
 //! subtransaction (see executor.rs).
 
 use crate::executor::{self, AttemptId, ClaimCursor, Claimed, FLOAT8, INT4, UUID};
-use crate::{api, attempt_record, gucs, isolation, shmem};
+use crate::{api, attempt_record, gateway, gucs, shmem};
 use pgrx::bgworkers::{BackgroundWorker, BackgroundWorkerBuilder, SignalWakeFlags};
 use pgrx::prelude::*;
 use pgrx::PgTryBuilder;
@@ -125,7 +125,7 @@ pub extern "C-unwind" fn flow_worker_main(arg: pg_sys::Datum) {
         pg_sys::pqsignal(pg_sys::SIGTERM as c_int, Some(terminate));
     }
     BackgroundWorker::connect_worker_to_spi(Some(&gucs::database_name()), None);
-    isolation::pin_worker_session();
+    gateway::pin_worker_session();
     executor::register_hard_stop();
     executor::watch_plans();
     shmem::register_worker(index);
@@ -417,9 +417,15 @@ impl Worker {
         let outcome = try_transaction(|| {
             let claimed = self.claim();
             let count = claimed.len();
-            let (held, leased): (Vec<_>, Vec<_>) = claimed.into_iter().partition(|c| c.held_attempt.is_some());
+            let (held, mut leased): (Vec<_>, Vec<_>) = claimed.into_iter().partition(|c| c.held_attempt.is_some());
+            // One owner's handlers in this transaction: the first held
+            // command's. The others' are leased instead and run in their own.
+            let owner = held.first().map(|c| c.owner);
+            let (held, others): (Vec<_>, Vec<_>) = held.into_iter().partition(|c| Some(c.owner) == owner);
+            leased.extend(executor::lease_instead(&self.name, self.backend_start, others));
             let (mut ran, mut cut) = (0, false);
-            if !held.is_empty() {
+            if let Some(owner) = owner {
+                gateway::begin_owner(owner);
                 report_activity(&format!("flow: running {} held commands", held.len()));
                 let mut chunk = executor::Chunk::held(&self.name, &held);
                 (ran, cut) = self.run_chunk(&mut chunk, &held, &entered, isolating);
@@ -493,7 +499,7 @@ impl Worker {
             if isolating
                 || chunk_started.elapsed() >= CHUNK_BUDGET
                 || executor::subxid_cache_nearly_full()
-                || isolation::constraint_state_changed()
+                || gateway::constraint_state_changed()
             {
                 return (ran, true);
             }
@@ -564,8 +570,17 @@ impl Worker {
     }
 
     /// Execute a batch of leased commands (their claim is committed) in
-    /// chunks, one transaction each.
-    fn run_batch(&mut self, claimed: Vec<Claimed>) {
+    /// chunks, one transaction each, each of one owner's commands: the
+    /// batch is grouped by owner (in the order their first commands came),
+    /// and a chunk ends where its owner's group does.
+    fn run_batch(&mut self, mut claimed: Vec<Claimed>) {
+        let mut first_seen: Vec<pg_sys::Oid> = Vec::new();
+        for command in &claimed {
+            if !first_seen.contains(&command.owner) {
+                first_seen.push(command.owner);
+            }
+        }
+        claimed.sort_by_key(|c| first_seen.iter().position(|o| *o == c.owner));
         let count = claimed.len();
         report_activity(&format!("flow: running a batch of {count} commands"));
         // Chunks commit at least every CHUNK_BUDGET, so a slow handler does not
@@ -576,10 +591,13 @@ impl Worker {
         while !rest.is_empty() {
             // The commands this chunk may run (it begins by locking their runs):
             // as many as the last chunk that ended early managed, or all.
-            let window = &rest[..rest.len().min(self.chunk_window)];
+            let owner = rest[0].owner;
+            let same_owner = rest.iter().take_while(|c| c.owner == owner).count();
+            let window = &rest[..same_owner.min(self.chunk_window)];
             let entered = Cell::new(None);
             let this = &*self;
             let ran = try_transaction(|| {
+                gateway::begin_owner(owner);
                 let mut chunk = executor::Chunk::begin(&this.name, window);
                 let (ran, cut) = this.run_chunk(&mut chunk, window, &entered, isolating);
                 (ran, cut, chunk.finish().0)
