@@ -1186,7 +1186,7 @@ MIXED = "'4000000 mons -119999999 days'"
 @pytest.mark.parametrize("call, code", [
     (f"SELECT flow.define('{{n}}', 'app.alice_void'::regproc, max_elapsed => {MIXED})", "FL015"),
     (f"SELECT flow.define('{{n}}', 'app.alice_void'::regproc, timeout => {MIXED})", "FL015"),
-    ("SELECT flow.define('{n}', 'app.alice_void'::regproc, backoff => '1 mon -29 days')", "FL015"),
+    ("SELECT flow.define('{n}', 'app.alice_void'::regproc, backoff => '1 mon -29 days -23 hours')", "FL015"),
     ("SELECT flow.define('{n}', 'app.alice_void'::regproc, backoff_max => '1 day -1 sec')", "FL015"),
     (f"SELECT flow.enqueue('{{d}}', deadline => {MIXED})", "FL005"),
     ("SELECT flow.enqueue('{d}', start_after => '1 day -1 hour')", "FL005"),
