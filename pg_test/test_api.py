@@ -1,4 +1,7 @@
-"""The foundation: loading, schema, definitions, queues, enqueue and bad input."""
+"""The public SQL API: loading, settings, definitions, queues, enqueue,
+typed arguments, and what bad input to each function raises (and that it
+changes nothing). (Its fuzzing: test_fuzz.py; its golden file:
+golden/api.sql, run by test_golden.py.)"""
 import re
 import threading
 import uuid
@@ -6,41 +9,35 @@ import uuid
 import psycopg
 import pytest
 
-from conftest import ROOT, Cluster, unique
+from conftest import ROOT, Cluster, app_cluster, external, unique
+
+API_APP = """
+    CREATE OR REPLACE FUNCTION app.ok(args jsonb) RETURNS jsonb LANGUAGE sql AS 'SELECT args';
+    CREATE OR REPLACE FUNCTION app.ok_ctx(args jsonb, ctx flow.context) RETURNS void
+        LANGUAGE sql AS 'SELECT';
+    CREATE OR REPLACE FUNCTION app.two_ints(a int, b int) RETURNS jsonb LANGUAGE sql AS 'SELECT NULL::jsonb';
+    CREATE OR REPLACE FUNCTION app.returns_int(args jsonb) RETURNS int LANGUAGE sql AS 'SELECT 1';
+    CREATE OR REPLACE FUNCTION app.set_returning(args jsonb) RETURNS SETOF jsonb LANGUAGE sql AS 'SELECT args';
+    CREATE OR REPLACE PROCEDURE app.proc(args jsonb) LANGUAGE sql AS 'SELECT 1';
+    DO $$ BEGIN
+        CREATE ROLE alice LOGIN; CREATE ROLE bob LOGIN;
+    EXCEPTION WHEN duplicate_object THEN NULL; END $$;
+    GRANT USAGE ON SCHEMA app TO alice, bob;
+"""
 
 
 @pytest.fixture(scope="module")
-def app(pg):
+def pg():
     """Handlers for this module; definitions here are external (no in-database
     worker runs them) so runs stay put for inspection unless a test says so."""
-    with pg.connect() as c:
-        c.execute("""
-            CREATE SCHEMA IF NOT EXISTS app;
-            CREATE OR REPLACE FUNCTION app.ok(args jsonb) RETURNS jsonb LANGUAGE sql AS 'SELECT args';
-            CREATE OR REPLACE FUNCTION app.ok_ctx(args jsonb, ctx flow.context) RETURNS void
-                LANGUAGE sql AS 'SELECT';
-            CREATE OR REPLACE FUNCTION app.two_ints(a int, b int) RETURNS jsonb LANGUAGE sql AS 'SELECT NULL::jsonb';
-            CREATE OR REPLACE FUNCTION app.returns_int(args jsonb) RETURNS int LANGUAGE sql AS 'SELECT 1';
-            CREATE OR REPLACE FUNCTION app.set_returning(args jsonb) RETURNS SETOF jsonb LANGUAGE sql AS 'SELECT args';
-            CREATE OR REPLACE PROCEDURE app.proc(args jsonb) LANGUAGE sql AS 'SELECT 1';
-            DO $$ BEGIN
-                CREATE ROLE alice LOGIN; CREATE ROLE bob LOGIN;
-            EXCEPTION WHEN duplicate_object THEN NULL; END $$;
-            GRANT USAGE ON SCHEMA app TO alice, bob;
-        """)
-    return pg
+    cluster = app_cluster(API_APP)
+    yield cluster
+    cluster.stop()
 
 
 def counts(pg):
     return pg.all("SELECT (SELECT count(*) FROM flow._run_rows), (SELECT count(*) FROM flow._commands),"
                   " (SELECT count(*) FROM flow._definitions), (SELECT count(*) FROM flow._queues)")[0]
-
-
-def external(pg, name=None, **kw):
-    name = name or unique("ext")
-    params = ", ".join(f"{k} => {v}" for k, v in kw.items())
-    pg.one(f"SELECT flow.define('{name}', NULL{', ' + params if params else ''})")
-    return name
 
 
 # ---------------------------------------------------------------- loading
@@ -386,3 +383,53 @@ def test_the_event_journal_is_append_only(app):
     app.one("SELECT flow.emit('journal_test', 'k')")
     assert app.sqlstate("UPDATE flow._events SET key = 'x' WHERE name = 'journal_test'") == "55000"
     assert app.sqlstate("DELETE FROM flow._events WHERE name = 'journal_test'") == "55000"
+
+
+# ---------------------------------------------------------------- typed arguments
+
+def test_args_are_checked_against_the_definitions_args_type(pg):
+    pg.all("CREATE TYPE app.order_args AS (order_id int, sku text)")
+    pg.all("CREATE DOMAIN app.has_x AS jsonb CHECK (VALUE ? 'x')")
+    name, loose = unique("typed"), unique("loose")
+    pg.one(f"SELECT flow.define('{name}', 'flow.noop'::regproc, args_type => 'app.order_args')")
+    pg.one(f"SELECT flow.define('{loose}', 'flow.noop'::regproc, args_type => 'app.has_x')")
+    assert pg.await_run(pg.one(f"""SELECT flow.enqueue('{name}', '{{"order_id": 7, "sku": "book"}}')"""))[0] == \
+        "succeeded"
+    before = pg.one("SELECT count(*) FROM flow._run_rows")
+    for bad in ['{"order_id": "seven"}', '{"order_id": 7, "colour": "red"}']:
+        assert pg.sqlstate(f"SELECT flow.enqueue('{name}', '{bad}')") == "FL019"
+    assert pg.sqlstate(f"""SELECT flow.enqueue_many('{name}', array['{{"order_id": 1}}', '{{"order_id": "x"}}']::jsonb[])""") == "FL019"
+    assert pg.sqlstate(f"SELECT flow.enqueue('{loose}', '{{\"y\": 1}}')") == "FL019"
+    assert pg.one("SELECT count(*) FROM flow._run_rows") == before
+    assert pg.sqlstate(f"SELECT flow.define('{unique('n')}', 'flow.noop'::regproc, args_type => 'integer')") == "FL015"
+
+
+def test_args_are_checked_as_they_are(pg):
+    """The args_type check sees the args exactly (not through doubles): a
+    price of 1.10 has two decimal places, at enqueue and again before the
+    attempt."""
+    pg.all("CREATE DOMAIN app.cents AS numeric CHECK (scale(VALUE) = 2)")
+    pg.all("CREATE TYPE app.priced AS (price app.cents)")
+    name = unique("priced")
+    pg.one(f"SELECT flow.define('{name}', 'flow.noop'::regproc, args_type => 'app.priced')")
+    assert pg.await_run(pg.one(f"""SELECT flow.enqueue('{name}', '{{"price": 1.10}}')"""))[0] == "succeeded"
+    assert pg.sqlstate(f"""SELECT flow.enqueue('{name}', '{{"price": 1.1}}')""") == "FL019"
+
+
+# ---------------------------------------------------------------- runs, events and children: bad input
+
+def test_unknown_run(app):
+    assert app.sqlstate("SELECT flow.cancel('00000000-0000-0000-0000-000000000000')") == "FL014"
+    assert app.sqlstate("SELECT * FROM flow.await('00000000-0000-0000-0000-000000000000', '1s')") == "FL014"
+
+
+@pytest.mark.parametrize("call,code", [
+    ("flow.spawn('leaf', '{}', key => 'x')", "FL012"),
+    ("flow.emit(NULL, 'k')", "FL002"),
+    ("flow.emit('e', NULL)", "FL002"),
+    ("flow.emit('e', 'k', jsonb_build_object('big', repeat('x', 300000)))", "FL004"),
+])
+def test_bad_workflow_input(pg, call, code):
+    before = pg.one("SELECT count(*) FROM flow._events")
+    assert pg.sqlstate("SELECT " + call) == code
+    assert pg.one("SELECT count(*) FROM flow._events") == before

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from conftest import Cluster, fresh_cluster
+from conftest import Cluster, fresh_cluster, poll
 
 BURST = 30_000
 
@@ -150,7 +150,7 @@ def test_plans_cached_on_an_empty_table_stay_index_driven_through_a_burst(pg):
     for _ in range(20):
         run = pg.one("SELECT flow.enqueue('probe')")
         assert pg.await_run(run, "10s")[0] == "succeeded"
-    time.sleep(1.5)   # a recovery round, a pass of pruning
+    time.sleep(1.5)   # (time itself:) a recovery round, a pass of pruning
     pg.one("SELECT flow.set_queue('burst', paused => true)")
     for _ in range(BURST // 1000):
         pg.one("SELECT cardinality(flow.enqueue_many('burst', array_fill('{}'::jsonb, array[1000])))")
@@ -160,7 +160,7 @@ def test_plans_cached_on_an_empty_table_stay_index_driven_through_a_burst(pg):
     pg.one("SELECT flow.set_queue('burst', paused => false)")
     pg.wait_for(f"SELECT sum(value) >= {BURST + 20} FROM flow.stats WHERE name = 'runs_succeeded'", timeout=120)
     elapsed = time.time() - started
-    time.sleep(2.5)   # the workers report their table statistics at most once a second
+    time.sleep(2.5)   # (time itself:) the workers report their table statistics at most once a second
     assert seq_scans(pg) == before
     # a claim that scanned the table would take minutes for this burst (issue 9)
     assert elapsed < 60, f"{BURST} runs drained in {elapsed:.1f} s"
@@ -195,7 +195,7 @@ def test_settlements_planned_when_nothing_ran_stay_driven_by_their_commands_thro
     # (polled by a scan of the commands: flow.runs reads an index entry per
     # run at each poll, which this test would count)
     pg.wait_for("SELECT count(*) = 0 FROM flow._commands WHERE name = 'wave' AND finished_at IS NULL", timeout=300)
-    time.sleep(2.5)   # the workers report their table statistics at most once a second
+    time.sleep(2.5)   # (time itself:) the workers report their table statistics at most once a second
     read = entries_read(pg) - before
     # each run: its claim, its settlement, a few lookups; a scan per chunk would be tens of millions
     assert read < 10 * wave, f"draining {wave} runs read {read:,} index entries of _runs and _commands"
@@ -235,8 +235,8 @@ def steady_flow(pg):
     with pg.connect() as c, pg.connect() as late:
         late.execute("BEGIN")
         late.execute("SELECT now()")   # its enqueue will be due at this time
-        # (the workers' reads reach the statistics at most once a second, at
-        # a transaction of theirs: an idle worker makes one every poll interval)
+        # (time itself: the workers' reads reach the statistics at most once a
+        # second, at a transaction of theirs: an idle worker makes one every poll interval)
         time.sleep(2.2)
         before = due_blocks_read(c)
         for _ in range(30):
@@ -248,7 +248,7 @@ def steady_flow(pg):
         committed = time.monotonic()
         assert c.execute("SELECT status FROM flow.await(%s, '10s')", (run,)).fetchone()[0] == "succeeded"
         waited = time.monotonic() - committed
-        time.sleep(2.2)
+        time.sleep(2.2)   # (time itself: as above)
         read = due_blocks_read(c) - before
     assert read < 3000, f"31 runs, one at a time, read {read} pages of _commands_due"
     assert waited < 0.5, f"a run due behind where the claims took up waited {waited:.2f} s"
@@ -268,8 +268,11 @@ def test_a_command_due_behind_where_claims_take_up_is_not_left_until_the_backlog
         late.execute("SELECT now()")   # its enqueue will be due at this time
         for _ in range(backlog // 1000):
             pg.one("SELECT cardinality(flow.enqueue_many('backlog', array_fill('{}'::jsonb, array[1000])))")
+        succeeded = "SELECT value FROM flow.stats WHERE name = 'runs_succeeded'"
+        drained_from = pg.one(succeeded)
         pg.one("SELECT flow.set_queue('backlog', paused => false)")
-        time.sleep(0.5)
+        # (the drain under way: a tenth of the backlog done, the claims taking up well past the head)
+        pg.wait_for(f"SELECT ({succeeded}) >= %s", drained_from + backlog // 10)
         run = late.execute("SELECT flow.enqueue('backlog', '{\"late\": true}')").fetchone()[0]
         late.execute("COMMIT")
     pg.wait_for(f"SELECT count(*) = {backlog + 1} FROM flow.runs WHERE name = 'backlog' AND status = 'succeeded'",
@@ -372,17 +375,15 @@ def test_workers_draining_one_queue_claim_after_what_the_others_hold():
             cluster.one("SELECT cardinality(flow.enqueue_many('shared', array_fill('{}'::jsonb, array[1000])))")
         finished = "SELECT sum(value) FROM flow.stats WHERE name IN ('runs_succeeded', 'runs_failed')"
         per_run = []
-        time.sleep(1.5)   # what the workers read while idle is reported first
+        time.sleep(1.5)   # (time itself:) what the workers read while idle is reported first
         with cluster.connect() as c:
             for _ in range(3):
                 entries_before, finished_before = entries_read(cluster, "flow._commands"), c.execute(finished).fetchone()[0]
                 c.execute("SELECT flow.set_queue('shared', paused => false)")
-                deadline = time.monotonic() + 60
-                while c.execute(finished).fetchone()[0] - finished_before < stretch:
-                    assert time.monotonic() < deadline, f"a stretch of {stretch} did not finish: {per_run}"
-                    time.sleep(0.005)
+                poll(lambda: c.execute(finished).fetchone()[0] - finished_before >= stretch, timeout=60,
+                     interval=0.005, what=f"a stretch of {stretch} to finish (after {per_run})")
                 c.execute("SELECT flow.set_queue('shared', paused => true)")
-                time.sleep(2.5)   # the workers finish their chunks and report their statistics (at most once a second)
+                time.sleep(2.5)   # (time itself:) the workers finish their chunks and report their statistics (at most once a second)
                 drained = c.execute(finished).fetchone()[0] - finished_before
                 per_run.append((entries_read(cluster, "flow._commands") - entries_before) / drained)
         cluster.one("SELECT flow.set_queue('shared', paused => false)")
@@ -398,7 +399,7 @@ def test_workers_draining_one_queue_claim_after_what_the_others_hold():
 def test_plans_made_while_the_tables_are_counted_empty_stay_driven_by_their_commands():
     """After a quiet spell, VACUUM ANALYZE leaves _commands and _runs counted
     empty, and an idle worker plans its claim and settlement again after any
-    ANALYZE (executor::warm_plans), so they are planned then: a scan of a
+    ANALYZE (worker.rs, warm_plans), so they are planned then: a scan of a
     table counted empty looks free, and a join of the commands a claim,
     settlement or completion handles to _commands (or their runs to _runs)
     could be planned as a scan of the whole table with the list inside, read
@@ -422,14 +423,14 @@ def test_plans_made_while_the_tables_are_counted_empty_stay_driven_by_their_comm
         cluster.all("TRUNCATE flow._runs, flow._commands, flow._attempts, flow._waits")
         cluster.all("VACUUM ANALYZE flow._runs")
         cluster.all("VACUUM ANALYZE flow._commands")
-        time.sleep(2.5)   # idle workers plan their claim and settlement again (flow.poll_interval: 1 s)
+        time.sleep(2.5)   # (time itself:) idle workers plan their claim and settlement again (flow.poll_interval: 1 s)
         burst = 10_000
         cluster.one("SELECT flow.set_queue('quiet', paused => true)")
         for name in ("quiet_rust", "quiet_sql", "quiet_ext"):
             for _ in range(burst // 1000):
                 cluster.one(f"SELECT cardinality(flow.enqueue_many('{name}', array_fill('{{}}'::jsonb, array[1000])))")
 
-        time.sleep(1.5)   # what the workers read while idle is reported first
+        time.sleep(1.5)   # (time itself:) what the workers read while idle is reported first
         before = entries_read(cluster)
         cluster.one("SELECT flow.set_queue('quiet', paused => false)")
         with cluster.connect() as c:
@@ -442,7 +443,7 @@ def test_plans_made_while_the_tables_are_counted_empty_stay_driven_by_their_comm
                                        ([r[0] for r in claimed], [r[1] for r in claimed])).fetchone()[0]
         assert completed == burst
         cluster.wait_for("SELECT count(*) = 0 FROM flow._commands WHERE finished_at IS NULL", timeout=300)
-        time.sleep(2.5)   # the workers report their table statistics at most once a second
+        time.sleep(2.5)   # (time itself:) the workers report their table statistics at most once a second
         per_run = (entries_read(cluster) - before) / (3 * burst)
         assert cluster.one("SELECT count(*) FROM flow._commands WHERE status = 'succeeded'") == 3 * burst
         assert per_run < 20, f"{per_run:.2f} index entries of _runs and _commands read per run"

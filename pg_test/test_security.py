@@ -1,15 +1,15 @@
 """Hostile roles: alice and bob are ordinary users, mallory is an attacker with
 only the database defaults (CONNECT, TEMP; no CREATE anywhere). Every attack
-here was reproduced against 0.1.0; each test asserts its outcome: no
+here was reproduced against 0.1.0 or 0.2.0; each test asserts its outcome: no
 escalation, no effect on another role, no stall of the engine.
-(src/isolation.rs and the README's security model say what holds and why.)"""
+(src/gateway.rs and the README's security model say what holds and why.)"""
 import threading
 import time
 
 import psycopg
 import pytest
 
-from conftest import fresh_cluster, unique
+from conftest import EFFECTS, ENGINE_APP, define, enqueue, fresh_cluster, poll, unique
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,9 @@ def pg():
             END $$;
             ALTER FUNCTION app.mallory_sql(jsonb) OWNER TO mallory;
         """)
+        c.execute(EFFECTS + ENGINE_APP)   # (app.hello, for section 20)
     yield cluster
+    cluster.stop()
 
 
 def run_sql_as(pg, user, sql, max_attempts=1, **kw):
@@ -84,6 +86,19 @@ def alice_runs(pg, handler, args="{}", **kw):
     pg.one(f"SELECT flow.define('{name}', '{handler}'::regproc{params})", user="alice")
     run = pg.one(f"SELECT flow.enqueue('{name}', '{args}')", user="alice")
     return run, pg.await_run(run, "30s", user="alice")
+
+
+def alice_counted_handler(pg):
+    """A handler of alice's that counts its calls: its name, and the
+    sequence whose last_value is the count."""
+    calls = unique("calls")
+    pg.all(f"""
+        CREATE SEQUENCE app.{calls};
+        ALTER SEQUENCE app.{calls} OWNER TO alice;
+        CREATE FUNCTION app.{calls}_handler(args jsonb) RETURNS jsonb LANGUAGE sql
+            AS $$ SELECT jsonb_build_object('call', nextval('app.{calls}')) $$;
+        ALTER FUNCTION app.{calls}_handler(jsonb) OWNER TO alice;""")
+    return f"app.{calls}_handler", f"app.{calls}"
 
 
 def is_superuser(pg, role):
@@ -367,12 +382,13 @@ def test_no_role_can_take_over_a_definition_name(pg):
         except psycopg.Error as e:
             outcome["alice"] = e.sqlstate
 
+    waiting = "SELECT count(*) > 0 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE %s"
     t1 = threading.Thread(target=mallory_defines)
     t1.start()
-    time.sleep(0.5)
+    poll(lambda: "mallory" in outcome or pg.one(waiting, "%flow.run_sql%"), what="mallory's define to wait")
     t2 = threading.Thread(target=alice_defines)
     t2.start()
-    time.sleep(0.5)
+    poll(lambda: "alice" in outcome or pg.one(waiting, "%app.alice_ledger%"), what="alice's define to wait")
     holder.rollback()
     holder.close()
     t1.join(10)
@@ -625,9 +641,9 @@ def test_database_and_role_settings_do_not_change_the_workers(pg):
     pg.all("ALTER DATABASE postgres SET default_transaction_read_only = on")
     try:
         # workers that start now connect under these settings
+        old = pg.worker_pids()
         pg.all("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE backend_type = 'flow worker'")
-        time.sleep(1.5)
-        pg.wait_for("SELECT count(*) = 2 FROM flow.workers WHERE pid IS NOT NULL")
+        pg.wait_for("SELECT count(*) = 2 FROM flow.workers WHERE pid IS NOT NULL AND pid <> ALL (%s)", old)
         with pg.connect() as c:
             assert c.execute("SHOW default_transaction_isolation").fetchone()[0] == "serializable"
     finally:
@@ -648,9 +664,7 @@ def test_database_and_role_settings_do_not_change_the_workers(pg):
 # ---------------------------------------------------------------- 6. containment
 
 def set_faults(pg, value):
-    pg.all(f"ALTER SYSTEM SET flow.fault_points = '{value}'")
-    pg.all("SELECT pg_reload_conf()")
-    time.sleep(0.3)
+    pg.configure("flow.fault_points", value, settle=0.3)
 
 
 def test_an_engine_error_charges_no_command_that_did_not_cause_it(pg):
@@ -948,15 +962,10 @@ def test_an_args_type_check_runs_as_the_definitions_owner(pg):
 
 def test_a_failing_handler_never_makes_another_roles_handler_run_again(pg):
     """Held attempts share a subtransaction only with the same role's
-    (executor.rs, Group): when one of mallory's fails, the group rolled back
+    (execute.rs, Group): when one of mallory's fails, the group rolled back
     and run again holds her own handlers, never alice's, whose handler may
     have effects outside the database that a second run would repeat."""
     pg.all("""
-        CREATE SEQUENCE app.alice_calls;
-        ALTER SEQUENCE app.alice_calls OWNER TO alice;
-        CREATE FUNCTION app.alice_counted(args jsonb) RETURNS jsonb LANGUAGE sql
-            AS $$ SELECT jsonb_build_object('call', nextval('app.alice_calls')) $$;
-        ALTER FUNCTION app.alice_counted(jsonb) OWNER TO alice;
         CREATE FUNCTION app.mallory_flaky(args jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
         BEGIN
             IF (args->>'fail')::boolean THEN RAISE EXCEPTION 'mallory fails on purpose'; END IF;
@@ -969,7 +978,8 @@ def test_a_failing_handler_never_makes_another_roles_handler_run_again(pg):
     pg.one("SELECT flow.set_queue(%s, paused => false)", shared)
     pg.one("SELECT flow.grant_queue(%s, 'alice')", shared)
     pg.one("SELECT flow.grant_queue(%s, 'mallory')", shared)
-    pg.one(f"SELECT flow.define('{counted}', 'app.alice_counted'::regproc, queue => '{shared}')", user="alice")
+    handler, calls = alice_counted_handler(pg)
+    pg.one(f"SELECT flow.define('{counted}', '{handler}'::regproc, queue => '{shared}')", user="alice")
     pg.one(f"SELECT flow.define('{flaky}', 'app.mallory_flaky'::regproc, max_attempts => 1, queue => '{shared}')",
            user="mallory")
     # both run fast: from then on their commands are held
@@ -992,7 +1002,7 @@ def test_a_failing_handler_never_makes_another_roles_handler_run_again(pg):
     for run, user in runs:
         assert pg.await_run(run, user=user)[0] in ("succeeded", "failed")
     # alice's handler ran once for each of her 230 commands: none ran again
-    assert pg.one("SELECT last_value FROM app.alice_calls") == 230
+    assert pg.one(f"SELECT last_value FROM {calls}") == 230
 
 
 # ---------------------------------------------------------------- 12. the gateway to user code (0.3.0)
@@ -1323,11 +1333,6 @@ def test_a_worker_killed_by_one_roles_handler_runs_no_other_roles_handler_again(
     stops its worker on purpose by swallowing its timeout: the transaction it
     was in held no handler of alice's, so none of hers runs twice."""
     pg.all("""
-        CREATE SEQUENCE app.alice_kill_calls;
-        ALTER SEQUENCE app.alice_kill_calls OWNER TO alice;
-        CREATE FUNCTION app.alice_counted2(args jsonb) RETURNS jsonb LANGUAGE sql
-            AS $$ SELECT jsonb_build_object('call', nextval('app.alice_kill_calls')) $$;
-        ALTER FUNCTION app.alice_counted2(jsonb) OWNER TO alice;
         CREATE FUNCTION app.mallory_stalls(args jsonb) RETURNS void LANGUAGE plpgsql AS $$
         BEGIN
             WHILE (args->>'stall')::boolean LOOP
@@ -1338,7 +1343,8 @@ def test_a_worker_killed_by_one_roles_handler_runs_no_other_roles_handler_again(
     """)
     q = shared_queue(pg, "mallory")
     a, m = unique("counted"), unique("stalls")
-    pg.one(f"SELECT flow.define('{a}', 'app.alice_counted2'::regproc, queue => '{q}')", user="alice")
+    handler, calls = alice_counted_handler(pg)
+    pg.one(f"SELECT flow.define('{a}', '{handler}'::regproc, queue => '{q}')", user="alice")
     pg.one(f"SELECT flow.define('{m}', 'app.mallory_stalls'::regproc, queue => '{q}', timeout => '200 ms',"
            " max_attempts => 1)", user="mallory")
     pg.one(f"SELECT flow.set_queue('{q}', paused => false)", user="alice")
@@ -1352,7 +1358,7 @@ def test_a_worker_killed_by_one_roles_handler_runs_no_other_roles_handler_again(
     runs = interleaved(pg, q, batches)
     for run, user in runs:
         assert pg.await_run(run, "60s", user=user)[0] == ("failed" if user == "mallory" else "succeeded")
-    assert pg.one("SELECT last_value FROM app.alice_kill_calls") == 60 + 40
+    assert pg.one(f"SELECT last_value FROM {calls}") == 60 + 40
     pg.wait_for("SELECT count(*) = 2 FROM flow.workers WHERE pid IS NOT NULL")
 
 
@@ -1475,30 +1481,6 @@ def test_one_role_cannot_take_every_held_claim(pg):
            user="mallory")
 
 
-def test_a_cancel_never_lands_on_another_roles_handler(pg):
-    """flow.cancel signals the worker running the cancelled run's handler; a
-    signal that arrives after that handler ended is not charged to the next
-    one (another role's): it is given back and runs again, uncharged."""
-    pg.all("""
-        CREATE OR REPLACE FUNCTION app.bob_naps(args jsonb) RETURNS void LANGUAGE sql AS $$ SELECT pg_sleep(0.01) $$;
-        ALTER FUNCTION app.bob_naps(jsonb) OWNER TO bob;
-        CREATE OR REPLACE FUNCTION app.alice_naps(args jsonb) RETURNS void LANGUAGE sql AS $$ SELECT pg_sleep(0.01) $$;
-        ALTER FUNCTION app.alice_naps(jsonb) OWNER TO alice;
-    """)
-    b, a = unique("bnap"), unique("anap")
-    pg.one(f"SELECT flow.define('{b}', 'app.bob_naps'::regproc)", user="bob")
-    pg.one(f"SELECT flow.define('{a}', 'app.alice_naps'::regproc)", user="alice")
-    bobs = pg.one(f"SELECT flow.enqueue_many('{b}', array_fill('{{}}'::jsonb, array[300]))", user="bob")
-    alices = pg.one(f"SELECT flow.enqueue_many('{a}', array_fill('{{}}'::jsonb, array[300]))", user="alice")
-    with pg.connect("bob") as c:
-        for run in bobs:
-            c.execute("SELECT flow.cancel(%s)", (run,))
-    for run in alices:
-        assert pg.await_run(run, "60s", user="alice")[0] == "succeeded"
-    assert pg.one("SELECT count(*) FROM flow.attempts WHERE run_id = ANY (%s) AND outcome <> 'succeeded'",
-                  alices, user="alice") == 0
-
-
 # ---------------------------------------------------------------- 18. functional defects
 
 def test_every_role_reads_its_runs_attempts(pg):
@@ -1520,25 +1502,7 @@ def test_reassign_owned_moves_a_roles_events(pg):
 
 # ---------------------------------------------------------------- 19. one gateway, checked
 
-def test_user_code_is_called_only_through_the_gateway():
-    """The places that switch to another role, call a handler or run an
-    args check are gateway.rs's alone: a new call of user code elsewhere
-    fails this test (and the canary below checks each path at run time)."""
-    from conftest import ROOT
-    sources = {p.name: p.read_text() for p in (ROOT / "src").glob("*.rs")}
-    for name, text in sources.items():
-        if name != "gateway.rs":
-            assert "SetUserIdAndSecContext" not in text, name
-            assert "_args_misfit(" not in text, name
-            assert "AfterTriggerFireDeferred" not in text, name
-    # the handler is called in one place, inside the gateway
-    calls = [line for line in sources["executor.rs"].splitlines()
-             if "call_handler(" in line and "fn call_handler" not in line and not line.strip().startswith("//")]
-    assert calls and all("gateway::run_handler(" in line for line in calls), calls
-    sql = {p.name: p.read_text() for p in (ROOT / "sql").glob("*.sql") if not p.name.startswith("flow--")}
-    users = sorted(name for name, text in sql.items() if "_args_misfit_as(" in text)
-    assert users == ["definitions.sql", "enqueue.sql"], users
-    assert sum(text.count("flow._args_misfit(") for text in sql.values()) == 1   # its definition
+# (the call sites themselves: pg_test/test_sources.py, test_user_code_is_called_only_through_the_gateway)
 
 
 def test_every_path_of_user_code_runs_as_its_owner_with_its_path(planted):
@@ -1620,3 +1584,47 @@ def test_every_path_of_user_code_runs_as_its_owner_with_its_path(planted):
             assert f"canary[alice|alice_s, public|{'t' if restricted else 'f'}]" in song, (site, song)
     finally:
         pg.all('ALTER ROLE alice SET search_path = "$user", public')
+
+
+# ---------------------------------------------------------------- 20. a handler has its owner's rights, never the worker's
+
+def test_handlers_run_as_their_definer_and_runs_are_private(app):
+    app.all("DO $$ BEGIN CREATE ROLE alice LOGIN; CREATE ROLE bob LOGIN;"
+            " EXCEPTION WHEN duplicate_object THEN NULL; END $$")
+    app.all("CREATE FUNCTION app.whoami(args jsonb) RETURNS jsonb LANGUAGE sql AS"
+            " $$ SELECT jsonb_build_object('current', current_user::text, 'session', session_user::text) $$")
+    app.all("ALTER FUNCTION app.whoami(jsonb) OWNER TO alice")
+    name = define(app, "app.whoami", user="alice")
+    app.one(f"SELECT flow.grant_definition('{name}', 'bob')", user="alice")
+    run = enqueue(app, name, user="bob")
+    status, result, _ = app.await_run(run, "10s", user="bob")
+    assert status == "succeeded" and result["current"] == "alice"
+    # bob's run is invisible to alice, who cannot cancel or await it either
+    assert app.one("SELECT count(*) FROM flow.runs WHERE id = %s", run, user="alice") == 0
+    assert app.one("SELECT count(*) FROM flow.commands WHERE run_id = %s", run, user="alice") == 0
+    assert app.one("SELECT count(*) FROM flow.attempts WHERE run_id = %s", run, user="alice") == 0
+    assert app.sqlstate("SELECT flow.cancel(%s)", run, user="alice") == "FL014"
+    assert app.sqlstate("SELECT * FROM flow.await(%s, '1s')", run, user="alice") == "FL014"
+    assert app.one("SELECT count(*) FROM flow.runs WHERE id = %s", run, user="bob") == 1
+
+
+def test_a_handler_cannot_take_the_workers_superuser_rights(app):
+    app.all("CREATE FUNCTION app.escalate(args jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$"
+            " BEGIN SET SESSION AUTHORIZATION postgres; RETURN '{}'; END $$")
+    app.all("ALTER FUNCTION app.escalate(jsonb) OWNER TO alice")
+    name = define(app, "app.escalate", user="alice", max_attempts=1)
+    run = enqueue(app, name, user="alice")
+    assert app.await_run(run, "10s", user="alice")[0] == "failed"
+    assert app.one("SELECT last_error_code FROM flow.commands WHERE run_id = %s", run) == "42501"
+
+
+def test_a_handler_without_rights_fails_and_the_worker_goes_on(app):
+    app.all("CREATE TABLE app.private (x int)")
+    app.all("CREATE FUNCTION app.write_private(args jsonb) RETURNS void LANGUAGE sql AS"
+            " $$ INSERT INTO app.private VALUES (1) $$")
+    app.all("ALTER FUNCTION app.write_private(jsonb) OWNER TO alice")
+    name = define(app, "app.write_private", user="alice", max_attempts=1)
+    run = enqueue(app, name, user="alice")
+    assert app.await_run(run, "10s", user="alice")[0] == "failed"
+    assert app.one("SELECT last_error_code FROM flow.commands WHERE run_id = %s", run) == "42501"
+    assert app.await_run(enqueue(app, define(app, "app.hello")), "10s")[0] == "succeeded"

@@ -97,7 +97,7 @@ def test_a_released_version_updates_in_place(pg):
 
     # the workers wait calmly: the old SQL is not what this library runs
     assert pg.one("SELECT count(*) FROM flow._commands WHERE status = 'running'") == 1
-    time.sleep(2)
+    time.sleep(2)   # (time itself: nothing runs within 2 s)
     assert pg.one("SELECT count(*) FROM app.effects") == 0
     assert f"the installed extension is version {oldest}, this library is {CURRENT}" in pg.log()
 

@@ -1,105 +1,25 @@
-"""Workflows: events, children that wait on events, run outcomes, run graphs."""
-import os
-import random
-import signal
+"""Workflows: children spawned by handlers, waits on events, events from
+the journal, run outcomes, sagas that compensate, run graphs. (A workflow's
+cancel: test_cancel.py; workers killed under workflows: test_crash.py; event
+retention: test_retention.py.)"""
 import subprocess
 import time
 
-import psycopg
 import pytest
 
-from conftest import fresh_cluster, unique
+from conftest import assert_fan_outs_ran_once, ACT, ACT_APP, WORKFLOW_APP, app_cluster, commands, define, effects, enqueue, root, unique
 
 
 @pytest.fixture(scope="module")
 def pg():
-    cluster = fresh_cluster("flow.workers = 2", "flow.batch_size = 50")
-    with cluster.connect() as c:
-        c.execute("""
-            CREATE SCHEMA app;
-            CREATE TABLE app.effects (run_id uuid, key text, attempt int);
-
-            -- fan-out/fan-in: root spawns n parts and a join waiting on all their events
-            CREATE FUNCTION app.fan_root(args jsonb, ctx flow.context) RETURNS jsonb LANGUAGE plpgsql AS $$
-            DECLARE
-                n int := (args->>'n')::int;
-                waits flow.wait_spec[] := '{}';
-            BEGIN
-                FOR i IN 1..n LOOP
-                    PERFORM flow.spawn('fan_part', jsonb_build_object('i', i), key => 'part-' || i);
-                    waits := waits || flow.wait('part_done', ctx.run_id || '/' || i);
-                END LOOP;
-                PERFORM flow.spawn('fan_join', '{}', key => 'join', waits => waits, within => '2 minutes');
-                RETURN jsonb_build_object('spawned', n);
-            END $$;
-            CREATE FUNCTION app.fan_part(args jsonb, ctx flow.context) RETURNS jsonb LANGUAGE plpgsql AS $$
-            BEGIN
-                INSERT INTO app.effects VALUES (ctx.run_id, ctx.command_key, ctx.attempt);
-                PERFORM flow.emit('part_done', ctx.run_id || '/' || (args->>'i'), jsonb_build_object('i', args->'i'));
-                RETURN NULL;
-            END $$;
-            CREATE FUNCTION app.fan_join(args jsonb, ctx flow.context) RETURNS jsonb LANGUAGE plpgsql AS $$
-            BEGIN
-                INSERT INTO app.effects VALUES (ctx.run_id, ctx.command_key, ctx.attempt);
-                RETURN jsonb_build_object('inputs', jsonb_array_length(ctx.inputs),
-                    'sum', (SELECT sum((x->'payload'->>'i')::int) FROM jsonb_array_elements(ctx.inputs) x),
-                    'timed_out', ctx.wait_timed_out);
-            END $$;
-
-            -- a parent that spawns one child waiting on (event, key) with a short `within`
-            CREATE FUNCTION app.wait_root(args jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
-            BEGIN
-                PERFORM flow.spawn('wait_child', '{}', key => 'child',
-                    waits => array[flow.wait('evt', args->>'key'), flow.wait('evt2', args->>'key')],
-                    within => (args->>'within')::interval);
-                RETURN NULL;
-            END $$;
-            CREATE FUNCTION app.wait_child(args jsonb, ctx flow.context) RETURNS jsonb LANGUAGE sql AS $$
-                SELECT jsonb_build_object('inputs', ctx.inputs, 'timed_out', ctx.wait_timed_out, 'missing', ctx.missing)
-            $$;
-
-            -- spawns a child, then fails on its first attempt: the retry re-spawns it
-            CREATE FUNCTION app.respawn(args jsonb, ctx flow.context) RETURNS jsonb LANGUAGE plpgsql AS $$
-            BEGIN
-                PERFORM flow.spawn('leaf', '{"x": 1}', key => 'leaf');
-                PERFORM flow.spawn('leaf', '{"x": 1}', key => 'leaf');   -- same declaration: a no-op
-                IF args ? 'conflict' THEN
-                    PERFORM flow.spawn('leaf', '{"x": 2}', key => 'leaf');
-                END IF;
-                IF args ? 'root_key' THEN
-                    PERFORM flow.spawn('leaf', '{}', key => 'root');
-                END IF;
-                IF ctx.attempt = 1 THEN RAISE EXCEPTION 'first attempt fails'; END IF;
-                RETURN NULL;
-            END $$;
-            CREATE FUNCTION app.leaf(args jsonb, ctx flow.context) RETURNS jsonb LANGUAGE plpgsql AS $$
-            BEGIN
-                INSERT INTO app.effects VALUES (ctx.run_id, ctx.command_key, ctx.attempt);
-                IF args ? 'fail' THEN PERFORM flow.fail('leaf failed'); END IF;
-                IF args ? 'sleep' THEN PERFORM pg_sleep((args->>'sleep')::float); END IF;
-                RETURN NULL;
-            END $$;
-            -- a parent with one failing child and siblings that wait or sleep
-            CREATE FUNCTION app.doomed(args jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
-            BEGIN
-                PERFORM flow.spawn('leaf', '{"fail": true}', key => 'bad', start_after => (args->>'fail_after')::interval);
-                PERFORM flow.spawn('leaf', '{}', key => 'waits', waits => array[flow.wait('never', 'x')]);
-                PERFORM flow.spawn('leaf', '{}', key => 'later', start_after => '1 hour');
-                RETURN NULL;
-            END $$;
-        """)
-        for name, fn in [("fan_root", "app.fan_root"), ("fan_part", "app.fan_part"), ("fan_join", "app.fan_join"),
-                         ("wait_root", "app.wait_root"), ("wait_child", "app.wait_child"),
-                         ("respawn", "app.respawn"), ("leaf", "app.leaf"), ("doomed", "app.doomed")]:
-            c.execute(f"SELECT flow.define('{name}', '{fn}'::regproc, max_attempts => 20, backoff => '10 ms',"
-                      " backoff_max => '100 ms')")
+    """The workflows' definitions ('fan_root', 'wait_root', 'respawn', 'leaf',
+    'doomed', ...) and app.act."""
+    cluster = app_cluster(WORKFLOW_APP, ACT_APP, conf=("flow.workers = 2", "flow.batch_size = 50"))
     yield cluster
     cluster.stop()
 
 
-def commands(pg, run):
-    return dict(pg.all("SELECT key, status FROM flow.commands WHERE run_id = %s", run))
-
+# ---------------------------------------------------------------- fan-out and fan-in
 
 def test_fan_out_fan_in_once(pg):
     run = pg.one("SELECT flow.enqueue('fan_root', '{\"n\": 50}')")
@@ -114,14 +34,11 @@ def test_one_hundred_concurrent_fan_outs(pg):
     runs = pg.one("SELECT flow.enqueue_many('fan_root', array_fill('{\"n\": 50}'::jsonb, array[100]))")
     pg.wait_for("SELECT count(*) = 100 FROM flow.runs WHERE id = ANY(%s) AND status <> 'running'", runs,
                 timeout=240)
-    assert pg.one("SELECT count(*) FROM flow.runs WHERE id = ANY(%s) AND status = 'succeeded'", runs) == 100
     # every part and join ran exactly once per run
-    assert pg.one("SELECT count(*) FROM (SELECT run_id, key FROM app.effects WHERE run_id = ANY(%s)"
-                  " GROUP BY run_id, key HAVING count(*) <> 1) x", runs) == 0
-    assert pg.one("SELECT count(*) FROM app.effects WHERE run_id = ANY(%s)", runs) == 100 * 51
-    assert pg.one("SELECT count(*) FROM flow.commands WHERE run_id = ANY(%s) AND key = 'join'"
-                  " AND result->>'inputs' = '50'", runs) == 100
+    assert_fan_outs_ran_once(pg, runs, 50)
 
+
+# ---------------------------------------------------------------- waits and events
 
 def test_event_before_the_wait_is_read_from_the_journal(pg):
     key = unique("early")
@@ -140,7 +57,7 @@ def test_event_after_the_wait_wakes_it(pg):
     run = pg.one("SELECT flow.enqueue('wait_root', jsonb_build_object('key', %s::text, 'within', '1 minute'))", key)
     pg.wait_for("SELECT status = 'waiting' FROM flow.commands WHERE run_id = %s AND key = 'child'", run)
     pg.one("SELECT flow.emit('evt', %s, '{\"n\": 1}')", key)
-    time.sleep(0.3)
+    time.sleep(0.3)   # (time itself: one of two waits satisfied does not wake it)
     assert commands(pg, run)["child"] == "waiting"  # one of two waits satisfied
     t0 = time.time()
     pg.one("SELECT flow.emit('evt2', %s, '{\"n\": 2}')", key)
@@ -164,6 +81,51 @@ def test_wait_timeout_runs_the_child_with_what_arrived(pg):
     assert [i["name"] for i in child["inputs"]] == ["evt"]
     assert child["missing"] == [{"name": "evt2", "key": key}]
 
+
+def test_spawn_with_null_waits_runs_the_child(pg):
+    child = define(pg, ACT)
+    run = enqueue(pg, define(pg, ACT), f'{{"do": "spawn_no_waits", "child": "{child}"}}')
+    assert pg.await_run(run)[0] == "succeeded"
+
+
+def test_a_wait_without_within_ends_at_the_run_deadline(pg):
+    child = define(pg, ACT)
+    run = enqueue(pg, define(pg, ACT), f'{{"do": "spawn_waiting", "child": "{child}"}}', deadline="'2 seconds'")
+    status, _, error = pg.await_run(run, "15s")
+    assert status == "failed"
+    assert pg.one("SELECT stop_reason FROM flow._commands WHERE run_id = %s AND key = 'child'", run) in (
+        "deadline_before_next_attempt", "attempt_limit")
+
+
+def test_only_the_workflows_roles_can_satisfy_its_waits(pg):
+    pg.all("DO $$ BEGIN CREATE ROLE alice LOGIN; CREATE ROLE bob LOGIN;"
+           " EXCEPTION WHEN duplicate_object THEN NULL; END $$")
+    pg.all("GRANT USAGE ON SCHEMA app TO alice")
+    pg.all("CREATE FUNCTION app.alice_root(args jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$ BEGIN"
+           " PERFORM flow.spawn('alice_child', '{}', key => 'child',"
+           "   waits => array[flow.wait('secret', args->>'key')]); RETURN NULL; END $$")
+    pg.all("CREATE FUNCTION app.alice_child(args jsonb, ctx flow.context) RETURNS jsonb LANGUAGE sql AS"
+           " $$ SELECT ctx.inputs $$")
+    pg.all("ALTER FUNCTION app.alice_root(jsonb) OWNER TO alice")
+    pg.all("ALTER FUNCTION app.alice_child(jsonb, flow.context) OWNER TO alice")
+    pg.one("SELECT flow.define('alice_root', 'app.alice_root'::regproc)", user="alice")
+    pg.one("SELECT flow.define('alice_child', 'app.alice_child'::regproc)", user="alice")
+    key = unique("k")
+    pg.one("SELECT flow.emit('secret', %s, '{\"from\": \"bob, early\"}')", key, user="bob")
+    run = pg.one("SELECT flow.enqueue('alice_root', jsonb_build_object('key', %s::text))", key, user="alice")
+    pg.wait_for("SELECT status = 'waiting' FROM flow.commands WHERE run_id = %s AND key = 'child'", run,
+                user="alice")
+    pg.one("SELECT flow.emit('secret', %s, '{\"from\": \"bob\"}')", key, user="bob")
+    time.sleep(0.5)   # (time itself: bob's event does not wake alice's wait)
+    assert pg.one("SELECT status FROM flow.commands WHERE run_id = %s AND key = 'child'", run,
+                  user="alice") == "waiting"
+    pg.one("SELECT flow.emit('secret', %s, '{\"from\": \"alice\"}')", key, user="alice")
+    assert pg.await_run(run, "10s", user="alice")[0] == "succeeded"
+    inputs = pg.one("SELECT result FROM flow.commands WHERE run_id = %s AND key = 'child'", run, user="alice")
+    assert [i["payload"] for i in inputs] == [{"from": "alice"}]
+
+
+# ---------------------------------------------------------------- spawn: children once, and invalid spawns
 
 def test_a_retried_spawner_does_not_duplicate_children(pg):
     run = pg.one("SELECT flow.enqueue('respawn')")
@@ -216,6 +178,8 @@ def test_spawning_the_root_key_is_an_invalid_decision(pg):
     assert pg.all("SELECT id, key FROM flow.commands WHERE run_id = %s", run) == [(run, "root")]
 
 
+# ---------------------------------------------------------------- run outcomes and sagas
+
 def test_a_child_failure_fails_the_run_and_cancels_siblings(pg):
     run = pg.one("SELECT flow.enqueue('doomed', '{\"fail_after\": \"200 ms\"}')")
     status, _, error = pg.await_run(run, "20s")
@@ -224,18 +188,32 @@ def test_a_child_failure_fails_the_run_and_cancels_siblings(pg):
     assert pg.one("SELECT stop_reason FROM flow.commands WHERE run_id = %s AND key = 'waits'", run) == "run_failed"
 
 
-def test_cancel_cancels_waiting_children_and_nothing_runs_after(pg):
-    run = pg.one("SELECT flow.enqueue('doomed', '{\"fail_after\": \"1 hour\"}')")
-    pg.wait_for("SELECT count(*) = 4 FROM flow.commands WHERE run_id = %s", run)
-    pg.wait_for("SELECT status = 'succeeded' FROM flow.commands WHERE run_id = %s AND key = 'root'", run)
-    assert pg.one("SELECT flow.cancel(%s)", run) is True
-    assert commands(pg, run) == {"root": "succeeded", "bad": "cancelled", "waits": "cancelled",
-                                 "later": "cancelled"}
-    pg.one("SELECT flow.emit('never', 'x')")
-    time.sleep(0.5)
-    assert pg.one("SELECT count(*) FROM app.effects WHERE run_id = %s", run) == 0
-    assert pg.one("SELECT status FROM flow.runs WHERE id = %s", run) == "cancelled"
+def test_fail_keeping_writes_commits_the_compensation(pg):
+    tag = unique("order")
+    run = enqueue(pg, define(pg, ACT), f'{{"do": "compensate", "tag": "{tag}"}}')
+    status, result, error = pg.await_run(run)
+    assert status == "failed" and result is None
+    assert error["message"] == "could not ship" and error["stop_reason"] == "permanent"
+    assert root(pg, run)[:3] == ("failed", 1, "permanent")
+    # the refund and the event committed with the failed settlement
+    assert effects(pg, "refund:" + tag) == 1 and effects(pg, tag) == 1
+    assert pg.one("SELECT count(*) FROM flow.events WHERE name = 'refunded' AND key = %s", tag) == 1
+    assert pg.sqlstate("SELECT flow.fail('x', keep_writes => true)") == "FL012"
 
+
+def test_the_demo_saga_refunds(pg):
+    from pathlib import Path
+    sql = (Path(__file__).resolve().parent.parent / "examples" / "order_workflow.sql").read_text()
+    with pg.connect() as c:
+        c.execute(sql)
+    run = pg.one("""SELECT flow.enqueue('place_order', '{"order": "o-9", "amount": 5, "sku": "unicorn",
+                                                          "within": "3 seconds"}')""")
+    assert pg.await_run(run)[0] == "failed"
+    assert pg.one("SELECT refunded FROM shop.charges WHERE order_id = 'o-9'") is True
+    assert pg.one("SELECT count(*) FROM shop.shipments WHERE order_id = 'o-9'") == 0
+
+
+# ---------------------------------------------------------------- run graphs
 
 def test_run_graph_renders_with_dot(pg, tmp_path):
     run = pg.one("SELECT flow.enqueue('wait_root', jsonb_build_object('key', 'graph', 'within', '1 minute'))")
@@ -249,96 +227,3 @@ def test_run_graph_renders_with_dot(pg, tmp_path):
     assert mermaid.startswith("flowchart LR") and "-.->" in mermaid
     assert pg.sqlstate("SELECT flow.run_graph(%s, 'png')", run) == "FL003"
     pg.one("SELECT flow.cancel(%s)", run)
-
-
-@pytest.mark.parametrize("call,code", [
-    ("flow.spawn('leaf', '{}', key => 'x')", "FL012"),
-    ("flow.emit(NULL, 'k')", "FL002"),
-    ("flow.emit('e', NULL)", "FL002"),
-    ("flow.emit('e', 'k', jsonb_build_object('big', repeat('x', 300000)))", "FL004"),
-])
-def test_bad_workflow_input(pg, call, code):
-    before = pg.one("SELECT count(*) FROM flow._events")
-    assert pg.sqlstate("SELECT " + call) == code
-    assert pg.one("SELECT count(*) FROM flow._events") == before
-
-
-def test_workers_killed_during_concurrent_workflows_lose_nothing(pg):
-    runs = pg.one("SELECT flow.enqueue_many('fan_root', array_fill('{\"n\": 20}'::jsonb, array[100]))")
-    rng = random.Random(11)
-    kills = 0
-    deadline = time.time() + 240
-    while time.time() < deadline:
-        try:
-            if pg.one("SELECT count(*) FROM flow.runs WHERE id = ANY(%s) AND status = 'running'", runs) == 0:
-                break
-            pids = pg.worker_pids()
-            if pids and kills < 3:
-                os.kill(rng.choice(pids), signal.SIGKILL)
-                kills += 1
-                time.sleep(1.0)
-                pg.wait_ready()
-            time.sleep(rng.uniform(0.3, 1.0))
-        except (psycopg.OperationalError, ProcessLookupError):
-            time.sleep(0.5)
-            pg.wait_ready()
-    assert kills >= 1
-    pg.wait_for("SELECT count(*) = 0 FROM flow.runs WHERE id = ANY(%s) AND status = 'running'", runs, timeout=240)
-    assert pg.one("SELECT count(*) FROM flow.runs WHERE id = ANY(%s) AND status = 'succeeded'", runs) == 100
-    assert pg.one("SELECT count(*) FROM (SELECT run_id, key FROM app.effects WHERE run_id = ANY(%s)"
-                  " GROUP BY run_id, key HAVING count(*) <> 1) x", runs) == 0
-    assert pg.one("SELECT count(*) FROM app.effects WHERE run_id = ANY(%s)", runs) == 100 * 21
-    # no event lost: every join saw all 20 inputs without timing out
-    assert pg.one("SELECT count(*) FROM flow.commands WHERE run_id = ANY(%s) AND key = 'join'"
-                  " AND result->>'inputs' = '20' AND result->>'timed_out' = 'false'", runs) == 100
-
-
-def test_only_the_workflows_roles_can_satisfy_its_waits(pg):
-    pg.all("DO $$ BEGIN CREATE ROLE alice LOGIN; CREATE ROLE bob LOGIN;"
-           " EXCEPTION WHEN duplicate_object THEN NULL; END $$")
-    pg.all("GRANT USAGE ON SCHEMA app TO alice")
-    pg.all("CREATE FUNCTION app.alice_root(args jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$ BEGIN"
-           " PERFORM flow.spawn('alice_child', '{}', key => 'child',"
-           "   waits => array[flow.wait('secret', args->>'key')]); RETURN NULL; END $$")
-    pg.all("CREATE FUNCTION app.alice_child(args jsonb, ctx flow.context) RETURNS jsonb LANGUAGE sql AS"
-           " $$ SELECT ctx.inputs $$")
-    pg.all("ALTER FUNCTION app.alice_root(jsonb) OWNER TO alice")
-    pg.all("ALTER FUNCTION app.alice_child(jsonb, flow.context) OWNER TO alice")
-    pg.one("SELECT flow.define('alice_root', 'app.alice_root'::regproc)", user="alice")
-    pg.one("SELECT flow.define('alice_child', 'app.alice_child'::regproc)", user="alice")
-    key = unique("k")
-    pg.one("SELECT flow.emit('secret', %s, '{\"from\": \"bob, early\"}')", key, user="bob")
-    run = pg.one("SELECT flow.enqueue('alice_root', jsonb_build_object('key', %s::text))", key, user="alice")
-    pg.wait_for("SELECT status = 'waiting' FROM flow.commands WHERE run_id = %s AND key = 'child'", run,
-                user="alice")
-    pg.one("SELECT flow.emit('secret', %s, '{\"from\": \"bob\"}')", key, user="bob")
-    time.sleep(0.5)
-    assert pg.one("SELECT status FROM flow.commands WHERE run_id = %s AND key = 'child'", run,
-                  user="alice") == "waiting"
-    pg.one("SELECT flow.emit('secret', %s, '{\"from\": \"alice\"}')", key, user="alice")
-    assert pg.await_run(run, "10s", user="alice")[0] == "succeeded"
-    inputs = pg.one("SELECT result FROM flow.commands WHERE run_id = %s AND key = 'child'", run, user="alice")
-    assert [i["payload"] for i in inputs] == [{"from": "alice"}]
-
-
-def test_old_events_no_wait_refers_to_are_retired(pg):
-    from conftest import unique as u
-    key = u("old")
-    with pg.connect() as c:
-        c.execute("ALTER SYSTEM SET flow.event_retention = '1s'")
-        c.execute("SELECT pg_reload_conf()")
-    try:
-        pg.one("SELECT flow.emit('retire_me', %s)", key)
-        kept_by_wait = pg.one("SELECT count(*) FROM flow._events e WHERE EXISTS"
-                              " (SELECT 1 FROM flow._waits w WHERE w.event_position = e.position)")
-        pg.wait_for("SELECT count(*) = 0 FROM flow._events WHERE name = 'retire_me' AND key = %s", key, timeout=30)
-        # events a retained wait refers to stay
-        assert pg.one("SELECT count(*) FROM flow._events e WHERE EXISTS"
-                      " (SELECT 1 FROM flow._waits w WHERE w.event_position = e.position)") >= kept_by_wait
-        # nothing else may delete from the journal
-        pg.one("SELECT flow.emit('retire_me_too', %s)", key)
-        assert pg.sqlstate("DELETE FROM flow._events WHERE key = %s", key) == "55000"
-    finally:
-        with pg.connect() as c:
-            c.execute("ALTER SYSTEM RESET flow.event_retention")
-            c.execute("SELECT pg_reload_conf()")

@@ -578,3 +578,25 @@ REVOKE ALL ON FUNCTION flow.run_sql(jsonb) FROM PUBLIC;
 REVOKE ALL ON ALL TABLES IN SCHEMA flow FROM PUBLIC;
 GRANT SELECT ON flow.runs, flow.commands, flow.attempts, flow.definitions, flow.queues, flow.queue_history, flow.events,
     flow.waits, flow.workers, flow.stats, flow.prometheus, flow.recent_attempts TO PUBLIC;
+
+-- ---------------------------------------------------------------- the hot path
+-- The functions of the claim, settlement, recovery and retention paths (the
+-- workers' and external claims' own) run with the planner settings that
+-- sql/common.sql's header explains: plans pinned to index scans, from 0 to
+-- 10M rows. One list, here; pg_test/test_sources.py fails when a function
+-- the engine calls from Rust is not on it.
+DO $$
+DECLARE
+    f regprocedure;
+BEGIN
+    FOR f IN SELECT p.oid::regprocedure FROM pg_proc p
+             WHERE p.pronamespace = 'flow'::regnamespace
+               AND p.proname = ANY (ARRAY['_claim', '_lease', '_next_due_ms', '_run_row_needed', '_leased',
+                   '_prepare_external_claim', '_complete_many', '_recover', '_prune', '_retire_events',
+                   '_lock_runs', '_lock_runs_of', '_try_lock_run_of', '_close_open_commands', '_begin_batch',
+                   '_release', '_settle_batch', '_settle_failure', '_lock_run_and_commands',
+                   '_promote_if_satisfied']) LOOP
+        EXECUTE format('ALTER FUNCTION %s SET enable_seqscan = off SET enable_bitmapscan = off'
+                       ' SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off', f);
+    END LOOP;
+END $$;

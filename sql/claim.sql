@@ -63,7 +63,7 @@ CREATE FUNCTION flow._claim(max_count integer, names text[], turn integer,
     after_queues text[] DEFAULT NULL, after_at timestamptz[] DEFAULT NULL, after_ids uuid[] DEFAULT NULL,
     hold boolean DEFAULT false)
 RETURNS SETOF flow.claimed_command
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp
     SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     lanes text[];
@@ -147,7 +147,7 @@ BEGIN
         WHERE s.queue = ANY (locked);
     END IF;
     -- (a claim of no command runs the statement below anyway, and takes
-    -- nothing: an idle worker plans it so, see executor::warm_plans)
+    -- nothing: an idle worker plans it so, see worker.rs, warm_plans)
     IF coalesce(cardinality(lanes), 0) = 0 AND max_count > 0 THEN
         RETURN;
     END IF;
@@ -276,7 +276,7 @@ BEGIN
     WHERE NOT h.held
        OR CASE WHEN h.id = h.run_id
                     AND (h.attempts = 0
-                         OR NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = h.id))  -- index _commands_parent
+                         OR NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = h.id))  -- alone: docs/DESIGN.md
                THEN true
                ELSE EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = h.run_id FOR UPDATE SKIP LOCKED) END;
 END $$;
@@ -289,7 +289,7 @@ END $$;
 CREATE FUNCTION flow._lease(owner_name text, owner_pid integer, owner_started timestamptz, lease interval,
     command_ids uuid[], row_ats tid[], attempt_deadlines timestamptz[])
 RETURNS TABLE (command_id uuid, lease_token uuid, lease_expires_at timestamptz)
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp
     SET plan_cache_mode = force_generic_plan AS $$
 BEGIN
     RETURN QUERY
@@ -321,7 +321,7 @@ BEGIN
         -- its root. (Its root's row would do as the run's lock, but the
         -- chunk's settlement writes the root in a subtransaction, and a row
         -- locked by a transaction and written by its subtransaction gets a
-        -- MultiXact: see src/executor.rs.) An external worker's claim adds
+        -- MultiXact: see src/execute.rs, settle_successes.) An external worker's claim adds
         -- none: its completion of a root with no child locks no run.
         -- (the run's row as flow._run_row_needed writes it, which a statement
         -- cannot call without a result to use; the rows as they stood before
@@ -345,7 +345,7 @@ END $$;
 -- function with SET clauses is planned again at every call, a quarter of a
 -- millisecond each time a worker goes idle)
 CREATE FUNCTION flow._next_due_ms(after_queues text[], after_at timestamptz[], after_ids uuid[]) RETURNS bigint
-LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     -- (after where the worker's claims take up, in the queues it names, as
     -- flow._claim's head probe reads it: not through the entries claimed

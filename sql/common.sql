@@ -2,54 +2,10 @@
 -- definitions, enqueue, claim, settle, recover, retention, workflows,
 -- external; src/lib.rs loads them in that order). This one: what they share.
 --
--- Internal functions (flow._*) take the acting role as `caller` and are only
--- executable by the extension owner. Public functions are SECURITY DEFINER
--- with a pinned search_path; they learn who called them through a one-shot
--- ticket made by flow._ticket() in the caller's security context (see
--- src/api.rs): inside a SECURITY DEFINER function current_user is the owner,
--- so this is the one way to know the real caller.
---
--- Every function a role can call pins its search_path (SET search_path =
--- pg_catalog, pg_temp). Enqueue's internal functions (sql/enqueue.sql) and
--- the argument checks (_require_name, _require_short, _require_payload,
--- _require_span, _require_args_fit) do not set it again: they are called
--- only from functions that pinned it, and inherit it. A SET
--- clause makes each call switch the path in and out (and every plan inside
--- revalidate against it), a few microseconds a call: a single flow.enqueue
--- spent a third of its time so.
---
--- Plans are pinned by construction: a worker keeps its plans for its
--- lifetime, often from when _commands was empty, so the functions of the
--- claim, settle and recovery paths run with `enable_seqscan = off` and query
--- by index (queue heads by ORDER BY ... LIMIT 1 probes). They stay index
--- driven from 0 to 10M rows (pg_test/test_scale.py checks it). Bitmap scans
--- are off too: with statistics of a large backlog, the generic plan of a
--- claim (its LIMIT a parameter) became a bitmap scan of every due command of
--- the queue, sorted, to lock the first hundred, on every claim. And `jit =
--- off`: the cost penalty of a sequential scan that has no alternative (of
--- the few rows of _queues) would otherwise pass jit_above_cost, and compiling
--- takes 100+ ms per call.
--- A statement that looks commands up by id (or run) compares their status
--- as text (`c.status::text = 'running'`): written as the partial indexes'
--- own predicates, it would let the planner read a whole partial index
--- (_commands_due, _commands_running) instead of the primary key, and after a
--- quiet spell VACUUM and ANALYZE leave those indexes counted empty, so that
--- plan looks free: met with a burst of a million, each settlement read every
--- due command (pg_test/test_scale.py). The claim's own probes keep the
--- predicates: they are meant to read those indexes, from their heads.
--- A statement that joins a list of commands (or runs, or their ids) to
--- _commands, _runs, _attempts or _waits writes the join as
--- `c.id = ANY (ARRAY[t.id])`, and `IN (subquery)` as `= ANY (ARRAY(subquery))`:
--- an equality would let the planner scan the whole table, the list inside,
--- which is what it plans when the table is counted empty (a quiet spell's
--- VACUUM ANALYZE, then an idle worker plans its statements again, see
--- executor::warm_plans): met with a burst, that plan reads the table once per
--- command (each settlement of 500 took 2.3 s). Neither form is an equality,
--- so the only plan is a probe of the index per listed id. Rows this
--- transaction has locked may be joined by their tid instead (`c.ctid =
--- t.row_at`, a held command's settlement, sql/settle.sql): no index orders
--- by ctid, so the only plan is a TID scan per listed row; any other column
--- compared there must not be an equality the planner could join by.
+-- The conventions every engine statement follows (function security,
+-- search_path pinning, the hot path's planner settings, status-as-text
+-- lookups, `= ANY (ARRAY[...])` joins, tid joins) are in docs/DESIGN.md,
+-- section 5, each with the measurement that made it one.
 
 CREATE FUNCTION flow._require_name(what text, value text) RETURNS text
 LANGUAGE plpgsql IMMUTABLE AS $$
@@ -145,12 +101,10 @@ $$;
 -- reads a run's status, result or end reads it here; _runs is for writers,
 -- and for what does not look at those three columns. (Roots made before
 -- 0.2.0 have ids of their own; their runs are still written when they end.)
--- "A root with no child" is the settlement's own test (flow._settle_batch,
--- `alone`): keep the two the same. The claim of a held command
--- (flow._claim) and an external completion of successes
--- (flow._complete_many) leave such a root's run unlocked by the same test.
--- It is written out in each place: an SQL function whose body has a subquery
--- is not inlined, and would run as a call of its own for every row.
+-- "A root with no child" (alone) is one clause, written out in each place
+-- that makes the test and marked there (docs/DESIGN.md, "alone", says where
+-- and why it is not a function); pg_test/test_sources.py holds the copies
+-- to it.
 CREATE VIEW flow._run_rows AS
 SELECT r.id, r.key, r.owner, r.name, r.version, r.queue, r.args,
        coalesce(alone.status, r.status) AS status, coalesce(alone.result, r.result) AS result, r.error,
@@ -159,7 +113,8 @@ FROM flow._runs r LEFT JOIN LATERAL (
     SELECT 'succeeded'::flow.run_status AS status, c.result, c.finished_at
     FROM flow._commands c
     WHERE r.status = 'running' AND c.id = r.id AND c.status::text = 'succeeded'   -- by id (above)
-      AND NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = c.id)) alone ON true
+      AND NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = c.id)  -- alone: docs/DESIGN.md
+) alone ON true
 UNION ALL
 -- A run without a row (see flow._runs) is its root, which has no child: a
 -- failure or a cancel gives the run its row, so such a root is unfinished or
@@ -186,7 +141,7 @@ CROSS JOIN (SELECT '' UNION SELECT d.name FROM flow._definitions d WHERE d.handl
 -- settlement that locked it), so two callers never insert it at once.
 -- (flow._lease writes the same row for the roots it leases, in its statement.)
 CREATE FUNCTION flow._run_row_needed(run_id uuid) RETURNS void
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     INSERT INTO flow._runs (id, owner, name, version, queue, args, deadline, created_at)
     SELECT c.id, c.owner, c.name, c.version, c.queue, c.args, c.deadline, c.created_at

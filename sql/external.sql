@@ -23,7 +23,7 @@ END $$;
 -- caller may resolve it. A wrong or stale token is FL013; a command already
 -- settled under this very token is FL017 (double completion).
 CREATE FUNCTION flow._leased(caller oid, command_id uuid, lease_token uuid) RETURNS flow._commands
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     c flow._commands;
     owner_ oid;
@@ -102,7 +102,7 @@ END $$;
 CREATE FUNCTION flow._prepare_external_claim(caller oid, names text[], worker text, max_count integer, lease interval,
     conclude_expired boolean DEFAULT true)
 RETURNS void
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     wanted text;
     expired record;
@@ -252,7 +252,7 @@ END $$;
 -- call's 270 with nothing to settle, 0.5 us per command of a client's 100.)
 CREATE FUNCTION flow._complete_many(caller oid, command_ids uuid[], lease_tokens uuid[], results jsonb[])
 RETURNS TABLE (command_id uuid, status text)
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp
     SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     bad record;
@@ -313,8 +313,7 @@ BEGIN
         -- cancel waits for the root's own row instead, see flow._run_rows).
         SELECT (array_agg(t.id) FILTER (WHERE d.owner IS NULL OR NOT pg_has_role(caller, d.owner, 'MEMBER')))[1],
                array_agg(DISTINCT c.run_id) FILTER (WHERE NOT (c.id = c.run_id
-                                                               AND NOT EXISTS (SELECT 1 FROM flow._commands k
-                                                                               WHERE k.parent_id = c.id)))
+                   AND NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = c.id)))  -- alone: docs/DESIGN.md
         INTO not_yours, runs
         FROM unnest(command_ids) AS t(id)
         LEFT JOIN flow._commands c ON c.id = t.id

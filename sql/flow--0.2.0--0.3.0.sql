@@ -2,6 +2,34 @@
 -- sql/upgrade/0.2.0--0.3.0.sql and the sql/*.sql it takes the code from.
 \echo Use "ALTER EXTENSION flow UPDATE" to load this file. \quit
 
+CREATE OR REPLACE FUNCTION flow._span_ok(span interval, zero_ok boolean)
+RETURNS boolean LANGUAGE c IMMUTABLE STRICT PARALLEL SAFE AS 'MODULE_PATHNAME', '_span_ok_wrapper';
+
+CREATE OR REPLACE FUNCTION flow._command_row_is_consistent(status text, attempts integer, stop_reason text,
+    finished boolean, lease_token boolean, lease_expires boolean, attempt_started boolean, lease_pid boolean,
+    result boolean)
+RETURNS boolean LANGUAGE c IMMUTABLE PARALLEL SAFE AS 'MODULE_PATHNAME', '_command_row_is_consistent_wrapper';
+
+CREATE OR REPLACE FUNCTION flow._lane(queue text, claimant text) RETURNS bigint
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT pg_catalog.hashtextextended(claimant, pg_catalog.hashtextextended(queue, 0))
+$$;
+
+CREATE OR REPLACE FUNCTION flow._journal_is_append_only() RETURNS trigger
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF TG_OP = 'DELETE' AND current_setting('flow_internal.retiring_events', true) = 'on' THEN
+        RETURN OLD;
+    END IF;
+    IF TG_OP = 'UPDATE' AND current_setting('flow_internal.reassigning', true) = 'on'
+       AND (NEW.position, NEW.id, NEW.name, NEW.key, NEW.payload, NEW.run_id, NEW.command_id, NEW.emitted_at)
+           IS NOT DISTINCT FROM
+           (OLD.position, OLD.id, OLD.name, OLD.key, OLD.payload, OLD.run_id, OLD.command_id, OLD.emitted_at) THEN
+        RETURN NEW;
+    END IF;
+    RAISE EXCEPTION 'flow: the event journal is append-only' USING ERRCODE = '55000';
+END $$;
+
 -- Table and type changes from 0.2.0 to 0.3.0 (tools/upgrade_script.py puts
 -- them before the functions and views of 0.3.0, which replace the old ones).
 
@@ -9,8 +37,7 @@
 -- (src/spans.rs). 0.2.0 took a mixed-sign interval for what it compared as
 -- ('4000000 mons -119999999 days' as one day): such a definition gets that
 -- span, in seconds, and the tables' CHECKs hold every duration from now on.
-CREATE FUNCTION flow._span_ok(span interval, zero_ok boolean)
-RETURNS boolean LANGUAGE c IMMUTABLE STRICT PARALLEL SAFE AS 'MODULE_PATHNAME', '_span_ok_wrapper';
+-- (flow._span_ok is created before this part, with sql/schema.sql's functions.)
 CREATE FUNCTION pg_temp.kept_span(span interval) RETURNS interval LANGUAGE sql IMMUTABLE AS $$
     SELECT CASE WHEN span IS NULL OR flow._span_ok(span, false) THEN span
                 ELSE make_interval(secs => least(greatest(extract(epoch FROM span), 1), 3110400000)) END
@@ -33,23 +60,10 @@ ALTER TABLE flow._definitions
 -- (an args check takes its owner's search_path: src/gateway.rs)
 DROP FUNCTION flow._args_misfit(regtype, jsonb);
 
--- REASSIGN OWNED gives journal entries their new owner (sql/schema.sql).
-CREATE OR REPLACE FUNCTION flow._journal_is_append_only() RETURNS trigger
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
-BEGIN
-    IF TG_OP = 'DELETE' AND current_setting('flow_internal.retiring_events', true) = 'on' THEN
-        RETURN OLD;
-    END IF;
-    IF TG_OP = 'UPDATE' AND current_setting('flow_internal.reassigning', true) = 'on'
-       AND (NEW.position, NEW.id, NEW.name, NEW.key, NEW.payload, NEW.run_id, NEW.command_id, NEW.emitted_at)
-           IS NOT DISTINCT FROM
-           (OLD.position, OLD.id, OLD.name, OLD.key, OLD.payload, OLD.run_id, OLD.command_id, OLD.emitted_at) THEN
-        RETURN NEW;
-    END IF;
-    RAISE EXCEPTION 'flow: the event journal is append-only' USING ERRCODE = '55000';
-END $$;
+-- (REASSIGN OWNED gives journal entries their new owner: flow._journal_is_append_only,
+-- sql/schema.sql, which the script replaces before this part.)
 
--- src/lib.rs:30
+-- src/lib.rs:54
 -- requires:
 --   schema
 
@@ -57,54 +71,10 @@ END $$;
 -- definitions, enqueue, claim, settle, recover, retention, workflows,
 -- external; src/lib.rs loads them in that order). This one: what they share.
 --
--- Internal functions (flow._*) take the acting role as `caller` and are only
--- executable by the extension owner. Public functions are SECURITY DEFINER
--- with a pinned search_path; they learn who called them through a one-shot
--- ticket made by flow._ticket() in the caller's security context (see
--- src/api.rs): inside a SECURITY DEFINER function current_user is the owner,
--- so this is the one way to know the real caller.
---
--- Every function a role can call pins its search_path (SET search_path =
--- pg_catalog, pg_temp). Enqueue's internal functions (sql/enqueue.sql) and
--- the argument checks (_require_name, _require_short, _require_payload,
--- _require_span, _require_args_fit) do not set it again: they are called
--- only from functions that pinned it, and inherit it. A SET
--- clause makes each call switch the path in and out (and every plan inside
--- revalidate against it), a few microseconds a call: a single flow.enqueue
--- spent a third of its time so.
---
--- Plans are pinned by construction: a worker keeps its plans for its
--- lifetime, often from when _commands was empty, so the functions of the
--- claim, settle and recovery paths run with `enable_seqscan = off` and query
--- by index (queue heads by ORDER BY ... LIMIT 1 probes). They stay index
--- driven from 0 to 10M rows (pg_test/test_scale.py checks it). Bitmap scans
--- are off too: with statistics of a large backlog, the generic plan of a
--- claim (its LIMIT a parameter) became a bitmap scan of every due command of
--- the queue, sorted, to lock the first hundred, on every claim. And `jit =
--- off`: the cost penalty of a sequential scan that has no alternative (of
--- the few rows of _queues) would otherwise pass jit_above_cost, and compiling
--- takes 100+ ms per call.
--- A statement that looks commands up by id (or run) compares their status
--- as text (`c.status::text = 'running'`): written as the partial indexes'
--- own predicates, it would let the planner read a whole partial index
--- (_commands_due, _commands_running) instead of the primary key, and after a
--- quiet spell VACUUM and ANALYZE leave those indexes counted empty, so that
--- plan looks free: met with a burst of a million, each settlement read every
--- due command (pg_test/test_scale.py). The claim's own probes keep the
--- predicates: they are meant to read those indexes, from their heads.
--- A statement that joins a list of commands (or runs, or their ids) to
--- _commands, _runs, _attempts or _waits writes the join as
--- `c.id = ANY (ARRAY[t.id])`, and `IN (subquery)` as `= ANY (ARRAY(subquery))`:
--- an equality would let the planner scan the whole table, the list inside,
--- which is what it plans when the table is counted empty (a quiet spell's
--- VACUUM ANALYZE, then an idle worker plans its statements again, see
--- executor::warm_plans): met with a burst, that plan reads the table once per
--- command (each settlement of 500 took 2.3 s). Neither form is an equality,
--- so the only plan is a probe of the index per listed id. Rows this
--- transaction has locked may be joined by their tid instead (`c.ctid =
--- t.row_at`, a held command's settlement, sql/settle.sql): no index orders
--- by ctid, so the only plan is a TID scan per listed row; any other column
--- compared there must not be an equality the planner could join by.
+-- The conventions every engine statement follows (function security,
+-- search_path pinning, the hot path's planner settings, status-as-text
+-- lookups, `= ANY (ARRAY[...])` joins, tid joins) are in docs/DESIGN.md,
+-- section 5, each with the measurement that made it one.
 
 CREATE OR REPLACE FUNCTION flow._require_name(what text, value text) RETURNS text
 LANGUAGE plpgsql IMMUTABLE AS $$
@@ -200,12 +170,10 @@ $$;
 -- reads a run's status, result or end reads it here; _runs is for writers,
 -- and for what does not look at those three columns. (Roots made before
 -- 0.2.0 have ids of their own; their runs are still written when they end.)
--- "A root with no child" is the settlement's own test (flow._settle_batch,
--- `alone`): keep the two the same. The claim of a held command
--- (flow._claim) and an external completion of successes
--- (flow._complete_many) leave such a root's run unlocked by the same test.
--- It is written out in each place: an SQL function whose body has a subquery
--- is not inlined, and would run as a call of its own for every row.
+-- "A root with no child" (alone) is one clause, written out in each place
+-- that makes the test and marked there (docs/DESIGN.md, "alone", says where
+-- and why it is not a function); pg_test/test_sources.py holds the copies
+-- to it.
 CREATE OR REPLACE VIEW flow._run_rows AS
 SELECT r.id, r.key, r.owner, r.name, r.version, r.queue, r.args,
        coalesce(alone.status, r.status) AS status, coalesce(alone.result, r.result) AS result, r.error,
@@ -214,7 +182,8 @@ FROM flow._runs r LEFT JOIN LATERAL (
     SELECT 'succeeded'::flow.run_status AS status, c.result, c.finished_at
     FROM flow._commands c
     WHERE r.status = 'running' AND c.id = r.id AND c.status::text = 'succeeded'   -- by id (above)
-      AND NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = c.id)) alone ON true
+      AND NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = c.id)  -- alone: docs/DESIGN.md
+) alone ON true
 UNION ALL
 -- A run without a row (see flow._runs) is its root, which has no child: a
 -- failure or a cancel gives the run its row, so such a root is unfinished or
@@ -241,7 +210,7 @@ CROSS JOIN (SELECT '' UNION SELECT d.name FROM flow._definitions d WHERE d.handl
 -- settlement that locked it), so two callers never insert it at once.
 -- (flow._lease writes the same row for the roots it leases, in its statement.)
 CREATE OR REPLACE FUNCTION flow._run_row_needed(run_id uuid) RETURNS void
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     INSERT INTO flow._runs (id, owner, name, version, queue, args, deadline, created_at)
     SELECT c.id, c.owner, c.name, c.version, c.queue, c.args, c.deadline, c.created_at
@@ -249,7 +218,7 @@ BEGIN
     ON CONFLICT (id) DO NOTHING;
 END $$;
 
--- src/lib.rs:31
+-- src/lib.rs:55
 -- requires:
 --   common
 
@@ -703,7 +672,7 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
         OR EXISTS (SELECT 1 FROM flow._run_rows r WHERE r.owner = role AND r.status = 'running')
 $$;
 
--- src/lib.rs:32
+-- src/lib.rs:56
 -- requires:
 --   definitions
 
@@ -870,7 +839,7 @@ BEGIN
     RETURN ids;
 END $$;
 
--- src/lib.rs:33
+-- src/lib.rs:57
 -- requires:
 --   enqueue
 
@@ -939,7 +908,7 @@ CREATE OR REPLACE FUNCTION flow._claim(max_count integer, names text[], turn int
     after_queues text[] DEFAULT NULL, after_at timestamptz[] DEFAULT NULL, after_ids uuid[] DEFAULT NULL,
     hold boolean DEFAULT false)
 RETURNS SETOF flow.claimed_command
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp
     SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     lanes text[];
@@ -1023,7 +992,7 @@ BEGIN
         WHERE s.queue = ANY (locked);
     END IF;
     -- (a claim of no command runs the statement below anyway, and takes
-    -- nothing: an idle worker plans it so, see executor::warm_plans)
+    -- nothing: an idle worker plans it so, see worker.rs, warm_plans)
     IF coalesce(cardinality(lanes), 0) = 0 AND max_count > 0 THEN
         RETURN;
     END IF;
@@ -1152,7 +1121,7 @@ BEGIN
     WHERE NOT h.held
        OR CASE WHEN h.id = h.run_id
                     AND (h.attempts = 0
-                         OR NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = h.id))  -- index _commands_parent
+                         OR NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = h.id))  -- alone: docs/DESIGN.md
                THEN true
                ELSE EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = h.run_id FOR UPDATE SKIP LOCKED) END;
 END $$;
@@ -1165,7 +1134,7 @@ END $$;
 CREATE OR REPLACE FUNCTION flow._lease(owner_name text, owner_pid integer, owner_started timestamptz, lease interval,
     command_ids uuid[], row_ats tid[], attempt_deadlines timestamptz[])
 RETURNS TABLE (command_id uuid, lease_token uuid, lease_expires_at timestamptz)
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp
     SET plan_cache_mode = force_generic_plan AS $$
 BEGIN
     RETURN QUERY
@@ -1197,7 +1166,7 @@ BEGIN
         -- its root. (Its root's row would do as the run's lock, but the
         -- chunk's settlement writes the root in a subtransaction, and a row
         -- locked by a transaction and written by its subtransaction gets a
-        -- MultiXact: see src/executor.rs.) An external worker's claim adds
+        -- MultiXact: see src/execute.rs, settle_successes.) An external worker's claim adds
         -- none: its completion of a root with no child locks no run.
         -- (the run's row as flow._run_row_needed writes it, which a statement
         -- cannot call without a result to use; the rows as they stood before
@@ -1221,7 +1190,7 @@ END $$;
 -- function with SET clauses is planned again at every call, a quarter of a
 -- millisecond each time a worker goes idle)
 CREATE OR REPLACE FUNCTION flow._next_due_ms(after_queues text[], after_at timestamptz[], after_ids uuid[]) RETURNS bigint
-LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     -- (after where the worker's claims take up, in the queues it names, as
     -- flow._claim's head probe reads it: not through the entries claimed
@@ -1241,7 +1210,7 @@ BEGIN
                                WHERE r.queue = q.name AND r.status = 'running')));
 END $$;
 
--- src/lib.rs:34
+-- src/lib.rs:58
 -- requires:
 --   claim
 
@@ -1265,7 +1234,7 @@ END $$;
 -- it. wait: wait for runs locked elsewhere; otherwise skip them. Returns the
 -- runs locked.
 CREATE OR REPLACE FUNCTION flow._lock_runs(run_ids uuid[], wait boolean) RETURNS uuid[]
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     rows_locked uuid[];
     roots_locked uuid[];
@@ -1298,7 +1267,7 @@ END $$;
 -- (plpgsql, not sql: its plan is cached per session; an sql function called
 -- from plpgsql is planned again on every call, ~70 µs.)
 CREATE OR REPLACE FUNCTION flow._lock_runs_of(command_ids uuid[]) RETURNS void
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     PERFORM flow._lock_runs(ARRAY(SELECT DISTINCT c.run_id FROM flow._commands c WHERE c.id = ANY (command_ids)), true);
 END $$;
@@ -1307,7 +1276,7 @@ END $$;
 -- false): for work that can wait for a later round, such as concluding an
 -- attempt whose owner is gone.
 CREATE OR REPLACE FUNCTION flow._try_lock_run_of(command_id uuid) RETURNS boolean
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     RETURN cardinality(flow._lock_runs(ARRAY(SELECT c.run_id FROM flow._commands c
                                              WHERE c.id = _try_lock_run_of.command_id), false)) > 0;
@@ -1319,7 +1288,7 @@ END $$;
 -- say, a handler that cancels its own run); its worker's later settlement
 -- finds no lease, or a command that moved on.
 CREATE OR REPLACE FUNCTION flow._close_open_commands(run_id uuid, reason text) RETURNS void
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     interrupted integer;
 BEGIN
@@ -1357,7 +1326,7 @@ END $$;
 -- skipped, never waited for: its commands are handed back (_release).
 CREATE OR REPLACE FUNCTION flow._begin_batch(command_ids uuid[], lease_tokens uuid[])
 RETURNS TABLE (command_id uuid, run_locked boolean)
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     locked uuid[];
 BEGIN
@@ -1375,7 +1344,7 @@ END $$;
 -- elsewhere). Takes no run lock and skips a command row locked elsewhere;
 -- returns those still held, so the worker tries again later.
 CREATE OR REPLACE FUNCTION flow._release(command_ids uuid[], lease_tokens uuid[]) RETURNS SETOF uuid
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     released uuid[];
 BEGIN
@@ -1427,7 +1396,7 @@ CREATE OR REPLACE FUNCTION flow._settle_batch(command_ids uuid[], lease_tokens u
     handler_started timestamptz[] DEFAULT NULL, held_attempts integer[] DEFAULT NULL, owner_name text DEFAULT NULL,
     held_rows tid[] DEFAULT NULL, chunk_spawned boolean DEFAULT true)
 RETURNS uuid[]
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp
     SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     settled uuid[];
@@ -1486,7 +1455,8 @@ BEGIN
                -- its transaction). The claim's held test takes the same step.
                d.parent_id IS NULL
                AND CASE WHEN d.held = 1 AND NOT chunk_spawned THEN true
-                        ELSE NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = d.id) END AS alone
+                        ELSE NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = d.id)  -- alone: docs/DESIGN.md
+                   END AS alone
         FROM (SELECT * FROM leased_done UNION ALL SELECT * FROM held_done) d
         OFFSET 0   -- (kept a subquery: pulled up, its probe ran once per aggregate below, three times a command)
     )
@@ -1542,7 +1512,7 @@ CREATE OR REPLACE FUNCTION flow._settle_failure(command_id uuid, lease_token uui
     message text, retry_delay interval DEFAULT NULL, handler_started timestamptz DEFAULT NULL,
     held_attempt integer DEFAULT NULL, owner_name text DEFAULT NULL, wait_for_run boolean DEFAULT true)
 RETURNS text
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     c flow._commands;
     d flow._definitions;
@@ -1644,7 +1614,7 @@ BEGIN
     RETURN CASE WHEN stop IS NULL THEN 'retry' ELSE 'failed' END;
 END $$;
 
--- src/lib.rs:35
+-- src/lib.rs:59
 -- requires:
 --   settle
 
@@ -1657,7 +1627,7 @@ END $$;
 -- crash restart, has every command it held charged: the conservative side
 -- of rule 3.)
 CREATE OR REPLACE FUNCTION flow._recover() RETURNS integer
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     lost record;
     concluded integer := 0;
@@ -1692,7 +1662,7 @@ BEGIN
     RETURN concluded;
 END $$;
 
--- src/lib.rs:36
+-- src/lib.rs:60
 -- requires:
 --   recover
 
@@ -1733,7 +1703,7 @@ END $$;
 -- the same unfinished runs twice in a round, however large a backlog is.
 CREATE OR REPLACE FUNCTION flow._prune(older_than interval, max_runs integer, after uuid,
     OUT pruned integer, OUT last uuid)
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     cut timestamptz := now() - older_than;
     hex text := lpad(to_hex((extract(epoch FROM cut) * 1000)::bigint), 12, '0');
@@ -1823,7 +1793,7 @@ END $$;
 -- flow.event_retention bounds. (index _events_name_key is not needed: the
 -- scan is by position, which grows with emitted_at.)
 CREATE OR REPLACE FUNCTION flow._retire_events(older_than interval, max_events integer) RETURNS integer
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     retired integer;
     old_events bigint[];
@@ -1851,7 +1821,7 @@ BEGIN
     RETURN retired;
 END $$;
 
--- src/lib.rs:37
+-- src/lib.rs:61
 -- requires:
 --   retention
 
@@ -1863,7 +1833,7 @@ END $$;
 -- (The run first: everyone else who locks a run's commands and then the run
 -- holds the run already, or takes it only if it is free.)
 CREATE OR REPLACE FUNCTION flow._lock_run_and_commands(run_id uuid) RETURNS void
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     PERFORM 1 FROM flow._runs x WHERE x.id = run_id FOR UPDATE;
     PERFORM 1 FROM flow._commands c
@@ -1930,7 +1900,7 @@ BEGIN
 END $$;
 
 -- An emit and the creation of a wait on the same (name, key) serialize on
--- flow._lock_event_key (src/isolation.rs: a lock tag of flow's own), so a
+-- flow._lock_event_key (src/locks.rs: a lock tag of flow's own), so a
 -- wait created while the event is being emitted is never missed by both
 -- sides. The lock is per owner of the waiting runs (the "domain"), and an
 -- emitter locks only the domains its event may satisfy (flow._may_satisfy):
@@ -1960,7 +1930,7 @@ BEGIN
 END $$;
 
 -- Before a wait on (name, key) is created in a run of run_owner (see above;
--- and its bucket's lock, against event retention: src/isolation.rs).
+-- and its bucket's lock, against event retention: src/locks.rs).
 CREATE OR REPLACE FUNCTION flow._lock_event_waits(name text, key text, run_owner oid) RETURNS void
 LANGUAGE sql SET search_path = pg_catalog, pg_temp AS $$
     SELECT flow._lock_event_key(name, key, 0, 'row exclusive'),
@@ -1971,7 +1941,7 @@ $$;
 -- Mark the open waits of one command satisfied by the newest journal entries
 -- and make it due when none is left open.
 CREATE OR REPLACE FUNCTION flow._promote_if_satisfied(command_id uuid) RETURNS void
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     -- Lock first, check in the next statement: its fresh snapshot sees every
     -- wait satisfied by emitters that committed while we waited for the lock.
@@ -2219,7 +2189,7 @@ BEGIN
     RETURN format(E'flowchart LR\n%s\n', array_to_string(lines, E'\n'));
 END $$;
 
--- src/lib.rs:38
+-- src/lib.rs:62
 -- requires:
 --   workflows
 
@@ -2248,7 +2218,7 @@ END $$;
 -- caller may resolve it. A wrong or stale token is FL013; a command already
 -- settled under this very token is FL017 (double completion).
 CREATE OR REPLACE FUNCTION flow._leased(caller oid, command_id uuid, lease_token uuid) RETURNS flow._commands
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     c flow._commands;
     owner_ oid;
@@ -2327,7 +2297,7 @@ END $$;
 CREATE OR REPLACE FUNCTION flow._prepare_external_claim(caller oid, names text[], worker text, max_count integer, lease interval,
     conclude_expired boolean DEFAULT true)
 RETURNS void
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     wanted text;
     expired record;
@@ -2477,7 +2447,7 @@ END $$;
 -- call's 270 with nothing to settle, 0.5 us per command of a client's 100.)
 CREATE OR REPLACE FUNCTION flow._complete_many(caller oid, command_ids uuid[], lease_tokens uuid[], results jsonb[])
 RETURNS TABLE (command_id uuid, status text)
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp
     SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     bad record;
@@ -2538,8 +2508,7 @@ BEGIN
         -- cancel waits for the root's own row instead, see flow._run_rows).
         SELECT (array_agg(t.id) FILTER (WHERE d.owner IS NULL OR NOT pg_has_role(caller, d.owner, 'MEMBER')))[1],
                array_agg(DISTINCT c.run_id) FILTER (WHERE NOT (c.id = c.run_id
-                                                               AND NOT EXISTS (SELECT 1 FROM flow._commands k
-                                                                               WHERE k.parent_id = c.id)))
+                   AND NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = c.id)))  -- alone: docs/DESIGN.md
         INTO not_yours, runs
         FROM unnest(command_ids) AS t(id)
         LEFT JOIN flow._commands c ON c.id = t.id
@@ -2634,7 +2603,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_args_misfit_as_wrapper';
 
--- src/external.rs:240
+-- src/external.rs:252
 -- flow::external::_claim_excluded
 CREATE OR REPLACE FUNCTION "_claim_excluded"() RETURNS uuid[] /* :: std :: option :: Option < Vec < pgrx :: Uuid > > */
 STRICT VOLATILE PARALLEL UNSAFE
@@ -2645,7 +2614,7 @@ AS 'MODULE_PATHNAME', '_claim_excluded_wrapper';
 -- flow::invariants::_command_row_is_consistent
 -- Skipped due to `#[pgrx(sql = false)]`
 
--- src/api.rs:189
+-- src/api.rs:129
 -- flow::api::_counters
 CREATE OR REPLACE FUNCTION "_counters"() RETURNS TABLE (
 	"name" TEXT,  /* String */
@@ -2655,7 +2624,7 @@ STRICT VOLATILE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_counters_wrapper';
 
--- src/api.rs:145
+-- src/api.rs:89
 -- flow::api::_current_command
 CREATE OR REPLACE FUNCTION "_current_command"() RETURNS uuid /* Option < pgrx :: Uuid > */
 STRICT VOLATILE PARALLEL UNSAFE
@@ -2672,8 +2641,8 @@ STRICT STABLE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_deadline_wrapper';
 
--- src/executor.rs:238
--- flow::executor::_decide
+-- src/execute.rs:116
+-- flow::execute::_decide
 CREATE OR REPLACE FUNCTION "_decide"(
 	"class" TEXT, /* & str */
 	"code" TEXT, /* & str */
@@ -2684,7 +2653,7 @@ VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_decide_wrapper';
 
--- src/external.rs:35
+-- src/external.rs:37
 -- flow::external::_external_claim_ended
 CREATE OR REPLACE FUNCTION "_external_claim_ended"(
 	"definition" TEXT, /* Option < & str > */
@@ -2697,7 +2666,7 @@ VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_external_claim_ended_wrapper';
 
--- src/external.rs:20
+-- src/external.rs:22
 -- flow::external::_external_claim_start
 CREATE OR REPLACE FUNCTION "_external_claim_start"(
 	"definition" TEXT /* Option < & str > */
@@ -2710,7 +2679,7 @@ VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_external_claim_start_wrapper';
 
--- src/external.rs:190
+-- src/external.rs:202
 -- flow::external::_holding_attempts
 CREATE OR REPLACE FUNCTION "_holding_attempts"(
 	"caller" oid, /* pg_sys :: Oid */
@@ -2721,7 +2690,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_holding_attempts_wrapper';
 
--- src/external.rs:212
+-- src/external.rs:224
 -- flow::external::_holding_rows
 CREATE OR REPLACE FUNCTION "_holding_rows"(
 	"command_ids" uuid[] /* Vec < Option < pgrx :: Uuid > > */
@@ -2730,7 +2699,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_holding_rows_wrapper';
 
--- src/external.rs:222
+-- src/external.rs:234
 -- flow::external::_holding_settled
 CREATE OR REPLACE FUNCTION "_holding_settled"(
 	"command_ids" uuid[] /* Vec < Option < pgrx :: Uuid > > */
@@ -2739,14 +2708,14 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_holding_settled_wrapper';
 
--- src/external.rs:121
+-- src/external.rs:133
 -- flow::external::_holding_worker
 CREATE OR REPLACE FUNCTION "_holding_worker"() RETURNS TEXT /* Option < String > */
 STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_holding_worker_wrapper';
 
--- src/external.rs:115
+-- src/external.rs:127
 -- flow::external::_in_transaction_block
 CREATE OR REPLACE FUNCTION "_in_transaction_block"() RETURNS bool /* bool */
 STRICT VOLATILE PARALLEL UNSAFE
@@ -2762,15 +2731,15 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_interrupt_run_wrapper';
 
--- src/api.rs:139
+-- src/api.rs:83
 -- flow::api::_lease_duration_s
 CREATE OR REPLACE FUNCTION "_lease_duration_s"() RETURNS INT /* i32 */
 STRICT STABLE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_lease_duration_s_wrapper';
 
--- src/api.rs:123
--- flow::api::_lease_token
+-- src/ids.rs:55
+-- flow::ids::_lease_token
 CREATE OR REPLACE FUNCTION "_lease_token"() RETURNS uuid /* pgrx :: Uuid */
 STRICT VOLATILE PARALLEL SAFE
 LANGUAGE c /* Rust */
@@ -2810,21 +2779,21 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_lock_queue_name_wrapper';
 
--- src/api.rs:133
+-- src/api.rs:77
 -- flow::api::_max_payload_bytes
 CREATE OR REPLACE FUNCTION "_max_payload_bytes"() RETURNS INT /* i32 */
 STRICT STABLE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_max_payload_bytes_wrapper';
 
--- src/api.rs:88
--- flow::api::_new_id
+-- src/ids.rs:19
+-- flow::ids::_new_id
 CREATE OR REPLACE FUNCTION "_new_id"() RETURNS uuid /* pgrx :: Uuid */
 STRICT VOLATILE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_new_id_wrapper';
 
--- src/external.rs:128
+-- src/external.rs:140
 -- flow::external::_note_holding
 CREATE OR REPLACE FUNCTION "_note_holding"(
 	"caller" oid, /* pg_sys :: Oid */
@@ -2839,14 +2808,14 @@ VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_note_holding_wrapper';
 
--- src/executor.rs:230
--- flow::executor::_note_spawn
+-- src/execute.rs:108
+-- flow::execute::_note_spawn
 CREATE OR REPLACE FUNCTION "_note_spawn"() RETURNS void
 STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_note_spawn_wrapper';
 
--- src/api.rs:195
+-- src/api.rs:135
 -- flow::api::_observe
 CREATE OR REPLACE FUNCTION "_observe"(
 	"metric" TEXT, /* & str */
@@ -2878,7 +2847,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_stop_workers_of_wrapper';
 
--- src/api.rs:203
+-- src/api.rs:143
 -- flow::api::_stopped_in
 CREATE OR REPLACE FUNCTION "_stopped_in"(
 	"pid" INT, /* i32 */
@@ -2920,7 +2889,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_wake_due_from_wrapper';
 
--- src/api.rs:153
+-- src/api.rs:97
 -- flow::api::_worker_states
 CREATE OR REPLACE FUNCTION "_worker_states"() RETURNS TABLE (
 	"worker" INT,  /* i32 */
@@ -2953,7 +2922,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', 'run_sql_wrapper';
 
--- src/lib.rs:39
+-- src/lib.rs:63
 -- finalize
 -- flow's public SQL surface (names and named parameters are the API, see
 -- DESIGN.md) and the views a person reads.
@@ -3535,3 +3504,25 @@ REVOKE ALL ON FUNCTION flow.run_sql(jsonb) FROM PUBLIC;
 REVOKE ALL ON ALL TABLES IN SCHEMA flow FROM PUBLIC;
 GRANT SELECT ON flow.runs, flow.commands, flow.attempts, flow.definitions, flow.queues, flow.queue_history, flow.events,
     flow.waits, flow.workers, flow.stats, flow.prometheus, flow.recent_attempts TO PUBLIC;
+
+-- ---------------------------------------------------------------- the hot path
+-- The functions of the claim, settlement, recovery and retention paths (the
+-- workers' and external claims' own) run with the planner settings that
+-- sql/common.sql's header explains: plans pinned to index scans, from 0 to
+-- 10M rows. One list, here; pg_test/test_sources.py fails when a function
+-- the engine calls from Rust is not on it.
+DO $$
+DECLARE
+    f regprocedure;
+BEGIN
+    FOR f IN SELECT p.oid::regprocedure FROM pg_proc p
+             WHERE p.pronamespace = 'flow'::regnamespace
+               AND p.proname = ANY (ARRAY['_claim', '_lease', '_next_due_ms', '_run_row_needed', '_leased',
+                   '_prepare_external_claim', '_complete_many', '_recover', '_prune', '_retire_events',
+                   '_lock_runs', '_lock_runs_of', '_try_lock_run_of', '_close_open_commands', '_begin_batch',
+                   '_release', '_settle_batch', '_settle_failure', '_lock_run_and_commands',
+                   '_promote_if_satisfied']) LOOP
+        EXECUTE format('ALTER FUNCTION %s SET enable_seqscan = off SET enable_bitmapscan = off'
+                       ' SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off', f);
+    END LOOP;
+END $$;

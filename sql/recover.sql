@@ -7,7 +7,7 @@
 -- crash restart, has every command it held charged: the conservative side
 -- of rule 3.)
 CREATE FUNCTION flow._recover() RETURNS integer
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     lost record;
     concluded integer := 0;

@@ -35,7 +35,7 @@ END $$;
 -- the same unfinished runs twice in a round, however large a backlog is.
 CREATE FUNCTION flow._prune(older_than interval, max_runs integer, after uuid,
     OUT pruned integer, OUT last uuid)
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     cut timestamptz := now() - older_than;
     hex text := lpad(to_hex((extract(epoch FROM cut) * 1000)::bigint), 12, '0');
@@ -125,7 +125,7 @@ END $$;
 -- flow.event_retention bounds. (index _events_name_key is not needed: the
 -- scan is by position, which grows with emitted_at.)
 CREATE FUNCTION flow._retire_events(older_than interval, max_events integer) RETURNS integer
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     retired integer;
     old_events bigint[];

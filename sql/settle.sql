@@ -18,7 +18,7 @@ END $$;
 -- it. wait: wait for runs locked elsewhere; otherwise skip them. Returns the
 -- runs locked.
 CREATE FUNCTION flow._lock_runs(run_ids uuid[], wait boolean) RETURNS uuid[]
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     rows_locked uuid[];
     roots_locked uuid[];
@@ -51,7 +51,7 @@ END $$;
 -- (plpgsql, not sql: its plan is cached per session; an sql function called
 -- from plpgsql is planned again on every call, ~70 µs.)
 CREATE FUNCTION flow._lock_runs_of(command_ids uuid[]) RETURNS void
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     PERFORM flow._lock_runs(ARRAY(SELECT DISTINCT c.run_id FROM flow._commands c WHERE c.id = ANY (command_ids)), true);
 END $$;
@@ -60,7 +60,7 @@ END $$;
 -- false): for work that can wait for a later round, such as concluding an
 -- attempt whose owner is gone.
 CREATE FUNCTION flow._try_lock_run_of(command_id uuid) RETURNS boolean
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     RETURN cardinality(flow._lock_runs(ARRAY(SELECT c.run_id FROM flow._commands c
                                              WHERE c.id = _try_lock_run_of.command_id), false)) > 0;
@@ -72,7 +72,7 @@ END $$;
 -- say, a handler that cancels its own run); its worker's later settlement
 -- finds no lease, or a command that moved on.
 CREATE FUNCTION flow._close_open_commands(run_id uuid, reason text) RETURNS void
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     interrupted integer;
 BEGIN
@@ -110,7 +110,7 @@ END $$;
 -- skipped, never waited for: its commands are handed back (_release).
 CREATE FUNCTION flow._begin_batch(command_ids uuid[], lease_tokens uuid[])
 RETURNS TABLE (command_id uuid, run_locked boolean)
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     locked uuid[];
 BEGIN
@@ -128,7 +128,7 @@ END $$;
 -- elsewhere). Takes no run lock and skips a command row locked elsewhere;
 -- returns those still held, so the worker tries again later.
 CREATE FUNCTION flow._release(command_ids uuid[], lease_tokens uuid[]) RETURNS SETOF uuid
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     released uuid[];
 BEGIN
@@ -180,7 +180,7 @@ CREATE FUNCTION flow._settle_batch(command_ids uuid[], lease_tokens uuid[], resu
     handler_started timestamptz[] DEFAULT NULL, held_attempts integer[] DEFAULT NULL, owner_name text DEFAULT NULL,
     held_rows tid[] DEFAULT NULL, chunk_spawned boolean DEFAULT true)
 RETURNS uuid[]
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp
     SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     settled uuid[];
@@ -239,7 +239,8 @@ BEGIN
                -- its transaction). The claim's held test takes the same step.
                d.parent_id IS NULL
                AND CASE WHEN d.held = 1 AND NOT chunk_spawned THEN true
-                        ELSE NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = d.id) END AS alone
+                        ELSE NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = d.id)  -- alone: docs/DESIGN.md
+                   END AS alone
         FROM (SELECT * FROM leased_done UNION ALL SELECT * FROM held_done) d
         OFFSET 0   -- (kept a subquery: pulled up, its probe ran once per aggregate below, three times a command)
     )
@@ -295,7 +296,7 @@ CREATE FUNCTION flow._settle_failure(command_id uuid, lease_token uuid, outcome 
     message text, retry_delay interval DEFAULT NULL, handler_started timestamptz DEFAULT NULL,
     held_attempt integer DEFAULT NULL, owner_name text DEFAULT NULL, wait_for_run boolean DEFAULT true)
 RETURNS text
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     c flow._commands;
     d flow._definitions;

@@ -6,7 +6,7 @@
 -- (The run first: everyone else who locks a run's commands and then the run
 -- holds the run already, or takes it only if it is free.)
 CREATE FUNCTION flow._lock_run_and_commands(run_id uuid) RETURNS void
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     PERFORM 1 FROM flow._runs x WHERE x.id = run_id FOR UPDATE;
     PERFORM 1 FROM flow._commands c
@@ -73,7 +73,7 @@ BEGIN
 END $$;
 
 -- An emit and the creation of a wait on the same (name, key) serialize on
--- flow._lock_event_key (src/isolation.rs: a lock tag of flow's own), so a
+-- flow._lock_event_key (src/locks.rs: a lock tag of flow's own), so a
 -- wait created while the event is being emitted is never missed by both
 -- sides. The lock is per owner of the waiting runs (the "domain"), and an
 -- emitter locks only the domains its event may satisfy (flow._may_satisfy):
@@ -103,7 +103,7 @@ BEGIN
 END $$;
 
 -- Before a wait on (name, key) is created in a run of run_owner (see above;
--- and its bucket's lock, against event retention: src/isolation.rs).
+-- and its bucket's lock, against event retention: src/locks.rs).
 CREATE FUNCTION flow._lock_event_waits(name text, key text, run_owner oid) RETURNS void
 LANGUAGE sql SET search_path = pg_catalog, pg_temp AS $$
     SELECT flow._lock_event_key(name, key, 0, 'row exclusive'),
@@ -114,7 +114,7 @@ $$;
 -- Mark the open waits of one command satisfied by the newest journal entries
 -- and make it due when none is left open.
 CREATE FUNCTION flow._promote_if_satisfied(command_id uuid) RETURNS void
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     -- Lock first, check in the next statement: its fresh snapshot sees every
     -- wait satisfied by emitters that committed while we waited for the lock.

@@ -1,7 +1,7 @@
 //! The Rust half of flow's SQL surface: small internal functions the SQL API
 //! (sql/*.sql) is built on. Public functions live in SQL; these are `flow._*`.
 
-use crate::{executor, gucs, shmem};
+use crate::{execute, gucs, shmem};
 use pgrx::prelude::*;
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -73,62 +73,6 @@ fn _stop_workers_of(run: pgrx::Uuid) -> i32 {
     shmem::stop_workers_of(*run.as_bytes())
 }
 
-thread_local! {
-    /// The last id's millisecond and counter (see `_new_id`).
-    static LAST_ID: std::cell::Cell<(u64, u64)> = const { std::cell::Cell::new((0, 0)) };
-}
-
-/// A new time-ordered id (UUIDv7, RFC 9562): 48 bits of Unix milliseconds, a
-/// 42-bit counter (12 bits of rand_a and the top 30 of rand_b) that starts at
-/// a random value in each new millisecond and counts up within it, so ids made
-/// by one process are strictly increasing, and 32 random bits.
-/// The random bits come from rand's thread-local generator (ChaCha, seeded
-/// from the OS, reseeded after fork), not from a getrandom system call per id
-/// as `uuid::Uuid::now_v7` makes them: that call was 6 % of an enqueue_many.
-#[pg_extern(volatile, parallel_safe)]
-pub(crate) fn _new_id() -> pgrx::Uuid {
-    use rand::Rng;
-    const COUNTER_MAX: u64 = (1 << 42) - 1;
-    let now_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
-    let mut rng = rand::thread_rng();
-    let (ms, counter) = LAST_ID.with(|last| {
-        let (last_ms, last_counter) = last.get();
-        let next = if now_ms > last_ms {
-            // a fresh start in the lower half, so counting up has room
-            (now_ms, rng.gen::<u64>() & (COUNTER_MAX >> 1))
-        } else if last_counter < COUNTER_MAX {
-            // the same millisecond (or the clock went back): count up
-            (last_ms, last_counter + 1)
-        } else {
-            (last_ms + 1, rng.gen::<u64>() & (COUNTER_MAX >> 1))
-        };
-        last.set(next);
-        next
-    });
-    let bits = (u128::from(ms & 0xFFFF_FFFF_FFFF) << 80)
-        | (0x7 << 76)                                       // version 7
-        | (u128::from(counter >> 30) << 64)                 // rand_a: the counter's top 12 bits
-        | (0b10 << 62)                                      // variant
-        | (u128::from(counter & 0x3FFF_FFFF) << 32)         // rand_b: the counter's low 30 bits,
-        | u128::from(rng.gen::<u32>()); // then random ones
-    pgrx::Uuid::from_bytes(bits.to_be_bytes())
-}
-
-/// A new lease token (UUIDv4: 122 random bits). A token is what an external
-/// worker presents to settle or extend its lease, so it must be unguessable:
-/// its bits come from rand's thread-local generator, a cryptographically
-/// secure one (ChaCha12, seeded from the OS, reseeded every 64 KiB and after
-/// fork). `gen_random_uuid()` drew each token from OpenSSL under a lock, about
-/// a microsecond each: 3 % of an external claim-and-complete.
-#[pg_extern(volatile, parallel_safe)]
-fn _lease_token() -> pgrx::Uuid {
-    use rand::Rng;
-    let mut bytes: [u8; 16] = rand::thread_rng().gen();
-    bytes[6] = (bytes[6] & 0x0F) | 0x40; // version 4
-    bytes[8] = (bytes[8] & 0x3F) | 0x80; // variant
-    pgrx::Uuid::from_bytes(bytes)
-}
-
 /// flow.max_result_bytes, in bytes, for the SQL side's payload checks.
 #[pg_extern(stable, parallel_safe)]
 fn _max_payload_bytes() -> i32 {
@@ -144,7 +88,7 @@ fn _lease_duration_s() -> i32 {
 /// The command whose handler is running in this backend, NULL outside a handler.
 #[pg_extern(volatile, parallel_unsafe)]
 fn _current_command() -> Option<pgrx::Uuid> {
-    executor::current_command().map(pgrx::Uuid::from_bytes)
+    execute::current_command().map(pgrx::Uuid::from_bytes)
 }
 
 /// One row per configured worker, from shared memory (the engine's: the
@@ -174,15 +118,11 @@ fn _worker_states() -> TableIterator<
                 (true, true) => "busy",
             };
             let command = (now.command != [0; 16]).then(|| pgrx::Uuid::from_bytes(now.command));
-            let since = alive.then(|| timestamp_from_pg(now.since)).flatten();
+            let since = alive.then(|| crate::spans::timestamp_from_pg(now.since)).flatten();
             (i as i32, alive.then_some(slot.pid), state.to_string(), command, since, now.handled as i64)
         })
         .collect();
     TableIterator::new(rows)
-}
-
-pub fn timestamp_from_pg(micros: i64) -> Option<TimestampWithTimeZone> {
-    unsafe { TimestampWithTimeZone::from_datum(pg_sys::Datum::from(micros), false) }
 }
 
 /// The engine's counters, one row each (see shmem::METRICS).

@@ -1,11 +1,13 @@
 //! External workers' claims: they take up where the last full claim of the
 //! same definition ended, as in-database workers' claims do (flow.claim in
-//! sql/api.sql; the shared ends are in `shmem::note_external_end`); and the
-//! claims held by a client's own transaction (below).
+//! sql/api.sql; the shared ends are in `note_external_end`); and the
+//! claims held by a client's own transaction (below), with the attempts
+//! they abandon, waiting in shared memory for worker 0 (src/recovery.rs).
 
-use crate::{api, executor, shmem};
+use crate::shmem;
 use pgrx::pg_sys;
 use pgrx::prelude::*;
+use pgrx::{pg_shmem_init, PGRXSharedMemory, PgLwLock};
 use std::time::Duration;
 
 /// How long external claims of one definition take up where the last full
@@ -21,9 +23,9 @@ const EXTERNAL_CURSOR_SPAN: Duration = Duration::from_millis(250);
 fn _external_claim_start(
     definition: Option<&str>,
 ) -> TableIterator<'static, (name!(queue, String), name!(due_at, TimestampWithTimeZone), name!(id, pgrx::Uuid))> {
-    let end = definition
-        .and_then(shmem::external_end)
-        .and_then(|(queue, due_at, id)| Some((queue, api::timestamp_from_pg(due_at)?, pgrx::Uuid::from_bytes(id))));
+    let end = definition.and_then(external_end).and_then(|(queue, due_at, id)| {
+        Some((queue, crate::spans::timestamp_from_pg(due_at)?, pgrx::Uuid::from_bytes(id)))
+    });
     TableIterator::new(end)
 }
 
@@ -44,13 +46,13 @@ fn _external_claim_ended(
     let (queues, due_ats, ids) = (queues.unwrap_or_default(), due_ats.unwrap_or_default(), ids.unwrap_or_default());
     let full = queues.len() >= asked.max(1) as usize && due_ats.len() == queues.len() && ids.len() == queues.len();
     let one_queue = queues.windows(2).all(|w| w[0] == w[1]);
-    let last = due_ats.iter().zip(&ids).map(|(at, id)| executor::claim_position(*at, id)).max();
+    let last = due_ats.iter().zip(&ids).map(|(at, id)| crate::claim::claim_position(*at, id)).max();
     // the longest a command that became due behind that point (an expired
     // lease, a claim rolled back) waits while a backlog drains
     let span_us = EXTERNAL_CURSOR_SPAN.as_micros() as i64;
     match (full && one_queue, last) {
-        (true, Some((due_at, id))) => shmem::note_external_end(definition, Some((&queues[0], due_at, id)), span_us),
-        _ => shmem::note_external_end(definition, None, span_us),
+        (true, Some((due_at, id))) => note_external_end(definition, Some((&queues[0], due_at, id)), span_us),
+        _ => note_external_end(definition, None, span_us),
     }
     true
 }
@@ -99,8 +101,18 @@ thread_local! {
     static HELD_WORKER: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
 }
 
+static EXTERNAL_ENDS_TABLE: PgLwLock<ExternalEnds> = unsafe { PgLwLock::new(c"flow_external_ends") };
+static ABANDONED_TABLE: PgLwLock<Abandoned> = unsafe { PgLwLock::new(c"flow_abandoned_attempts") };
+
+/// Shared memory and the transaction callbacks of held claims (`_PG_init`).
 pub fn init() {
+    pg_shmem_init!(EXTERNAL_ENDS_TABLE);
+    pg_shmem_init!(ABANDONED_TABLE);
     unsafe {
+        PREVIOUS_SHMEM_REQUEST = pg_sys::shmem_request_hook;
+        pg_sys::shmem_request_hook = Some(request_attempt_list);
+        PREVIOUS_SHMEM_STARTUP = pg_sys::shmem_startup_hook;
+        pg_sys::shmem_startup_hook = Some(attach_attempt_list);
         pg_sys::RegisterXactCallback(Some(on_xact_event), std::ptr::null_mut());
         pg_sys::RegisterSubXactCallback(Some(on_subxact_event), std::ptr::null_mut());
     }
@@ -138,14 +150,12 @@ fn _note_holding(
     // (a place for its attempt among the abandoned ones, kept until the
     // transaction has ended: an error here aborts the claim, whose commands
     // noted so far have theirs)
-    if let Err(full) = shmem::reserve_abandon_room(caller) {
+    if let Err(full) = reserve_abandon_room(caller) {
         let message = match full {
-            shmem::NoPlace::All => {
-                "flow: 16384 commands are held by open transactions or wait for worker 0".to_string()
-            }
-            shmem::NoPlace::Role => format!(
+            NoPlace::All => "flow: 16384 commands are held by open transactions or wait for worker 0".to_string(),
+            NoPlace::Role => format!(
                 "flow: this role holds {} commands in open transactions or waiting for worker 0 already",
-                shmem::HELD_PER_ROLE
+                HELD_PER_ROLE
             ),
         };
         pgrx::ereport!(
@@ -169,7 +179,7 @@ fn _note_holding(
     };
     if let Some(earlier) = HELD.with(|h| h.borrow_mut().insert(*command_id.as_bytes(), claim)) {
         // (claimed again after its earlier attempt ended: one place is enough)
-        shmem::abandon(&[], &[earlier.caller]);
+        abandon(&[], &[earlier.caller]);
     }
     true
 }
@@ -241,7 +251,7 @@ fn _holding_settled(command_ids: Vec<Option<pgrx::Uuid>>) -> bool {
 /// SKIP LOCKED does not skip).
 #[pg_extern(volatile, parallel_unsafe)]
 fn _claim_excluded() -> Option<Vec<pgrx::Uuid>> {
-    let mut commands = shmem::abandoned_commands();
+    let mut commands = abandoned_commands();
     HELD.with(|h| commands.extend(h.borrow().iter().filter(|(_, c)| c.held && c.settled.is_none()).map(|(id, _)| *id)));
     (!commands.is_empty()).then(|| commands.into_iter().map(pgrx::Uuid::from_bytes).collect())
 }
@@ -266,7 +276,7 @@ fn abandon_where(ended: impl Fn(&HeldClaim) -> bool, abandoned: impl Fn(&HeldCla
         (left, forgotten)
     });
     let list: Vec<_> = left.iter().map(|(id, n, token, role)| (*id, *n, *token, worker.as_str(), *role)).collect();
-    let lost = shmem::abandon(&list, &forgotten);
+    let lost = abandon(&list, &forgotten);
     if lost > 0 {
         // (as a transaction ends: a LOG line, never an error)
         pgrx::log!("flow: {lost} abandoned held attempts could not be left to worker 0 and go uncounted");
@@ -347,5 +357,320 @@ unsafe extern "C-unwind" fn on_subxact_event(
             }
         }
         _ => {}
+    }
+}
+
+// ---------------------------------------------------------------- shared memory
+// The cursors of external claims, per definition, and the abandoned held
+// attempts waiting for worker 0, with the places reserved for them.
+
+/// How many definitions' external claim cursors are shared at once (see
+/// `external_end`): a definition without one claims from its queue's head.
+const EXTERNAL_ENDS: usize = 32;
+
+/// Where the last full external claim of one definition ended (see
+/// `note_external_end`), good until `until` (TimestampTz, µs).
+#[derive(Copy, Clone)]
+pub struct ExternalEnd {
+    definition: shmem::SharedName,
+    end: shmem::CursorEnd,
+    until: i64,
+}
+
+impl Default for ExternalEnd {
+    fn default() -> Self {
+        ExternalEnd { definition: shmem::SharedName::NONE, end: shmem::CursorEnd::NONE, until: 0 }
+    }
+}
+
+impl ExternalEnd {
+    fn is(&self, definition: &str) -> bool {
+        self.definition.len > 0 && self.definition.is(definition)
+    }
+}
+
+#[derive(Copy, Clone, Default)]
+pub struct ExternalEnds {
+    slots: [ExternalEnd; EXTERNAL_ENDS],
+}
+
+unsafe impl PGRXSharedMemory for ExternalEnds {}
+
+/// Where the last full external claim of `definition` ended (queue, due
+/// time, id), while that is good (see `note_external_end`).
+pub fn external_end(definition: &str) -> Option<(String, i64, [u8; 16])> {
+    let now = unsafe { pg_sys::GetCurrentTimestamp() };
+    let ends = EXTERNAL_ENDS_TABLE.share();
+    ends.slots.iter().find(|s| s.is(definition) && s.until > now)?.end.get()
+}
+
+/// After an external claim of `definition` alone: `end`, where it ended in
+/// its queue when it came back full (None: it came back short, or from
+/// several queues). The external workers claiming a definition share it, as
+/// in-database workers share theirs (`publish_cursor`): the next claims take
+/// up from the furthest end noted, for at most `span_us` after the first,
+/// so they do not walk again the index entries of the commands claimed
+/// before them, which stay in the due index until VACUUM. A claim that comes
+/// back short, and every claim once the span is over, starts from the head.
+pub fn note_external_end(definition: &str, end: Option<(&str, i64, [u8; 16])>, span_us: i64) {
+    let now = unsafe { pg_sys::GetCurrentTimestamp() };
+    let noted = end.and_then(|(queue, due_at, id)| {
+        Some((shmem::SharedName::new(definition)?, shmem::CursorEnd::new(queue, due_at, id)?))
+    });
+    let mut ends = EXTERNAL_ENDS_TABLE.exclusive();
+    let found = ends.slots.iter().position(|s| s.is(definition));
+    let Some((name, end)) = noted else {
+        if let Some(i) = found {
+            ends.slots[i] = ExternalEnd::default();
+        }
+        return;
+    };
+    let slot = match found {
+        Some(i) => &mut ends.slots[i],
+        // a free or lapsed slot, else the one that lapses first
+        None => ends.slots.iter_mut().min_by_key(|s| if s.until > now { s.until } else { i64::MIN }).expect("slots"),
+    };
+    let live = slot.is(definition) && slot.until > now;
+    if live && slot.end.queue == end.queue && (slot.end.due_at, slot.end.id) >= (end.due_at, end.id) {
+        return; // another claim got further already
+    }
+    if !live {
+        (slot.definition, slot.until) = (name, now + span_us);
+    }
+    slot.end = end;
+}
+
+/// How many held commands' places there are in all (see `abandon`): held
+/// by open transactions, or abandoned and waiting for worker 0.
+const ABANDONED: usize = 16_384;
+/// How many of those places one role's claims may take at once: one role
+/// holding thousands of commands in open transactions cannot lock every
+/// other role out of held claims.
+pub const HELD_PER_ROLE: u32 = 1_024;
+/// How many roles may hold places at once.
+const HOLDING_ROLES: usize = 1_024;
+
+/// An attempt of a command held by an external client's transaction that
+/// ended without settling it (src/external.rs): the command, the number of
+/// the attempt, its token, the client's worker name, and the role whose
+/// claim it was.
+#[derive(Copy, Clone)]
+struct AbandonedAttempt {
+    command: [u8; 16],
+    attempt: i32,
+    token: [u8; 16],
+    worker: shmem::SharedName,
+    role: pg_sys::Oid,
+}
+
+/// The places one role's claims take (0 roles: a free entry).
+#[derive(Copy, Clone, Default)]
+struct RolePlaces {
+    role: u32,
+    places: u32,
+}
+
+/// How many abandoned attempts wait (their list: `attempts`), the room
+/// reserved for those that may come (every command a transaction holds has
+/// a place from its claim on, `reserve_abandon_room`, so an abandoned
+/// attempt always fits, whatever other roles hold), and how many places
+/// each role takes. The list is read and written under this one's lock.
+#[derive(Copy, Clone)]
+pub struct Abandoned {
+    len: usize,
+    reserved: usize,
+    roles: [RolePlaces; HOLDING_ROLES],
+}
+
+impl Default for Abandoned {
+    fn default() -> Self {
+        Abandoned { len: 0, reserved: 0, roles: [RolePlaces::default(); HOLDING_ROLES] }
+    }
+}
+
+/// The list of abandoned attempts itself, ABANDONED entries (1.7 MB) in
+/// shared memory of its own, zero-filled when the server starts (zero bytes
+/// are no attempt: `SharedName::NONE`, role 0). Not a PgLwLock's value:
+/// pgrx builds that on the stack and copies it in, and a debug build's
+/// copies of this list overflowed the postmaster's stack.
+static ATTEMPT_LIST: std::sync::atomic::AtomicPtr<AbandonedAttempt> =
+    std::sync::atomic::AtomicPtr::new(std::ptr::null_mut());
+const ATTEMPT_LIST_NAME: &std::ffi::CStr = c"flow_abandoned_attempt_list";
+const ATTEMPT_LIST_BYTES: usize = ABANDONED * std::mem::size_of::<AbandonedAttempt>();
+static mut PREVIOUS_SHMEM_REQUEST: pg_sys::shmem_request_hook_type = None;
+static mut PREVIOUS_SHMEM_STARTUP: pg_sys::shmem_startup_hook_type = None;
+
+#[pg_guard]
+unsafe extern "C-unwind" fn request_attempt_list() {
+    unsafe {
+        if let Some(previous) = PREVIOUS_SHMEM_REQUEST {
+            previous();
+        }
+        pg_sys::RequestAddinShmemSpace(ATTEMPT_LIST_BYTES);
+    }
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn attach_attempt_list() {
+    unsafe {
+        if let Some(previous) = PREVIOUS_SHMEM_STARTUP {
+            previous();
+        }
+        let init_lock = &raw mut (*pg_sys::MainLWLockArray.add(21)).lock; // AddinShmemInitLock
+        pg_sys::LWLockAcquire(init_lock, pg_sys::LWLockMode::LW_EXCLUSIVE);
+        let mut found = false;
+        let at = pg_sys::ShmemInitStruct(ATTEMPT_LIST_NAME.as_ptr(), ATTEMPT_LIST_BYTES, &mut found);
+        if !found {
+            std::ptr::write_bytes(at.cast::<u8>(), 0, ATTEMPT_LIST_BYTES);
+        }
+        ATTEMPT_LIST.store(at.cast(), std::sync::atomic::Ordering::Release);
+        pg_sys::LWLockRelease(init_lock);
+    }
+}
+
+/// The list, for a holder of ABANDONED_TABLE's lock (shared to read,
+/// exclusive to write).
+#[allow(clippy::mut_from_ref)]
+fn attempt_list(_held: &Abandoned) -> &mut [AbandonedAttempt] {
+    let at = ATTEMPT_LIST.load(std::sync::atomic::Ordering::Acquire);
+    assert!(!at.is_null(), "flow's shared memory is attached");
+    // SAFETY: ABANDONED entries in shared memory; the caller holds the lock
+    // that guards them (`_held` is its guard's data)
+    unsafe { std::slice::from_raw_parts_mut(at, ABANDONED) }
+}
+
+impl Abandoned {
+    /// Add `delta` to `role`'s places (an entry is taken for a new role and
+    /// freed at zero); false when it would go over `limit`, or no entry is
+    /// free (nothing changed then).
+    fn add_places(&mut self, role: pg_sys::Oid, delta: i64, limit: u32) -> bool {
+        let role = role.to_u32();
+        let at = self.roles.iter().position(|r| r.places > 0 && r.role == role);
+        let Some(at) = at.or_else(|| (delta > 0).then(|| self.roles.iter().position(|r| r.places == 0)).flatten())
+        else {
+            return false;
+        };
+        let places = (i64::from(self.roles[at].places) + delta).max(0);
+        if delta > 0 && places > i64::from(limit) {
+            return false;
+        }
+        self.roles[at] = RolePlaces { role, places: places as u32 };
+        true
+    }
+}
+
+/// Why a held claim found no place (`reserve_abandon_room`).
+pub enum NoPlace {
+    /// every place is taken
+    All,
+    /// the role has HELD_PER_ROLE places already (or too many roles hold some)
+    Role,
+}
+
+/// Reserve a place for one held command's attempt, claimed by `role`
+/// (a superuser's claims have no limit of their own).
+pub fn reserve_abandon_room(role: pg_sys::Oid) -> Result<(), NoPlace> {
+    let limit = if unsafe { pg_sys::superuser_arg(role) } { u32::MAX } else { HELD_PER_ROLE };
+    let mut table = ABANDONED_TABLE.exclusive();
+    if table.len + table.reserved >= ABANDONED {
+        return Err(NoPlace::All);
+    }
+    if !table.add_places(role, 1, limit) {
+        return Err(NoPlace::Role);
+    }
+    table.reserved += 1;
+    Ok(())
+}
+
+unsafe impl PGRXSharedMemory for Abandoned {}
+
+/// Leave these attempts (command, attempt, token, worker, role) to worker 0,
+/// which concludes them as interrupted (`abandoned`), and wake it; and give
+/// back the reservations of `released` (the role of each: those of these
+/// attempts, and of held commands that were settled). Called as a
+/// transaction ends: raises nothing. Returns how many did not fit (none,
+/// while each came with its reservation).
+pub fn abandon(attempts: &[([u8; 16], i32, [u8; 16], &str, pg_sys::Oid)], released: &[pg_sys::Oid]) -> usize {
+    if attempts.is_empty() && released.is_empty() {
+        return 0;
+    }
+    let mut table = ABANDONED_TABLE.exclusive();
+    table.reserved = table.reserved.saturating_sub(released.len());
+    for role in released {
+        table.add_places(*role, -1, u32::MAX);
+    }
+    if attempts.is_empty() {
+        return 0;
+    }
+    let mut lost = 0;
+    for (command, attempt, token, worker, role) in attempts {
+        // (its reservation, given back above, becomes its entry's place)
+        if table.len == ABANDONED || !table.add_places(*role, 1, u32::MAX) {
+            lost += 1;
+            continue;
+        }
+        // (a worker name longer than a shared name is cut at a character boundary)
+        let mut cut = worker.len().min(shmem::SHARED_NAME_BYTES);
+        while !worker.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        let at = table.len;
+        attempt_list(&table)[at] = AbandonedAttempt {
+            command: *command,
+            attempt: *attempt,
+            token: *token,
+            worker: shmem::SharedName::new(&worker[..cut]).unwrap_or(shmem::SharedName::NONE),
+            role: *role,
+        };
+        table.len += 1;
+    }
+    drop(table);
+    let workers = shmem::WORKERS.share();
+    if let Some(first) = workers.slots.first().filter(|s| s.procno >= 0) {
+        shmem::set_latch(first);
+    }
+    lost
+}
+
+/// The commands whose abandoned attempts wait for worker 0: external claims
+/// leave them alone until then (each would otherwise run again uncounted).
+pub fn abandoned_commands() -> Vec<[u8; 16]> {
+    let table = ABANDONED_TABLE.share();
+    attempt_list(&table)[..table.len].iter().map(|a| a.command).collect()
+}
+
+/// The abandoned attempts, for worker 0 to conclude; each stays (and its
+/// command left alone by claims) until `forget_abandoned`, after its
+/// conclusion committed.
+pub fn abandoned() -> Vec<([u8; 16], i32, [u8; 16], String)> {
+    let table = ABANDONED_TABLE.share();
+    attempt_list(&table)[..table.len]
+        .iter()
+        .map(|a| (a.command, a.attempt, a.token, a.worker.to_string().unwrap_or_default()))
+        .collect()
+}
+
+/// Drop these abandoned attempts (concluded, or given up on).
+pub fn forget_abandoned(done: &[([u8; 16], i32)]) {
+    if done.is_empty() {
+        return;
+    }
+    let done: std::collections::HashSet<([u8; 16], i32)> = done.iter().copied().collect();
+    let mut table = ABANDONED_TABLE.exclusive();
+    let list = attempt_list(&table);
+    let mut kept = 0;
+    let mut gone = Vec::new();
+    for i in 0..table.len {
+        let a = list[i];
+        if done.contains(&(a.command, a.attempt)) {
+            gone.push(a.role);
+        } else {
+            list[kept] = a;
+            kept += 1;
+        }
+    }
+    table.len = kept;
+    for role in gone {
+        table.add_places(role, -1, u32::MAX);
     }
 }

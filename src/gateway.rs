@@ -330,8 +330,8 @@ pub fn check_args(
     let outer = IN_USER_CODE.with(|c| c.get());
     // Always rolled back: the check may change nothing, and whatever
     // transaction-scoped state it started ends here.
-    let subtransaction = crate::executor::Subtransaction::begin();
-    let outcome = crate::executor::catching(
+    let subtransaction = crate::spi::Subtransaction::begin();
+    let outcome = crate::spi::catching(
         || {
             Ok(as_role(owner, pg_sys::SECURITY_RESTRICTED_OPERATION, || unsafe {
                 let nest = pg_sys::NewGUCNestLevel();

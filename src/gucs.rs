@@ -280,3 +280,8 @@ pub fn inject_fault(name: &str) {
         Some(Fault::Stall) => std::thread::sleep(Duration::from_secs(2)),
     }
 }
+
+/// Ask for a log line at `flow.log_level`.
+pub fn log(message: &str) {
+    pgrx::ereport!(log_level(), pgrx::PgSqlErrorCode::ERRCODE_SUCCESSFUL_COMPLETION, message.to_string());
+}

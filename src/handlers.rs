@@ -30,7 +30,7 @@ fn run_sql(args: JsonB) -> JsonB {
     let Some(sql) = args.0.get("sql").and_then(|v| v.as_str()) else {
         let message = "flow.run_sql: args must be {\"sql\": \"<statement>\"}";
         // Retrying cannot fix the args: fail permanently.
-        crate::executor::decide("permanent", "permanent", message, None);
+        crate::outcome::decide(crate::outcome::Decided::Permanent, "permanent", message, None);
         pgrx::ereport!(ERROR, PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE, message);
     };
     let rows = Spi::connect_mut(|client| client.update(sql, None, &[]).map(|t| t.len()))

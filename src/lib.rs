@@ -1,27 +1,51 @@
 //! flow: a durable job and workflow engine inside PostgreSQL.
 //!
-//! Layout: `gucs` (settings), `shmem` (worker table, counters, wake-ups),
-//! `api` (internal SQL functions the public SQL API in `sql/` stands on),
-//! `handlers` (built-in Rust handlers), `invariants` (a command row's CHECK), `gateway` (every call of user
-//! code: as its owner, with its owner's search_path, leaving nothing behind), `locks` (flow's own lock tags), `roles` (ownership and the role commands), `hooks`
-//! (the utility hook), `executor` (run and settle one claimed command), `external` (external claims' cursor, claims held by a client's transaction), `worker` (the background worker loop).
+//! One module per stage of a command's path, as `sql/` has one file per
+//! service (docs/DESIGN.md has the rules each one keeps):
+//! - `worker`: the background worker loop, top to bottom: claim, execute,
+//!   settle, upkeep, sleep until the next due time;
+//! - `claim`: claimed rows (`Claimed`), the claim cursor, round-robin order,
+//!   leases, which handlers are held;
+//! - `execute`: the chunk, the attempt, its deadline; `handler_call`: how a
+//!   handler is called; `outcome`: failure classes and classification;
+//! - `settle`: settlements, failures, conclusions, releases;
+//! - `recovery`, `retention`: the workers' upkeep;
+//! - `external`: external workers' claims, held claims and their shared tables;
+//! - `gateway`: every call of user code (as its owner, with its owner's
+//!   search_path, leaving nothing behind); `hooks`: the utility hook; `roles`:
+//!   ownership and the role commands;
+//! - `spi`: the engine's statements, plans and transactions; `shmem`: the
+//!   worker table, counters, wake-ups, cancels; `attempt_record`: the held
+//!   attempt a worker is in (rule 3);
+//! - `api`: internal SQL functions the public SQL API stands on; `ids`: ids
+//!   and lease tokens; `spans`: durations and times; `payload`: args and
+//!   results as datums; `locks`: flow's own lock tags; `invariants`: a
+//!   command row's CHECK; `handlers`: built-in Rust handlers; `gucs`: settings.
 
 use pgrx::prelude::*;
 
 mod api;
 mod attempt_record;
-mod executor;
+mod claim;
+mod execute;
 mod external;
 mod gateway;
 mod gucs;
+mod handler_call;
 mod handlers;
 mod hooks;
+mod ids;
 mod invariants;
 mod locks;
+mod outcome;
 mod payload;
+mod recovery;
+mod retention;
 mod roles;
+mod settle;
 mod shmem;
 mod spans;
+mod spi;
 mod worker;
 
 ::pgrx::pg_module_magic!(name, version);
@@ -77,9 +101,9 @@ mod tests {
 
     #[pg_test]
     fn sqlstates_unpack_to_their_five_characters() {
-        assert_eq!(crate::executor::sqlstate(PgSqlErrorCode::ERRCODE_DIVISION_BY_ZERO), "22012");
-        assert_eq!(crate::executor::sqlstate(PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE), "42501");
-        assert_eq!(crate::executor::sqlstate(PgSqlErrorCode::ERRCODE_QUERY_CANCELED), "57014");
+        assert_eq!(crate::spi::sqlstate(PgSqlErrorCode::ERRCODE_DIVISION_BY_ZERO), "22012");
+        assert_eq!(crate::spi::sqlstate(PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE), "42501");
+        assert_eq!(crate::spi::sqlstate(PgSqlErrorCode::ERRCODE_QUERY_CANCELED), "57014");
     }
 
     #[pg_test]

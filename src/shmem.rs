@@ -20,31 +20,31 @@ pub const CANCEL_SLOTS: usize = 16;
 /// How many queues of a worker's claim cursor the other workers see.
 pub const CURSOR_QUEUES: usize = 8;
 /// The longest queue or definition name shared (a longer one is simply not shared).
-const SHARED_NAME_BYTES: usize = 64;
+pub(crate) const SHARED_NAME_BYTES: usize = 64;
 
 /// A queue's or a definition's name in shared memory.
 #[derive(Copy, Clone)]
-struct SharedName {
+pub(crate) struct SharedName {
     bytes: [u8; SHARED_NAME_BYTES],
-    len: usize,
+    pub(crate) len: usize,
 }
 
 impl SharedName {
-    const NONE: SharedName = SharedName { bytes: [0; SHARED_NAME_BYTES], len: 0 };
+    pub(crate) const NONE: SharedName = SharedName { bytes: [0; SHARED_NAME_BYTES], len: 0 };
 
     /// None for a name too long to share.
-    fn new(name: &str) -> Option<SharedName> {
+    pub(crate) fn new(name: &str) -> Option<SharedName> {
         let mut shared = SharedName::NONE;
         shared.bytes.get_mut(..name.len())?.copy_from_slice(name.as_bytes());
         shared.len = name.len();
         Some(shared)
     }
 
-    fn is(&self, name: &str) -> bool {
+    pub(crate) fn is(&self, name: &str) -> bool {
         &self.bytes[..self.len] == name.as_bytes()
     }
 
-    fn to_string(self) -> Option<String> {
+    pub(crate) fn to_string(self) -> Option<String> {
         String::from_utf8(self.bytes[..self.len].to_vec()).ok()
     }
 }
@@ -59,21 +59,21 @@ impl PartialEq for SharedName {
 /// `publish_cursor`), or an external one's (see `note_external_end`).
 #[derive(Copy, Clone)]
 pub struct CursorEnd {
-    queue: SharedName,
-    due_at: i64,
-    id: [u8; 16],
+    pub(crate) queue: SharedName,
+    pub(crate) due_at: i64,
+    pub(crate) id: [u8; 16],
 }
 
 impl CursorEnd {
-    const NONE: CursorEnd = CursorEnd { queue: SharedName::NONE, due_at: 0, id: [0; 16] };
+    pub(crate) const NONE: CursorEnd = CursorEnd { queue: SharedName::NONE, due_at: 0, id: [0; 16] };
 
     /// None for a queue whose name is too long to share.
-    fn new(queue: &str, due_at: i64, id: [u8; 16]) -> Option<CursorEnd> {
+    pub(crate) fn new(queue: &str, due_at: i64, id: [u8; 16]) -> Option<CursorEnd> {
         Some(CursorEnd { queue: SharedName::new(queue)?, due_at, id })
     }
 
     /// (queue, due time, id), as `new` took them.
-    fn get(&self) -> Option<(String, i64, [u8; 16])> {
+    pub(crate) fn get(&self) -> Option<(String, i64, [u8; 16])> {
         Some((self.queue.to_string()?, self.due_at, self.id))
     }
 }
@@ -277,8 +277,6 @@ pub static WORKERS: PgLwLock<WorkerTable> = unsafe { PgLwLock::new(c"flow_worker
 pub static COUNTERS: PgAtomic<Counters> = unsafe { PgAtomic::new(c"flow_counters") };
 static DUE_FLOORS: PgAtomic<DueFloors> = unsafe { PgAtomic::new(c"flow_due_floors") };
 static ACTIVITIES: PgAtomic<Activities> = unsafe { PgAtomic::new(c"flow_worker_activities") };
-static EXTERNAL_ENDS_TABLE: PgLwLock<ExternalEnds> = unsafe { PgLwLock::new(c"flow_external_ends") };
-static ABANDONED_TABLE: PgLwLock<Abandoned> = unsafe { PgLwLock::new(c"flow_abandoned_attempts") };
 
 thread_local! {
     static WAKE_AT_COMMIT: Cell<bool> = const { Cell::new(false) };
@@ -293,8 +291,6 @@ pub fn init() {
     pg_shmem_init!(COUNTERS);
     pg_shmem_init!(DUE_FLOORS);
     pg_shmem_init!(ACTIVITIES);
-    pg_shmem_init!(EXTERNAL_ENDS_TABLE);
-    pg_shmem_init!(ABANDONED_TABLE);
     unsafe {
         pg_sys::RegisterXactCallback(Some(on_xact_event), std::ptr::null_mut());
         pg_sys::RegisterSubXactCallback(Some(on_subxact_event), std::ptr::null_mut());
@@ -413,7 +409,7 @@ fn is_another_worker(slot: &WorkerSlot) -> bool {
     slot.procno >= 0 && slot.pid != unsafe { pg_sys::MyProcPid }
 }
 
-fn set_latch(slot: &WorkerSlot) {
+pub(crate) fn set_latch(slot: &WorkerSlot) {
     unsafe {
         let proc_ = (*pg_sys::ProcGlobal).allProcs.add(slot.procno as usize);
         pg_sys::SetLatch(&mut (*proc_).procLatch);
@@ -454,267 +450,6 @@ pub fn cursors_of_others(index: usize) -> (Vec<(String, i64, [u8; 16])>, i64) {
     let good = || table.slots.iter().enumerate().filter(|(i, s)| *i != index && s.procno >= 0 && s.cursor_until > now);
     let ends = good().flat_map(|(_, s)| s.cursor[..s.cursor_len].iter()).filter_map(CursorEnd::get).collect();
     (ends, good().map(|(_, s)| s.cursor_until).min().unwrap_or(i64::MAX))
-}
-
-/// How many definitions' external claim cursors are shared at once (see
-/// `external_end`): a definition without one claims from its queue's head.
-const EXTERNAL_ENDS: usize = 32;
-
-/// Where the last full external claim of one definition ended (see
-/// `note_external_end`), good until `until` (TimestampTz, µs).
-#[derive(Copy, Clone)]
-pub struct ExternalEnd {
-    definition: SharedName,
-    end: CursorEnd,
-    until: i64,
-}
-
-impl Default for ExternalEnd {
-    fn default() -> Self {
-        ExternalEnd { definition: SharedName::NONE, end: CursorEnd::NONE, until: 0 }
-    }
-}
-
-impl ExternalEnd {
-    fn is(&self, definition: &str) -> bool {
-        self.definition.len > 0 && self.definition.is(definition)
-    }
-}
-
-#[derive(Copy, Clone, Default)]
-pub struct ExternalEnds {
-    slots: [ExternalEnd; EXTERNAL_ENDS],
-}
-
-unsafe impl PGRXSharedMemory for ExternalEnds {}
-
-/// Where the last full external claim of `definition` ended (queue, due
-/// time, id), while that is good (see `note_external_end`).
-pub fn external_end(definition: &str) -> Option<(String, i64, [u8; 16])> {
-    let now = unsafe { pg_sys::GetCurrentTimestamp() };
-    let ends = EXTERNAL_ENDS_TABLE.share();
-    ends.slots.iter().find(|s| s.is(definition) && s.until > now)?.end.get()
-}
-
-/// After an external claim of `definition` alone: `end`, where it ended in
-/// its queue when it came back full (None: it came back short, or from
-/// several queues). The external workers claiming a definition share it, as
-/// in-database workers share theirs (`publish_cursor`): the next claims take
-/// up from the furthest end noted, for at most `span_us` after the first,
-/// so they do not walk again the index entries of the commands claimed
-/// before them, which stay in the due index until VACUUM. A claim that comes
-/// back short, and every claim once the span is over, starts from the head.
-pub fn note_external_end(definition: &str, end: Option<(&str, i64, [u8; 16])>, span_us: i64) {
-    let now = unsafe { pg_sys::GetCurrentTimestamp() };
-    let noted =
-        end.and_then(|(queue, due_at, id)| Some((SharedName::new(definition)?, CursorEnd::new(queue, due_at, id)?)));
-    let mut ends = EXTERNAL_ENDS_TABLE.exclusive();
-    let found = ends.slots.iter().position(|s| s.is(definition));
-    let Some((name, end)) = noted else {
-        if let Some(i) = found {
-            ends.slots[i] = ExternalEnd::default();
-        }
-        return;
-    };
-    let slot = match found {
-        Some(i) => &mut ends.slots[i],
-        // a free or lapsed slot, else the one that lapses first
-        None => ends.slots.iter_mut().min_by_key(|s| if s.until > now { s.until } else { i64::MIN }).expect("slots"),
-    };
-    let live = slot.is(definition) && slot.until > now;
-    if live && slot.end.queue == end.queue && (slot.end.due_at, slot.end.id) >= (end.due_at, end.id) {
-        return; // another claim got further already
-    }
-    if !live {
-        (slot.definition, slot.until) = (name, now + span_us);
-    }
-    slot.end = end;
-}
-
-/// How many held commands' places there are in all (see `abandon`): held
-/// by open transactions, or abandoned and waiting for worker 0.
-const ABANDONED: usize = 16_384;
-/// How many of those places one role's claims may take at once: one role
-/// holding thousands of commands in open transactions cannot lock every
-/// other role out of held claims.
-pub const HELD_PER_ROLE: u32 = 1_024;
-/// How many roles may hold places at once.
-const HOLDING_ROLES: usize = 1_024;
-
-/// An attempt of a command held by an external client's transaction that
-/// ended without settling it (src/external.rs): the command, the number of
-/// the attempt, its token, the client's worker name, and the role whose
-/// claim it was.
-#[derive(Copy, Clone)]
-struct AbandonedAttempt {
-    command: [u8; 16],
-    attempt: i32,
-    token: [u8; 16],
-    worker: SharedName,
-    role: pg_sys::Oid,
-}
-
-/// The places one role's claims take (0 roles: a free entry).
-#[derive(Copy, Clone, Default)]
-struct RolePlaces {
-    role: u32,
-    places: u32,
-}
-
-/// The abandoned attempts, and the room reserved for those that may come:
-/// every command a transaction holds has a place here from its claim on
-/// (`reserve_abandon_room`), so an abandoned attempt always fits, whatever
-/// other roles hold; and how many places each role takes.
-#[derive(Copy, Clone)]
-pub struct Abandoned {
-    len: usize,
-    reserved: usize,
-    attempts: [AbandonedAttempt; ABANDONED],
-    roles: [RolePlaces; HOLDING_ROLES],
-}
-
-impl Default for Abandoned {
-    fn default() -> Self {
-        let none = AbandonedAttempt {
-            command: [0; 16],
-            attempt: 0,
-            token: [0; 16],
-            worker: SharedName::NONE,
-            role: pg_sys::InvalidOid,
-        };
-        Abandoned { len: 0, reserved: 0, attempts: [none; ABANDONED], roles: [RolePlaces::default(); HOLDING_ROLES] }
-    }
-}
-
-impl Abandoned {
-    /// Add `delta` to `role`'s places (an entry is taken for a new role and
-    /// freed at zero); false when it would go over `limit`, or no entry is
-    /// free (nothing changed then).
-    fn add_places(&mut self, role: pg_sys::Oid, delta: i64, limit: u32) -> bool {
-        let role = role.to_u32();
-        let at = self.roles.iter().position(|r| r.places > 0 && r.role == role);
-        let Some(at) = at.or_else(|| (delta > 0).then(|| self.roles.iter().position(|r| r.places == 0)).flatten())
-        else {
-            return false;
-        };
-        let places = (i64::from(self.roles[at].places) + delta).max(0);
-        if delta > 0 && places > i64::from(limit) {
-            return false;
-        }
-        self.roles[at] = RolePlaces { role, places: places as u32 };
-        true
-    }
-}
-
-/// Why a held claim found no place (`reserve_abandon_room`).
-pub enum NoPlace {
-    /// every place is taken
-    All,
-    /// the role has HELD_PER_ROLE places already (or too many roles hold some)
-    Role,
-}
-
-/// Reserve a place for one held command's attempt, claimed by `role`
-/// (a superuser's claims have no limit of their own).
-pub fn reserve_abandon_room(role: pg_sys::Oid) -> Result<(), NoPlace> {
-    let limit = if unsafe { pg_sys::superuser_arg(role) } { u32::MAX } else { HELD_PER_ROLE };
-    let mut table = ABANDONED_TABLE.exclusive();
-    if table.len + table.reserved >= ABANDONED {
-        return Err(NoPlace::All);
-    }
-    if !table.add_places(role, 1, limit) {
-        return Err(NoPlace::Role);
-    }
-    table.reserved += 1;
-    Ok(())
-}
-
-unsafe impl PGRXSharedMemory for Abandoned {}
-
-/// Leave these attempts (command, attempt, token, worker, role) to worker 0,
-/// which concludes them as interrupted (`abandoned`), and wake it; and give
-/// back the reservations of `released` (the role of each: those of these
-/// attempts, and of held commands that were settled). Called as a
-/// transaction ends: raises nothing. Returns how many did not fit (none,
-/// while each came with its reservation).
-pub fn abandon(attempts: &[([u8; 16], i32, [u8; 16], &str, pg_sys::Oid)], released: &[pg_sys::Oid]) -> usize {
-    if attempts.is_empty() && released.is_empty() {
-        return 0;
-    }
-    let mut table = ABANDONED_TABLE.exclusive();
-    table.reserved = table.reserved.saturating_sub(released.len());
-    for role in released {
-        table.add_places(*role, -1, u32::MAX);
-    }
-    if attempts.is_empty() {
-        return 0;
-    }
-    let mut lost = 0;
-    for (command, attempt, token, worker, role) in attempts {
-        // (its reservation, given back above, becomes its entry's place)
-        if table.len == ABANDONED || !table.add_places(*role, 1, u32::MAX) {
-            lost += 1;
-            continue;
-        }
-        // (a worker name longer than a shared name is cut at a character boundary)
-        let mut cut = worker.len().min(SHARED_NAME_BYTES);
-        while !worker.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        let at = table.len;
-        table.attempts[at] = AbandonedAttempt {
-            command: *command,
-            attempt: *attempt,
-            token: *token,
-            worker: SharedName::new(&worker[..cut]).unwrap_or(SharedName::NONE),
-            role: *role,
-        };
-        table.len += 1;
-    }
-    drop(table);
-    let workers = WORKERS.share();
-    if let Some(first) = workers.slots.first().filter(|s| s.procno >= 0) {
-        set_latch(first);
-    }
-    lost
-}
-
-/// The commands whose abandoned attempts wait for worker 0: external claims
-/// leave them alone until then (each would otherwise run again uncounted).
-pub fn abandoned_commands() -> Vec<[u8; 16]> {
-    let table = ABANDONED_TABLE.share();
-    table.attempts[..table.len].iter().map(|a| a.command).collect()
-}
-
-/// The abandoned attempts, for worker 0 to conclude; each stays (and its
-/// command left alone by claims) until `forget_abandoned`, after its
-/// conclusion committed.
-pub fn abandoned() -> Vec<([u8; 16], i32, [u8; 16], String)> {
-    let table = ABANDONED_TABLE.share();
-    table.attempts[..table.len]
-        .iter()
-        .map(|a| (a.command, a.attempt, a.token, a.worker.to_string().unwrap_or_default()))
-        .collect()
-}
-
-/// Drop these abandoned attempts (concluded, or given up on).
-pub fn forget_abandoned(done: &[([u8; 16], i32)]) {
-    if done.is_empty() {
-        return;
-    }
-    let done: std::collections::HashSet<([u8; 16], i32)> = done.iter().copied().collect();
-    let mut table = ABANDONED_TABLE.exclusive();
-    let mut kept = 0;
-    for i in 0..table.len {
-        let a = table.attempts[i];
-        if done.contains(&(a.command, a.attempt)) {
-            table.add_places(a.role, -1, u32::MAX);
-        } else {
-            table.attempts[kept] = a;
-            kept += 1;
-        }
-    }
-    table.len = kept;
 }
 
 /// Claim the slot for worker number `index` in this process.
@@ -881,7 +616,7 @@ fn runs_handler_of(index: usize, run: &[u8; 16]) -> bool {
 /// handler after the one it was sent for: a worker that sees a cancel while
 /// a handler of a run nobody cancelled runs, and this count moved since the
 /// attempt before this one started, takes it for a late one and gives the
-/// attempt back uncharged (src/executor.rs).
+/// attempt back uncharged (src/execute.rs).
 pub fn cancel_signals(index: usize) -> u32 {
     ACTIVITIES.get().slots[index].cancel_signals.load(Ordering::SeqCst)
 }

@@ -70,3 +70,7 @@ fn _deadline(start: TimestampWithTimeZone, span: Interval) -> Option<TimestampWi
         TimestampWithTimeZone::from_datum(sum, false)
     }
 }
+
+pub fn timestamp_from_pg(micros: i64) -> Option<TimestampWithTimeZone> {
+    unsafe { TimestampWithTimeZone::from_datum(pg_sys::Datum::from(micros), false) }
+}

@@ -6,21 +6,20 @@
 //! flagged, one bounded unit of work per transaction, wait on the latch until
 //! the next due time. Errors outside a handler are caught per transaction and
 //! never kill the worker; a handler's own errors never leave its
-//! subtransaction (see executor.rs).
+//! subtransaction (src/execute.rs). Upkeep is recovery (src/recovery.rs)
+//! and, in worker 0, retention (src/retention.rs).
 
-use crate::executor::{self, AttemptId, ClaimCursor, Claimed, FLOAT8, INT4, UUID};
-use crate::{api, attempt_record, gateway, gucs, shmem};
+use crate::claim::{self, AttemptId, ClaimCursor, Claimed};
+use crate::recovery::{self, Recovery};
+use crate::retention::Pruning;
+use crate::spi::{self, engine_query, transaction, try_transaction};
+use crate::{attempt_record, execute, gateway, gucs, settle, shmem, spans};
 use pgrx::bgworkers::{BackgroundWorker, BackgroundWorkerBuilder, SignalWakeFlags};
+use pgrx::datum::DatumWithOid;
 use pgrx::prelude::*;
-use pgrx::PgTryBuilder;
 use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
 use std::ffi::{c_int, CString};
 use std::time::{Duration, Instant};
-
-/// How often an idle worker looks for attempts whose owner died or whose
-/// external lease expired. Recovery is one index scan of running commands.
-const RECOVERY_INTERVAL: Duration = Duration::from_secs(1);
 
 /// Adds the time from its start to `running` when dropped: a chunk's run,
 /// however it ends (an ERROR in a handler's chunk unwinds through it too).
@@ -34,17 +33,6 @@ impl Drop for RunningTime<'_> {
 
 /// A worker claims about this much work at a time (see `claim_size`).
 const CLAIM_TARGET: Duration = Duration::from_millis(100);
-
-/// How often worker 0 deletes runs past `flow.retention` and journal entries
-/// past `flow.event_retention` when it last found nothing more to delete, how
-/// many at most per transaction (each short, so pruning never holds up the
-/// queue: ~10 ms for 5,000 runs; batches of 1,000 cost a quarter more per run),
-/// and how long one pass may go on while more is due: between two
-/// batches of its own, worker 0 deletes about as many runs as the engine
-/// finishes at its peak, so retention keeps pace under load.
-const PRUNE_INTERVAL: Duration = Duration::from_secs(1);
-const PRUNE_BATCH: i32 = 5000;
-const PRUNE_BUDGET: Duration = Duration::from_millis(25);
 
 /// A chunk of claimed commands commits once this much time has been spent on
 /// it (its handlers' results become visible together at commit).
@@ -62,10 +50,6 @@ const HAND_BACK_DELAY: Duration = Duration::from_millis(1000);
 /// How long a worker waits before claiming again when work is due that its
 /// last claim did not get (see Worker::turn).
 const DUE_AGAIN_PAUSE: Duration = Duration::from_millis(10);
-/// How long worker 0 waits before it tries again to conclude an abandoned
-/// held attempt whose conclusion failed (see Worker::conclude_abandoned).
-const FAILED_CONCLUSION_PAUSE: Duration = Duration::from_secs(1);
-
 /// The smallest chunk window (see Worker::chunk_window).
 const MIN_CHUNK_WINDOW: usize = 8;
 /// The most a worker's first claim after it slept takes (see Worker::claim).
@@ -126,8 +110,8 @@ pub extern "C-unwind" fn flow_worker_main(arg: pg_sys::Datum) {
     }
     BackgroundWorker::connect_worker_to_spi(Some(&gucs::database_name()), None);
     gateway::pin_worker_session();
-    executor::register_hard_stop();
-    executor::watch_plans();
+    execute::register_hard_stop();
+    spi::watch_plans();
     shmem::register_worker(index);
     attempt_record::open(index);
     unsafe { pg_sys::before_shmem_exit(Some(on_exit), pg_sys::Datum::from(index)) };
@@ -154,14 +138,37 @@ pub extern "C-unwind" fn flow_worker_main(arg: pg_sys::Datum) {
 
 #[pg_guard]
 unsafe extern "C-unwind" fn on_exit(_code: c_int, arg: pg_sys::Datum) {
-    if executor::hard_stopped() {
+    if execute::hard_stopped() {
         pgrx::log!("flow: a handler ran past its deadline and ignored its cancel; its worker stopped (the attempt is concluded as interrupted)");
     }
     // Told to stop: recovery charges the attempt it was in, if any, and hands
     // the rest of its claim back. Died otherwise: nothing is known, and
     // recovery charges everything it held.
-    let told = TERMINATED.load(std::sync::atomic::Ordering::Relaxed) || executor::hard_stopped();
-    shmem::unregister_worker(arg.value(), told.then(executor::attempt_in_progress));
+    let told = TERMINATED.load(std::sync::atomic::Ordering::Relaxed) || execute::hard_stopped();
+    shmem::unregister_worker(arg.value(), told.then(execute::attempt_in_progress));
+}
+
+/// How far a chunk got (`Worker::run_chunk`): how many commands it entered,
+/// and whether it was cut short by its limits (time, subtransaction ids,
+/// SET CONSTRAINTS) rather than running out of commands.
+#[derive(Default, Clone, Copy)]
+struct ChunkRun {
+    ran: usize,
+    cut: bool,
+}
+
+/// What a claim's own transaction did (`Worker::claim_and_run_held`).
+struct HeldTurn {
+    /// Commands claimed, and of those held (and run or not in this transaction).
+    claimed: usize,
+    held: usize,
+    run: ChunkRun,
+    /// The runs of the held commands that ran.
+    runs: Vec<[u8; 16]>,
+    /// The leased ones, their claim committed: to run next.
+    leased: Vec<Claimed>,
+    /// Held commands the chunk did not reach: due again, unchanged.
+    not_run: Vec<Claimed>,
 }
 
 struct Worker {
@@ -172,7 +179,9 @@ struct Worker {
     turn: Cell<i32>,
     /// The extension was found installed by the last check.
     ready: bool,
-    last_recovery: Option<Instant>,
+    recovery: Recovery,
+    /// Worker 0 prunes (src/retention.rs).
+    pruning: Pruning,
     /// What this slot's record held when the worker started is concluded
     /// (see attempt_record.rs); no claim before.
     record_concluded: bool,
@@ -180,10 +189,6 @@ struct Worker {
     per_command_us: f64,
     /// Time spent running commands (run_chunk) since per_command_us was last noted.
     running: Cell<Duration>,
-    last_prune: Option<Instant>,
-    /// Where the next pruning window starts (the last run the previous one
-    /// looked at; None: from the oldest).
-    prune_after: Option<pgrx::Uuid>,
     /// The last claim came back short of its size (see turn).
     took_all_due: Cell<bool>,
     /// The worker slept since its last claim (see claim).
@@ -200,11 +205,8 @@ struct Worker {
     /// again each turn while their row is locked elsewhere.
     unreleased: Vec<(pgrx::Uuid, pgrx::Uuid, Instant)>,
     /// Held commands left to a cancel, and when: not claimed again for
-    /// HAND_BACK_DELAY (see executor::Chunk::finish).
+    /// HAND_BACK_DELAY (see execute::Chunk::finish).
     left_to_cancels: RefCell<Vec<(pgrx::Uuid, Instant)>>,
-    /// Worker 0: abandoned attempts whose conclusion failed, and when to try
-    /// each again (see conclude_abandoned).
-    failed_conclusions: HashMap<([u8; 16], i32), Instant>,
 }
 
 impl Worker {
@@ -212,19 +214,17 @@ impl Worker {
         Worker {
             index,
             name: format!("{}:{}", gucs::database_name(), unsafe { pg_sys::MyProcPid }),
-            backend_start: api::timestamp_from_pg(unsafe { pg_sys::MyStartTimestamp }),
+            backend_start: spans::timestamp_from_pg(unsafe { pg_sys::MyStartTimestamp }),
             turn: Cell::new(index as i32),
             ready: false,
-            last_recovery: None,
+            recovery: Recovery::default(),
+            pruning: Pruning::default(),
             record_concluded: false,
             per_command_us: 0.0,
             running: Cell::new(Duration::ZERO),
-            last_prune: None,
-            prune_after: None,
             isolate_until: None,
             unreleased: Vec::new(),
             left_to_cancels: RefCell::new(Vec::new()),
-            failed_conclusions: HashMap::new(),
             chunk_window: usize::MAX,
             took_all_due: Cell::new(false),
             slept: Cell::new(false),
@@ -247,10 +247,10 @@ impl Worker {
             }
         }
         if self.index == 0 {
-            self.conclude_abandoned();
+            self.recovery.conclude_abandoned(&self.name);
         }
         if !self.record_concluded {
-            match transaction(|| self.conclude_records()) {
+            match transaction(|| recovery::conclude_records(self.index, &self.name)) {
                 Some(()) => self.record_concluded = true,
                 None => return self.failed_turn(),
             }
@@ -291,9 +291,9 @@ impl Worker {
         };
         // what is due behind the cursor is seen once it runs out
         let sleep = cursor.map_or(sleep, |(since, _)| sleep.min(cursor_time_left(since)));
-        if !sleep.is_zero() && executor::plans_may_be_stale() {
+        if !sleep.is_zero() && spi::plans_may_be_stale() {
             // (a failure is logged; the plans are then made at the next claim, as before)
-            let _ = transaction(|| executor::warm_plans(&self.name, self.backend_start));
+            let _ = transaction(|| warm_plans(&self.name, self.backend_start));
             // A sleeping worker learns of the change only at its next
             // transaction, and would plan at its first claim of the next
             // burst, after the worker that woke it (3-4 ms of a 150 ms
@@ -310,15 +310,8 @@ impl Worker {
     /// Recovery (every RECOVERY_INTERVAL) and pruning (worker 0) when due.
     /// Returns whether more is due for pruning now, None if recovery failed.
     fn upkeep(&mut self) -> Option<bool> {
-        if self.last_recovery.is_none_or(|at| at.elapsed() >= RECOVERY_INTERVAL) {
-            self.last_recovery = Some(Instant::now());
-            match transaction(recover) {
-                Some(0) => {}
-                Some(n) => executor::log(&format!("flow: concluded {n} attempts whose owner was gone")),
-                None => return None,
-            }
-        }
-        Some(self.maybe_prune())
+        self.recovery.maybe_recover()?;
+        Some(self.index == 0 && self.pruning.maybe_prune())
     }
 
     /// Release the handed-back commands put aside at least HAND_BACK_DELAY ago.
@@ -331,75 +324,10 @@ impl Worker {
         }
         self.forget_cursor(); // what goes back to its queue is behind it
         let (ids, tokens): (Vec<_>, Vec<_>) = due.iter().map(|(id, token, _)| (*id, *token)).unzip();
-        let still_locked = transaction(|| executor::release(ids, tokens))
+        let still_locked = transaction(|| settle::release(ids, tokens))
             .unwrap_or_else(|| due.iter().map(|(id, token, _)| (*id, *token)).collect());
         let at = Instant::now() - HAND_BACK_DELAY; // locked elsewhere: try again next turn
         self.unreleased.extend(still_locked.into_iter().map(|(id, token)| (id, token, at)));
-    }
-
-    /// Conclude what this slot's record held when the worker started: the
-    /// held attempt its previous incarnation stopped in (and, for worker 0,
-    /// the records of slots no worker runs any more).
-    fn conclude_records(&self) {
-        let mut records: Vec<(Option<usize>, ([u8; 16], i32))> =
-            attempt_record::left_behind(self.index).into_iter().map(|r| (None, r)).collect();
-        if self.index == 0 {
-            records.extend(attempt_record::orphans(gucs::workers()).into_iter().map(|(slot, r)| (Some(slot), r)));
-        }
-        for (slot, (command, attempt)) in records {
-            if executor::conclude_held(command, attempt, &self.name, None) == executor::Conclusion::Counted {
-                pgrx::log!(
-                    "flow: concluded the attempt {attempt} of command {} as interrupted: its worker stopped in it",
-                    pgrx::Uuid::from_bytes(command)
-                );
-            }
-            match slot {
-                None => attempt_record::clear(),
-                Some(slot) => attempt_record::remove(slot),
-            }
-        }
-    }
-
-    /// Worker 0: conclude the held attempts external clients' transactions
-    /// abandoned (src/external.rs), each in a transaction of its own, never
-    /// waiting for a lock: one whose run or row is busy elsewhere (a client's
-    /// open transaction) stays for a later turn. Claims leave their commands
-    /// alone until they are concluded here. One whose conclusion fails (an
-    /// error) stays too, tried again every FAILED_CONCLUSION_PAUSE: dropped,
-    /// its attempt would go uncounted and its command be claimed again (rule 3).
-    fn conclude_abandoned(&mut self) {
-        let abandoned = shmem::abandoned();
-        if abandoned.is_empty() {
-            self.failed_conclusions.clear();
-            return;
-        }
-        let mut done = Vec::new();
-        for (command, attempt, token, worker) in abandoned {
-            if self.failed_conclusions.get(&(command, attempt)).is_some_and(|again| Instant::now() < *again) {
-                continue;
-            }
-            let worker = if worker.is_empty() { self.name.clone() } else { worker };
-            match transaction(|| executor::conclude_held(command, attempt, &worker, Some(token))) {
-                Some(executor::Conclusion::Busy) => continue,
-                Some(_) => {} // counted, or it moved on meanwhile: nothing to count
-                None => {
-                    let again = Instant::now() + FAILED_CONCLUSION_PAUSE;
-                    if self.failed_conclusions.insert((command, attempt), again).is_none() {
-                        pgrx::log!(
-                            "flow: the abandoned attempt {attempt} of command {} could not be concluded; \
-                             trying again every {} s",
-                            pgrx::Uuid::from_bytes(command),
-                            FAILED_CONCLUSION_PAUSE.as_secs()
-                        );
-                    }
-                    continue;
-                }
-            }
-            self.failed_conclusions.remove(&(command, attempt));
-            done.push((command, attempt));
-        }
-        // (what stays is tried again next turn: a poll interval later at most)
-        shmem::forget_abandoned(&done);
     }
 
     fn isolating(&self) -> bool {
@@ -422,21 +350,24 @@ impl Worker {
             // command's. The others' are leased instead and run in their own.
             let owner = held.first().map(|c| c.owner);
             let (held, others): (Vec<_>, Vec<_>) = held.into_iter().partition(|c| Some(c.owner) == owner);
-            leased.extend(executor::lease_instead(&self.name, self.backend_start, others));
-            let (mut ran, mut cut) = (0, false);
+            leased.extend(claim::lease_instead(&self.name, self.backend_start, others));
+            let mut run = ChunkRun::default();
             if let Some(owner) = owner {
                 gateway::begin_owner(owner);
                 report_activity(&format!("flow: running {} held commands", held.len()));
-                let mut chunk = executor::Chunk::held(&self.name, &held);
-                (ran, cut) = self.run_chunk(&mut chunk, &held, &entered, isolating);
-                let (_, left) = chunk.finish();
+                let mut chunk = execute::Chunk::held(&self.name, &held);
+                run = self.run_chunk(&mut chunk, &held, &entered, isolating);
                 let at = Instant::now();
-                self.left_to_cancels.borrow_mut().extend(left.into_iter().map(|id| (id, at)));
+                self.left_to_cancels.borrow_mut().extend(chunk.finish().left.into_iter().map(|id| (id, at)));
             }
-            let runs: Vec<[u8; 16]> = held[..ran].iter().map(|c| *c.run_id.as_bytes()).collect();
-            let held_count = held.len();
-            let not_run: Vec<Claimed> = held.into_iter().skip(ran).collect();
-            (count, held_count, ran, cut, runs, leased, not_run)
+            HeldTurn {
+                claimed: count,
+                held: held.len(),
+                runs: held[..run.ran].iter().map(|c| *c.run_id.as_bytes()).collect(),
+                run,
+                leased,
+                not_run: held.into_iter().skip(run.ran).collect(),
+            }
         });
         // committed or rolled back: the held attempts are over either way
         attempt_record::clear();
@@ -445,7 +376,7 @@ impl Worker {
             self.forget_cursor(); // its claims rolled back: they are behind it
         }
         match outcome {
-            Ok((count, held, ran, cut, runs, leased, not_run)) => {
+            Ok(HeldTurn { claimed, held, run, runs, leased, not_run }) => {
                 if !not_run.is_empty() {
                     // the held commands not run stay due: the next claim
                     // starts at them (and the other workers' at the heads)
@@ -456,11 +387,11 @@ impl Worker {
                 }
                 if held > 0 {
                     // Those not run (the chunk was cut short) stay due, unchanged.
-                    self.next_window(ran, cut);
+                    self.next_window(run);
                     shmem::clear_cancels(self.index, &runs);
-                    self.note_time_per_command(ran);
+                    self.note_time_per_command(run.ran);
                 }
-                Some((count, leased))
+                Some((claimed, leased))
             }
             // The claim itself failed (the extension is being changed, ...).
             Err(_) if entered.get().is_none() => None,
@@ -479,11 +410,11 @@ impl Worker {
     /// (The chunk window follows: see `next_window`.)
     fn run_chunk<'a>(
         &self,
-        chunk: &mut executor::Chunk<'a>,
+        chunk: &mut execute::Chunk<'a>,
         window: &'a [Claimed],
         entered: &Cell<Option<AttemptId>>,
         isolating: bool,
-    ) -> (usize, bool) {
+    ) -> ChunkRun {
         let chunk_started = Instant::now();
         let mut ran = 0;
         let _noted = RunningTime(&self.running, chunk_started);
@@ -498,21 +429,21 @@ impl Worker {
             ran += 1;
             if isolating
                 || chunk_started.elapsed() >= CHUNK_BUDGET
-                || executor::subxid_cache_nearly_full()
+                || execute::subxid_cache_nearly_full()
                 || gateway::constraint_state_changed()
             {
-                return (ran, true);
+                return ChunkRun { ran, cut: true };
             }
         }
-        (ran, false)
+        ChunkRun { ran, cut: false }
     }
 
     /// How many commands the next chunk may take: as many as a chunk cut
     /// short (time, subtransaction ids) managed; twice the window after one
     /// that ran all it had. Held commands a chunk does not reach were claimed
     /// for nothing, so the claim is no bigger than the window.
-    fn next_window(&mut self, ran: usize, cut: bool) {
-        self.chunk_window = if cut { ran.max(MIN_CHUNK_WINDOW) } else { self.chunk_window.saturating_mul(2) };
+    fn next_window(&mut self, run: ChunkRun) {
+        self.chunk_window = if run.cut { run.ran.max(MIN_CHUNK_WINDOW) } else { self.chunk_window.saturating_mul(2) };
     }
 
     /// A chunk failed outside its handlers (the engine's SQL for one of its
@@ -527,12 +458,12 @@ impl Worker {
         self.isolate_until = Some(Instant::now() + ISOLATION_PERIOD);
         let name = self.name.clone();
         let contained = try_transaction(|| {
-            culprit.iter().all(|c| executor::settle_engine_error(c, message, sqlstate, &name)).then(|| {
+            culprit.iter().all(|c| settle::settle_engine_error(c, message, sqlstate, &name)).then(|| {
                 let others: Vec<_> = batch
                     .iter()
                     .filter(|o| o.held_attempt.is_none() && culprit.is_none_or(|k| k.command_id != o.command_id))
                     .collect();
-                executor::release(
+                settle::release(
                     others.iter().map(|c| c.command_id).collect(),
                     others.iter().map(|c| c.lease_token).collect(),
                 )
@@ -547,7 +478,7 @@ impl Worker {
             pgrx::warning!("flow: a batch failed outside its handlers and could not be settled; restarting the worker");
             unsafe { pg_sys::proc_exit(1) };
         }
-        executor::forget_plans();
+        spi::forget_plans();
     }
 
     /// Note how long the last `count` commands took to run: their handlers
@@ -566,7 +497,7 @@ impl Worker {
         let per_command = (elapsed.as_secs_f64() * 1e6 / count as f64).max(0.001);
         self.per_command_us =
             if self.per_command_us == 0.0 { per_command } else { 0.7 * self.per_command_us + 0.3 * per_command };
-        executor::log(&format!("flow: ran {count} commands in {} ms (their chunks' runs)", elapsed.as_millis()));
+        gucs::log(&format!("flow: ran {count} commands in {} ms (their chunks' runs)", elapsed.as_millis()));
     }
 
     /// Execute a batch of leased commands (their claim is committed) in
@@ -598,19 +529,19 @@ impl Worker {
             let this = &*self;
             let ran = try_transaction(|| {
                 gateway::begin_owner(owner);
-                let mut chunk = executor::Chunk::begin(&this.name, window);
-                let (ran, cut) = this.run_chunk(&mut chunk, window, &entered, isolating);
-                (ran, cut, chunk.finish().0)
+                let mut chunk = execute::Chunk::begin(&this.name, window);
+                let run = this.run_chunk(&mut chunk, window, &entered, isolating);
+                (run, chunk.finish().handed_back)
             });
             match ran {
-                Ok((ran, cut, handed_back)) => {
-                    self.next_window(ran, cut);
+                Ok((run, handed_back)) => {
+                    self.next_window(run);
                     let at = Instant::now();
                     self.unreleased.extend(handed_back.into_iter().map(|(id, token)| (id, token, at)));
-                    let runs: Vec<[u8; 16]> = rest[..ran].iter().map(|c| *c.run_id.as_bytes()).collect();
+                    let runs: Vec<[u8; 16]> = rest[..run.ran].iter().map(|c| *c.run_id.as_bytes()).collect();
                     shmem::clear_cancels(self.index, &runs);
-                    rest = &rest[ran..];
-                    ran_in_all += ran;
+                    rest = &rest[run.ran..];
+                    ran_in_all += run.ran;
                 }
                 Err((message, sqlstate)) => {
                     let batch: Vec<AttemptId> = rest.iter().map(|c| c.id()).collect();
@@ -636,81 +567,9 @@ impl Worker {
         (fitting as i32).clamp(1, max)
     }
 
-    /// Worker 0 deletes finished runs past `flow.retention` (and events past
-    /// `flow.event_retention`), a bounded batch at a time.
-    /// Returns whether more is due for deletion now.
-    fn maybe_prune(&mut self) -> bool {
-        if self.index != 0 || self.last_prune.is_some_and(|at| at.elapsed() < PRUNE_INTERVAL) {
-            return false;
-        }
-        let started = Instant::now();
-        let (mut runs, mut events) = (0, 0);
-        let more = loop {
-            let (more, r, e) = self.prune_once();
-            (runs, events) = (runs + r, events + e);
-            if !more || started.elapsed() >= PRUNE_BUDGET {
-                break more;
-            }
-        };
-        if runs > 0 {
-            let seconds = gucs::retention().map_or(0, |r| r.as_secs());
-            executor::log(&format!("flow: deleted {runs} runs finished more than {seconds} s ago"));
-        }
-        if events > 0 {
-            let seconds = gucs::event_retention().map_or(0, |r| r.as_secs());
-            executor::log(&format!("flow: deleted {events} events emitted more than {seconds} s ago"));
-        }
-        more
-    }
-
-    /// One batch of each kind of deletion; returns whether more is due, and
-    /// how many runs and events it deleted.
-    fn prune_once(&mut self) -> (bool, i32, i32) {
-        self.last_prune = Some(Instant::now());
-        let (mut more, mut runs, mut events) = (false, 0, 0);
-        if let Some(retention) = gucs::retention() {
-            // A window of runs at a time, moving on from the last one looked at.
-            let seconds = retention.as_secs() as f64;
-            let after = self.prune_after;
-            let window = transaction(|| {
-                executor::engine_query(
-                    "SELECT pruned, last FROM flow._prune(pg_catalog.make_interval(secs => $1), $2, $3)",
-                    &[FLOAT8, INT4, UUID],
-                    &[seconds.into(), PRUNE_BATCH.into(), after.into()],
-                    |rows| rows.first().get_two::<i32, pgrx::Uuid>(),
-                )
-            });
-            if let Some(Ok((pruned, last))) = window {
-                runs = pruned.unwrap_or(0);
-                self.prune_after = last;
-                more |= last.is_some();
-            }
-        }
-        if let Some(retention) = gucs::event_retention() {
-            let seconds = retention.as_secs() as f64;
-            let retired = transaction(|| {
-                executor::engine_query(
-                    "SELECT flow._retire_events(pg_catalog.make_interval(secs => $1), $2)",
-                    &[FLOAT8, INT4],
-                    &[seconds.into(), PRUNE_BATCH.into()],
-                    |rows| rows.first().get_one::<i32>(),
-                )
-            });
-            if let Some(Ok(Some(n))) = retired {
-                events = n;
-                more |= n == PRUNE_BATCH;
-            }
-        }
-        if more {
-            // More may be waiting: come back on the next turn, not in PRUNE_INTERVAL.
-            self.last_prune = None;
-        }
-        (more, runs, events)
-    }
-
     fn failed_turn(&mut self) -> Duration {
         self.ready = false;
-        executor::forget_plans();
+        spi::forget_plans();
         gucs::poll_interval()
     }
 
@@ -735,7 +594,7 @@ impl Worker {
         // after that are whole again.
         let size = if self.slept.replace(false) { size.min(FIRST_CLAIM_AFTER_SLEEP) } else { size };
         let mut excluded = attempt_record::held_elsewhere(self.index);
-        // and the held commands this worker left to a cancel lately (see executor::Chunk::finish)
+        // and the held commands this worker left to a cancel lately (see execute::Chunk::finish)
         let mut left = self.left_to_cancels.borrow_mut();
         left.retain(|(_, at)| at.elapsed() < HAND_BACK_DELAY);
         excluded.extend(left.iter().map(|(id, _)| *id));
@@ -772,8 +631,8 @@ impl Worker {
             }
         }
         gucs::inject_fault("claim");
-        let (claimed, ended_at, interleaved) =
-            executor::claim(&self.name, self.backend_start, size, turn, excluded, kept.as_ref().map(|(_, at)| at));
+        let claim::Claim { commands: claimed, ended_at, interleaved } =
+            claim::claim(&self.name, self.backend_start, size, turn, excluded, kept.as_ref().map(|(_, at)| at));
         // (a claim from several queues took each one's share only: more may be due)
         let full = claimed.len() >= size as usize || interleaved;
         let (since, cursor) = if full {
@@ -840,64 +699,18 @@ fn log_once_per_process(message: &str) {
 // and settlement's do: a statement run from its text is parsed and planned
 // each time, and _next_due_ms runs on every wake-up, a tenth of the CPU a
 // worker spent per pickup.)
-fn recover() -> i32 {
-    let n = executor::engine_query("SELECT flow._recover()", &[], &[], |rows| rows.first().get_one::<i32>())
-        .ok()
-        .flatten()
-        .unwrap_or(0);
-    shmem::observe("recovered", n.max(0) as u64);
-    n
-}
-
 /// Milliseconds until the next command is due (<= 0: one is due now) in
 /// the in-database workers' lanes; after `after`'s ends in their queues.
 fn next_due_ms(after: Option<&ClaimCursor>) -> Option<i64> {
     let (after_queues, after_at, after_ids) = after.map(ClaimCursor::columns).unwrap_or_default();
-    executor::engine_query(
+    engine_query(
         "SELECT flow._next_due_ms($1, $2, $3)",
-        &[executor::TEXT_ARRAY, executor::TIMESTAMPTZ_ARRAY, executor::UUID_ARRAY],
+        &[spi::TEXT_ARRAY, spi::TIMESTAMPTZ_ARRAY, spi::UUID_ARRAY],
         &[after_queues.into(), after_at.into(), after_ids.into()],
         |rows| rows.first().get_one::<i64>(),
     )
     .ok()
     .flatten()
-}
-
-/// Run `body` in its own transaction. An ERROR rolls the transaction back and
-/// returns None (logged as a WARNING); the worker lives on.
-fn transaction<R>(body: impl FnOnce() -> R) -> Option<R> {
-    try_transaction(body).ok()
-}
-
-/// `transaction`, returning the ERROR's message and SQLSTATE.
-fn try_transaction<R>(body: impl FnOnce() -> R) -> Result<R, (String, String)> {
-    unsafe {
-        pg_sys::SetCurrentStatementStartTimestamp();
-        pg_sys::StartTransactionCommand();
-        pg_sys::PushActiveSnapshot(pg_sys::GetTransactionSnapshot());
-    }
-    let outcome = PgTryBuilder::new(std::panic::AssertUnwindSafe(|| Ok(body())))
-        .catch_others(|caught| {
-            let report = executor::caught_report(&caught);
-            let (message, sqlstate) = (report.message().to_string(), executor::sqlstate(report.sql_error_code()));
-            pgrx::warning!("flow worker: {message}");
-            Err((message, sqlstate))
-        })
-        .execute();
-    unsafe {
-        match outcome {
-            Ok(_) => {
-                pg_sys::PopActiveSnapshot();
-                pg_sys::CommitTransactionCommand();
-            }
-            Err(_) => {
-                pg_sys::QueryCancelPending = 0;
-                pg_sys::AbortCurrentTransaction();
-            }
-        }
-        pg_sys::pgstat_report_stat(false);
-    }
-    outcome
 }
 
 /// Sleep on the latch; settlements, enqueues and emits elsewhere set it.
@@ -924,4 +737,28 @@ fn report_activity(text: &str) {
     if let Ok(text) = CString::new(text) {
         unsafe { pg_sys::pgstat_report_activity(pg_sys::BackendState::STATE_RUNNING, text.as_ptr()) };
     }
+}
+
+/// For an idle worker: plan again, now, the statements of the pickup path
+/// (the claim and the settlement) if a relation changed since the last time,
+/// so that the first command enqueued after an ANALYZE or a TRUNCATE does not
+/// wait for them to be planned (one to a few milliseconds). A claim of no
+/// command and a settlement of none run every statement and change nothing.
+/// A handler's own statements are planned again at its next call.
+fn warm_plans(owner: &str, backend_start: Option<TimestampWithTimeZone>) {
+    if !spi::take_plans_stale() {
+        return;
+    }
+    claim::claim(owner, backend_start, 0, 0, Vec::new(), None);
+    let none: [DatumWithOid; 8] = [
+        Vec::<pgrx::Uuid>::new().into(),
+        Vec::<pgrx::Uuid>::new().into(),
+        Vec::<Option<crate::payload::Jsonb>>::new().into(),
+        Vec::<Option<TimestampWithTimeZone>>::new().into(),
+        Vec::<Option<i32>>::new().into(),
+        owner.into(),
+        Vec::<Option<pg_sys::ItemPointerData>>::new().into(),
+        false.into(),
+    ];
+    settle::settle_batch(&none);
 }

@@ -1,0 +1,180 @@
+//! Settle: writing what attempts came to (engine rules 6-7). Successes of a
+//! chunk are settled together (`flow._settle_batch`), failures one by one
+//! under the retry policy (`flow._settle_failure`), held attempts a stopped
+//! worker or a client's transaction left are concluded as interrupted, and
+//! claimed commands that never started go back to their queue uncharged
+//! (`flow._release`). A settlement that meets a transient error is tried
+//! again.
+
+use crate::claim::AttemptId;
+use crate::outcome::{Class, Failure};
+use crate::spi::{
+    self, engine_query, in_subtransaction, BOOL, INT4, INT4_ARRAY, INT8, JSONB_ARRAY, TEXT, TID_ARRAY, TIMESTAMPTZ,
+    TIMESTAMPTZ_ARRAY, UUID, UUID_ARRAY,
+};
+use crate::{gucs, ids};
+use pgrx::datum::DatumWithOid;
+use pgrx::prelude::*;
+use std::collections::HashMap;
+
+/// How a failed attempt was settled.
+#[derive(Debug, PartialEq)]
+pub enum Settled {
+    /// The lease was no longer ours (a held command: it moved on, or its run
+    /// is locked elsewhere): nothing was written.
+    Expired,
+    /// Settled as a failure; `retry` tells whether another attempt is scheduled.
+    Failed { retry: bool },
+    /// Not settled: its run or its row is locked elsewhere (only when the
+    /// caller would not wait for them).
+    Locked,
+}
+
+/// Settle successes: (ids, lease tokens, results, handler starts, held
+/// attempts, worker, held commands' rows, whether this chunk spawned a command).
+pub fn settle_batch(args: &[DatumWithOid; 8]) {
+    engine_query(
+        "SELECT flow._settle_batch($1, $2, $3, $4, $5, $6, $7, $8)",
+        &[UUID_ARRAY, UUID_ARRAY, JSONB_ARRAY, TIMESTAMPTZ_ARRAY, INT4_ARRAY, TEXT, TID_ARRAY, BOOL],
+        args,
+        |_| (),
+    )
+}
+
+/// A settlement that failed on a transient error (deadlock, serialization
+/// failure, lock not available) is tried again, up to SETTLEMENT_TRIES times,
+/// each in a subtransaction; each try re-checks the lease token, so an attempt
+/// that stopped being ours meanwhile settles nothing (the reference's
+/// ResolveCommandAttempt). Any other error, or the last one, goes up to the
+/// chunk, whose failure is contained (worker.rs, `run_batch`).
+const SETTLEMENT_TRIES: usize = 3;
+
+pub fn with_settlement_retries<R>(settle: impl Fn() -> R) -> R {
+    for _ in 1..SETTLEMENT_TRIES {
+        match in_subtransaction(|| Ok(settle()), |caught| caught) {
+            Ok(settled) => return settled,
+            Err(caught) if is_transient(&caught) => continue,
+            Err(caught) => caught.rethrow(),
+        }
+    }
+    settle()
+}
+
+fn is_transient(caught: &pg_sys::panic::CaughtError) -> bool {
+    matches!(
+        spi::caught_report(caught).sql_error_code(),
+        PgSqlErrorCode::ERRCODE_T_R_DEADLOCK_DETECTED
+            | PgSqlErrorCode::ERRCODE_T_R_SERIALIZATION_FAILURE
+            | PgSqlErrorCode::ERRCODE_LOCK_NOT_AVAILABLE
+    )
+}
+
+pub fn settle_failure(
+    command: &AttemptId,
+    failure: &Failure,
+    started: Option<TimestampWithTimeZone>,
+    worker: &str,
+    wait_for_run: bool,
+) -> Settled {
+    let status: Option<String> = with_settlement_retries(|| {
+        gucs::inject_fault("settle_failure");
+        engine_query(
+            "SELECT flow._settle_failure($1, $2, $3, $4, $5,
+                    CASE WHEN $6 IS NULL THEN NULL ELSE pg_catalog.make_interval(secs => $6 / 1000000.0) END, $7, $8, $9, $10)",
+            &[UUID, UUID, TEXT, TEXT, TEXT, INT8, TIMESTAMPTZ, INT4, TEXT, BOOL],
+            &[
+                command.command_id.into(),
+                command.lease_token.into(),
+                failure.class.as_str().into(),
+                failure.code.as_str().into(),
+                failure.message.as_str().into(),
+                failure.delay_us.into(),
+                started.into(),
+                command.held_attempt.into(),
+                worker.into(),
+                wait_for_run.into(),
+            ],
+            |t| t.first().get_one().unwrap_or_else(|e| error!("flow: {e}")),
+        )
+    });
+    match status.as_deref() {
+        Some("retry") => Settled::Failed { retry: true },
+        Some("failed") => Settled::Failed { retry: false },
+        Some("locked") => Settled::Locked,
+        _ => Settled::Expired,
+    }
+}
+
+/// Containment after a one-command chunk failed outside its handler (see
+/// worker.rs, `run_batch`): the command is settled with the engine's error
+/// and retried by its policy; should even that fail (its own settlement is
+/// what breaks), it fails permanently with that error. Returns false when
+/// neither could be written.
+pub fn settle_engine_error(command: &AttemptId, message: &str, sqlstate: &str, worker: &str) -> bool {
+    // A settlement rejected as invalid (flow's own checks, bad data, a
+    // violated constraint) cannot succeed when retried: an invalid decision.
+    let invalid = sqlstate.starts_with("FL") || sqlstate.starts_with("22") || sqlstate.starts_with("23");
+    if invalid {
+        let decision = Failure::new(Class::Permanent, "invalid_decision", message);
+        if in_subtransaction(|| Ok::<_, ()>(settle_failure(command, &decision, None, worker, true)), |_| ()).is_ok() {
+            return true;
+        }
+    }
+    let retryable = Failure::new(Class::Retryable, "engine_error", message);
+    if in_subtransaction(|| Ok::<_, ()>(settle_failure(command, &retryable, None, worker, true)), |_| ()).is_ok() {
+        return true;
+    }
+    let permanent = Failure { class: Class::Permanent, ..retryable };
+    in_subtransaction(|| Ok::<_, ()>(settle_failure(command, &permanent, None, worker, true)), |_| ()).is_ok()
+}
+
+/// What concluding a held attempt came to (`conclude_held`).
+#[derive(PartialEq, Eq, Debug)]
+pub enum Conclusion {
+    /// counted as interrupted
+    Counted,
+    /// the command had moved on (settled, or another attempt counted): nothing to count
+    MovedOn,
+    /// its run or its row is locked elsewhere: try again later
+    Busy,
+}
+
+/// Conclude a held attempt that ended unsettled as interrupted, as recovery
+/// concludes a leased one whose owner died: the one a stopped worker
+/// recorded (see attempt_record.rs), or one an external client's transaction
+/// abandoned (src/external.rs: `abandoned`, the token its client was given,
+/// so that flow.resolve finds the attempt under it). The latter never waits
+/// for a lock (a client's open transaction may hold its run or its row for
+/// as long as it likes): Busy then.
+pub fn conclude_held(command: [u8; 16], attempt: i32, worker: &str, abandoned: Option<[u8; 16]>) -> Conclusion {
+    let held = AttemptId {
+        command_id: pgrx::Uuid::from_bytes(command),
+        lease_token: abandoned.map_or_else(ids::_new_id, pgrx::Uuid::from_bytes),
+        held_attempt: Some(attempt),
+    };
+    let (code, message) = match abandoned {
+        Some(_) => {
+            ("transaction_ended", "the external worker's transaction holding this attempt ended without settling it")
+        }
+        None => ("owner_died", "the worker running this attempt exited before settling it"),
+    };
+    let interrupted = Failure::new(Class::Interrupted, code, message);
+    match settle_failure(&held, &interrupted, None, worker, abandoned.is_none()) {
+        Settled::Failed { .. } => Conclusion::Counted,
+        Settled::Locked => Conclusion::Busy,
+        Settled::Expired => Conclusion::MovedOn,
+    }
+}
+
+/// Hand claimed commands back to their queue with the attempt the claim
+/// counted given back (flow._release): nothing of their attempt was kept.
+/// Returns those whose row was locked elsewhere: try them again later.
+pub fn release(ids: Vec<pgrx::Uuid>, tokens: Vec<pgrx::Uuid>) -> Vec<(pgrx::Uuid, pgrx::Uuid)> {
+    if ids.is_empty() {
+        return Vec::new();
+    }
+    let pairs: HashMap<pgrx::Uuid, pgrx::Uuid> = ids.iter().copied().zip(tokens.iter().copied()).collect();
+    engine_query("SELECT flow._release($1, $2)", &[UUID_ARRAY, UUID_ARRAY], &[ids.into(), tokens.into()], |rows| {
+        rows.filter_map(|row| row.get::<pgrx::Uuid>(1).ok().flatten()).map(|id| (id, pairs[&id])).collect()
+    })
+}
