@@ -165,6 +165,22 @@ def test_set_queue(app):
     assert app.all("SELECT concurrency, paused FROM flow.queues WHERE name = %s", q) == [(3, True)]
 
 
+def test_set_queue_keeps_the_options_it_is_not_given(app):
+    """Pausing a queue keeps its limit (0.2.0 dropped it: concurrency's
+    default, NULL, also meant "no limit"); a NULL given removes it."""
+    q = unique("q")
+    app.one(f"SELECT flow.set_queue('{q}', concurrency => 4)")
+    app.one(f"SELECT flow.set_queue('{q}', paused => true)")
+    assert app.all("SELECT concurrency, paused FROM flow.queues WHERE name = %s", q) == [(4, True)]
+    app.one(f"SELECT flow.set_queue('{q}')")
+    assert app.all("SELECT concurrency, paused FROM flow.queues WHERE name = %s", q) == [(4, True)]
+    app.one(f"SELECT flow.set_queue('{q}', paused => false, concurrency => NULL)")
+    assert app.all("SELECT concurrency, paused FROM flow.queues WHERE name = %s", q) == [(None, False)]
+    app.one(f"SELECT flow.set_queue(name => '{q}', concurrency => 2)")
+    app.one(f"SELECT flow.set_queue('{q}', NULL, true)")   # (by position: given, so no limit)
+    assert app.all("SELECT concurrency, paused FROM flow.queues WHERE name = %s", q) == [(None, True)]
+
+
 @pytest.mark.parametrize("args,code", [("'qq', concurrency => 0", "FL009"), ("'qq', concurrency => -5", "FL009"),
                                        ("NULL", "FL002"), ("''", "FL002")])
 def test_set_queue_bad_input(app, args, code):

@@ -311,6 +311,43 @@ def test_a_cancel_waits_for_the_transaction_holding_the_command(pg, holder_ends)
             assert hold_or_none(c, name) == []
 
 
+def test_cancels_racing_completions_never_cancel_a_run_that_ended(pg):
+    """Cancels racing the settlements of small workflows (a root that spawns
+    a part and a join): each cancel says true and the run is cancelled with
+    something of it cancelled, or it says false and the run succeeded. (0.2.0
+    waited for the root's command without holding the run's row the root's
+    chunk had just made, and its final update did not check the run was
+    still running: 0-5 of 3,000 succeeded runs became cancelled, or the
+    cancel failed with 23514.)"""
+    runs = pg.one("SELECT flow.enqueue_many('fan_root', array_fill('{\"n\": 1}'::jsonb, array[400]))")
+    outcomes, errors = {}, []
+
+    def cancel(share):
+        with pg.connect() as c:
+            for i, run in enumerate(share):
+                time.sleep((i % 7) * 0.0005)   # (spread over the runs' settlements)
+                try:
+                    outcomes[run] = c.execute("SELECT flow.cancel(%s)", (run,)).fetchone()[0]
+                except psycopg.Error as e:
+                    errors.append((run, e.sqlstate, str(e)))
+
+    threads = [threading.Thread(target=cancel, args=(runs[i::4],)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert errors == []
+    for run in runs:
+        pg.await_run(run, "30s")
+    status = dict(pg.all("SELECT id, status FROM flow.runs WHERE id = ANY(%s)", runs))
+    cancelled_parts = dict(pg.all("SELECT run_id, count(*) FILTER (WHERE status = 'cancelled') FROM flow.commands"
+                                  " WHERE run_id = ANY(%s) GROUP BY run_id", runs))
+    wrong = [(run, outcomes[run], status[run], cancelled_parts[run]) for run in runs
+             if (outcomes[run], status[run]) not in ((True, "cancelled"), (False, "succeeded"))
+             or (status[run] == "cancelled") != (cancelled_parts[run] > 0)]
+    assert wrong == []
+
+
 # ---------------------------------------------------------------- retention (last in this module: the pruning deletes every run it finished)
 
 def test_cancel_of_a_run_retention_deletes_meanwhile_says_false(pg):

@@ -4,6 +4,7 @@ run gets. (Cancel: test_cancel.py; pruning: test_retention.py.)"""
 import json
 import time
 
+import psycopg
 import pytest
 
 from conftest import (ACT, ACT_APP, ENGINE_APP, app_cluster, attempts, command, define, effects, enqueue, root,
@@ -126,6 +127,39 @@ def test_retries_until_attempt_limit_with_backoff(app):
     assert command(app, run)[:3] == ("failed", 4, "attempt_limit")
     # the failed attempts' writes rolled back with them
     assert app.one("SELECT count(*) FROM app.effects WHERE run_key = 'backoff'") == 0
+
+
+def test_retries_at_the_cap_are_spread_below_it(app):
+    """Retries whose backoff reached backoff_max are jittered within [75 %,
+    100 %] of it, not all put at backoff_max itself (0.2.0 clamped after
+    the jitter: every one of them landed on the cap at once)."""
+    delays = [r[0] for r in app.all("SELECT extract(epoch FROM flow._backoff('1 s', '10 s', 30))::float8"
+                                      " FROM generate_series(1, 200)")]
+    assert all(7.5 <= d <= 10.0 for d in delays), (min(delays), max(delays))
+    assert len({round(d, 3) for d in delays}) > 50
+    assert sum(d < 9.9 for d in delays) > 100
+    # and below the cap, as before: [backoff, backoff_max], ±25 % around the doubling
+    low = [r[0] for r in app.all("SELECT extract(epoch FROM flow._backoff('1 s', '10 s', 2))::float8"
+                                   " FROM generate_series(1, 200)")]
+    assert all(1.5 <= d <= 2.5 for d in low)
+
+
+def test_a_handlers_own_sqlstate_is_recorded(app):
+    """A handler's RAISE ... USING ERRCODE = 'AB123' is recorded with its own
+    code, class retryable (0.2.0: XX000, class crash, as pgrx maps a code it
+    does not know)."""
+    app.all("CREATE OR REPLACE FUNCTION app.own_code(args jsonb) RETURNS jsonb LANGUAGE plpgsql AS"
+            " $$ BEGIN RAISE EXCEPTION 'out of widgets' USING ERRCODE = 'AB123'; END $$")
+    name = define(app, "app.own_code", max_attempts=2, backoff="'10 ms'")
+    run = enqueue(app, name)
+    status, _, error = app.await_run(run, "10s")
+    assert status == "failed" and error["code"] == "AB123" and error["stop_reason"] == "attempt_limit"
+    assert [r[1:4] for r in attempts(app, run)] == [("retryable", "AB123", "out of widgets")] * 2
+    # a code PostgreSQL knows is kept as before
+    app.all("CREATE OR REPLACE FUNCTION app.known_code(args jsonb) RETURNS jsonb LANGUAGE plpgsql AS"
+            " $$ BEGIN RAISE EXCEPTION 'taken' USING ERRCODE = 'unique_violation'; END $$")
+    run = enqueue(app, define(app, "app.known_code", max_attempts=1))
+    assert app.await_run(run, "10s")[2]["code"] == "23505"
 
 
 def test_elapsed_limit(app):
@@ -806,6 +840,29 @@ def test_drop_queue_waits_for_what_is_being_put_in_the_queue(app):
         enqueuing.commit()
     assert drop() == "2BP01"
     assert app.one("SELECT queue FROM flow.commands WHERE id = %s", run) == old
+    with app.connect() as c:
+        assert c.execute("SELECT command_id FROM flow.claim(%s, 'w', 10)", ([name],)).fetchall() == [(run,)]
+
+
+@pytest.mark.parametrize("isolation", ["REPEATABLE READ", "SERIALIZABLE"])
+def test_drop_queue_refuses_a_snapshot_older_than_its_waits(app, isolation):
+    """In a transaction whose snapshot predates the enqueues it waits for,
+    flow.drop_queue could not see their commands, and dropped a queue a
+    command had just been put in (0.2.0: it stayed pending forever). It
+    refuses with 0A000, and the queue stays."""
+    q = unique("rr_home")
+    name = unique("ext")
+    app.one(f"SELECT flow.define('{name}', NULL)")
+    app.one(f"SELECT flow.set_queue('{q}')")
+    with app.connect(autocommit=False) as dropping, app.connect(autocommit=False) as enqueuing:
+        dropping.execute(f"SET TRANSACTION ISOLATION LEVEL {isolation}")
+        dropping.execute("SELECT 1")   # (its snapshot, before the enqueue commits)
+        run = enqueuing.execute(f"SELECT flow.enqueue('{name}', queue => '{q}')").fetchone()[0]
+        enqueuing.commit()
+        with pytest.raises(psycopg.Error) as caught:
+            dropping.execute(f"SELECT flow.drop_queue('{q}')")
+        assert caught.value.sqlstate == "0A000"
+    assert app.one(f"SELECT count(*) FROM flow._queues WHERE name = '{q}'") == 1
     with app.connect() as c:
         assert c.execute("SELECT command_id FROM flow.claim(%s, 'w', 10)", ([name],)).fetchall() == [(run,)]
 

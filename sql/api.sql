@@ -25,13 +25,17 @@ BEGIN
                          backoff_max, max_elapsed, timeout, args_type);
 END $$;
 
--- Set a queue's concurrency limit (NULL: none) and paused flag (NULL: unchanged).
-CREATE FUNCTION flow.set_queue(name text, concurrency integer DEFAULT NULL, paused boolean DEFAULT NULL,
-    caller_ticket bigint DEFAULT flow._ticket())
+-- Set a queue's concurrency limit (NULL: none) and paused flag. An option
+-- left out keeps the value it has (flow._left_out: its default is NULL, and
+-- says it was left out); paused NULL keeps it too.
+CREATE FUNCTION flow.set_queue(name text, concurrency integer DEFAULT flow._left_out('concurrency')::integer,
+    paused boolean DEFAULT NULL, caller_ticket bigint DEFAULT flow._ticket())
 RETURNS void
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    left_out text[] := flow._left_out_of(caller_ticket);
 BEGIN
-    PERFORM flow._set_queue(flow._redeem(caller_ticket), name, concurrency, paused);
+    PERFORM flow._set_queue(flow._redeem(caller_ticket), name, concurrency, paused, left_out);
 END $$;
 
 -- Drop a queue you manage that no definition and no unfinished command uses
@@ -568,7 +572,7 @@ DECLARE
 BEGIN
     FOR f IN SELECT p.oid::regprocedure FROM pg_proc p
              WHERE p.pronamespace = 'flow'::regnamespace AND p.proname LIKE '\_%'
-               AND p.proname NOT IN ('_ticket', '_decide', '_worker_rows', '_counters', '_args_misfit', '_among', '_lane', '_span_ok') LOOP
+               AND p.proname NOT IN ('_ticket', '_left_out', '_decide', '_worker_rows', '_counters', '_args_misfit', '_among', '_lane', '_span_ok') LOOP
         EXECUTE format('REVOKE ALL ON FUNCTION %s FROM PUBLIC', f);
     END LOOP;
 END $$;

@@ -1,12 +1,14 @@
 -- Claim: handing due commands to in-database and external workers (rules 1-3).
 
 -- Retry delay: exponential from `backoff`, jittered by ±25 %, kept within
--- [backoff, backoff_max]. Computed in seconds so huge attempt numbers cannot
--- overflow an interval.
+-- [backoff, backoff_max]; at the cap it is jittered too, within [75 %, 100 %]
+-- of backoff_max (clamped after the jitter, every retry at the cap landed on
+-- backoff_max itself, all at once). Computed in seconds so huge attempt
+-- numbers cannot overflow an interval.
 CREATE FUNCTION flow._backoff(backoff interval, backoff_max interval, attempt integer) RETURNS interval
 LANGUAGE sql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
     SELECT make_interval(secs => greatest(extract(epoch FROM backoff),
-        least(extract(epoch FROM backoff_max),
+        least(extract(epoch FROM backoff_max) * (0.75 + random() * 0.25),
               extract(epoch FROM backoff) * power(2, least(greatest(attempt - 1, 0), 60))
                   * (0.75 + random() * 0.5)))::double precision)
 $$;

@@ -344,7 +344,10 @@ BEGIN
     WHERE x.name = q.name;
 END $$;
 
-CREATE FUNCTION flow._set_queue(caller oid, name text, concurrency integer, paused boolean) RETURNS void
+-- Set a queue's options; those the caller left out (`left_out`: see
+-- flow._left_out) keep their values, and so does a NULL paused.
+CREATE FUNCTION flow._set_queue(caller oid, name text, concurrency integer, paused boolean, left_out text[])
+RETURNS void
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     q flow._queues;
@@ -354,7 +357,9 @@ BEGIN
             USING ERRCODE = 'FL009';
     END IF;
     q := flow._manage_queue(caller, name);
-    UPDATE flow._queues x SET concurrency = _set_queue.concurrency, paused = coalesce(_set_queue.paused, x.paused),
+    UPDATE flow._queues x SET
+        concurrency = CASE WHEN 'concurrency' = ANY (left_out) THEN x.concurrency ELSE _set_queue.concurrency END,
+        paused = coalesce(_set_queue.paused, x.paused),
         updated_at = now()
     WHERE x.name = q.name;
     PERFORM flow._wake();
@@ -367,6 +372,14 @@ LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     q flow._queues;
 BEGIN
+    -- It must see what the enqueues and defines it waits for wrote (below):
+    -- a transaction's own older snapshot (REPEATABLE READ, SERIALIZABLE) would
+    -- not, and drop a queue a command was just put in.
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'flow: drop_queue needs a READ COMMITTED transaction, not %',
+            current_setting('transaction_isolation')
+            USING ERRCODE = '0A000', HINT = 'It must see what concurrent enqueues into the queue committed.';
+    END IF;
     PERFORM flow._require_name('queue', name);
     IF NOT EXISTS (SELECT 1 FROM flow._queues x WHERE x.name = _drop_queue.name) THEN
         RETURN false;

@@ -62,6 +62,8 @@ DROP FUNCTION flow._args_misfit(regtype, jsonb);
 
 -- (REASSIGN OWNED gives journal entries their new owner: flow._journal_is_append_only,
 -- sql/schema.sql, which the script replaces before this part.)
+-- (set_queue keeps what it is not given: src/api.rs, _left_out)
+DROP FUNCTION flow._set_queue(oid, text, integer, boolean);
 
 -- src/lib.rs:54
 -- requires:
@@ -568,7 +570,10 @@ BEGIN
     WHERE x.name = q.name;
 END $$;
 
-CREATE OR REPLACE FUNCTION flow._set_queue(caller oid, name text, concurrency integer, paused boolean) RETURNS void
+-- Set a queue's options; those the caller left out (`left_out`: see
+-- flow._left_out) keep their values, and so does a NULL paused.
+CREATE OR REPLACE FUNCTION flow._set_queue(caller oid, name text, concurrency integer, paused boolean, left_out text[])
+RETURNS void
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     q flow._queues;
@@ -578,7 +583,9 @@ BEGIN
             USING ERRCODE = 'FL009';
     END IF;
     q := flow._manage_queue(caller, name);
-    UPDATE flow._queues x SET concurrency = _set_queue.concurrency, paused = coalesce(_set_queue.paused, x.paused),
+    UPDATE flow._queues x SET
+        concurrency = CASE WHEN 'concurrency' = ANY (left_out) THEN x.concurrency ELSE _set_queue.concurrency END,
+        paused = coalesce(_set_queue.paused, x.paused),
         updated_at = now()
     WHERE x.name = q.name;
     PERFORM flow._wake();
@@ -591,6 +598,14 @@ LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     q flow._queues;
 BEGIN
+    -- It must see what the enqueues and defines it waits for wrote (below):
+    -- a transaction's own older snapshot (REPEATABLE READ, SERIALIZABLE) would
+    -- not, and drop a queue a command was just put in.
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'flow: drop_queue needs a READ COMMITTED transaction, not %',
+            current_setting('transaction_isolation')
+            USING ERRCODE = '0A000', HINT = 'It must see what concurrent enqueues into the queue committed.';
+    END IF;
     PERFORM flow._require_name('queue', name);
     IF NOT EXISTS (SELECT 1 FROM flow._queues x WHERE x.name = _drop_queue.name) THEN
         RETURN false;
@@ -846,12 +861,14 @@ END $$;
 -- Claim: handing due commands to in-database and external workers (rules 1-3).
 
 -- Retry delay: exponential from `backoff`, jittered by ±25 %, kept within
--- [backoff, backoff_max]. Computed in seconds so huge attempt numbers cannot
--- overflow an interval.
+-- [backoff, backoff_max]; at the cap it is jittered too, within [75 %, 100 %]
+-- of backoff_max (clamped after the jitter, every retry at the cap landed on
+-- backoff_max itself, all at once). Computed in seconds so huge attempt
+-- numbers cannot overflow an interval.
 CREATE OR REPLACE FUNCTION flow._backoff(backoff interval, backoff_max interval, attempt integer) RETURNS interval
 LANGUAGE sql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
     SELECT make_interval(secs => greatest(extract(epoch FROM backoff),
-        least(extract(epoch FROM backoff_max),
+        least(extract(epoch FROM backoff_max) * (0.75 + random() * 0.25),
               extract(epoch FROM backoff) * power(2, least(greatest(attempt - 1, 0), 60))
                   * (0.75 + random() * 0.5)))::double precision)
 $$;
@@ -1845,6 +1862,8 @@ CREATE OR REPLACE FUNCTION flow._cancel(caller oid, run_id uuid) RETURNS boolean
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     r flow._runs;
+    started timestamptz := clock_timestamp();
+    stopped boolean := false;
 BEGIN
     SELECT * INTO r FROM flow._run_rows x WHERE x.id = run_id;
     PERFORM flow._require_member(caller, r.owner, 'run', run_id);
@@ -1853,15 +1872,28 @@ BEGIN
     -- so the lock comes free and nothing is settled as success (the worker
     -- hands the command back, whatever attempt it was on).
     PERFORM flow._interrupt_run(run_id);
-    BEGIN
-        PERFORM set_config('lock_timeout', '3s', true);
-        PERFORM flow._lock_run_and_commands(run_id);
-    EXCEPTION WHEN lock_not_available THEN
-        -- A handler of the run ignored the cancel: stop its worker (recovery
-        -- concludes that attempt), then wait for whoever else holds the run.
-        PERFORM flow._stop_workers_of(run_id);
-        PERFORM flow._lock_run_and_commands(run_id);
-    END;
+    LOOP
+        BEGIN
+            PERFORM set_config('lock_timeout', CASE WHEN stopped THEN '0' ELSE '3s' END, true);
+            PERFORM flow._lock_run_and_commands(run_id);
+            -- Whoever held the run's commands may have given the run its row
+            -- meanwhile (a root's chunk that spawned, or failed): it is locked
+            -- too, without waiting while the commands are held (a settlement
+            -- takes the run, then the command: that wait could deadlock), or
+            -- the commands' locks are given back and all taken again.
+            PERFORM 1 FROM flow._runs x WHERE x.id = run_id FOR UPDATE NOWAIT;
+            EXIT;
+        EXCEPTION WHEN lock_not_available THEN
+            -- (rolled back: the commands' locks are given back) A handler of the
+            -- run that ignores the cancel for 3 s has its worker stopped
+            -- (recovery concludes that attempt); then whoever else holds the
+            -- run is waited for.
+            IF NOT stopped AND clock_timestamp() - started >= interval '3 s' THEN
+                PERFORM flow._stop_workers_of(run_id);
+                stopped := true;
+            END IF;
+        END;
+    END LOOP;
     PERFORM set_config('lock_timeout', '0', true);
     -- (as it stands now that it is locked: it may have ended with its root,
     -- or, ended long ago, been deleted by retention while the lock was awaited)
@@ -1870,7 +1902,10 @@ BEGIN
         RETURN false;
     END IF;
     PERFORM flow._run_row_needed(run_id);   -- (its root is locked above)
-    UPDATE flow._runs x SET status = 'cancelled', finished_at = now() WHERE x.id = run_id;
+    UPDATE flow._runs x SET status = 'cancelled', finished_at = now() WHERE x.id = run_id AND x.status = 'running';
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
     PERFORM flow._close_open_commands(run_id, 'cancelled');
     PERFORM flow._observe('runs_cancelled', 1);
     PERFORM flow._wake();   -- a limited queue may have room now
@@ -2614,7 +2649,7 @@ AS 'MODULE_PATHNAME', '_claim_excluded_wrapper';
 -- flow::invariants::_command_row_is_consistent
 -- Skipped due to `#[pgrx(sql = false)]`
 
--- src/api.rs:129
+-- src/api.rs:182
 -- flow::api::_counters
 CREATE OR REPLACE FUNCTION "_counters"() RETURNS TABLE (
 	"name" TEXT,  /* String */
@@ -2624,7 +2659,7 @@ STRICT VOLATILE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_counters_wrapper';
 
--- src/api.rs:89
+-- src/api.rs:142
 -- flow::api::_current_command
 CREATE OR REPLACE FUNCTION "_current_command"() RETURNS uuid /* Option < pgrx :: Uuid > */
 STRICT VOLATILE PARALLEL UNSAFE
@@ -2722,7 +2757,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_in_transaction_block_wrapper';
 
--- src/api.rs:65
+-- src/api.rs:118
 -- flow::api::_interrupt_run
 CREATE OR REPLACE FUNCTION "_interrupt_run"(
 	"run" uuid /* pgrx :: Uuid */
@@ -2731,7 +2766,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_interrupt_run_wrapper';
 
--- src/api.rs:83
+-- src/api.rs:136
 -- flow::api::_lease_duration_s
 CREATE OR REPLACE FUNCTION "_lease_duration_s"() RETURNS INT /* i32 */
 STRICT STABLE PARALLEL SAFE
@@ -2744,6 +2779,24 @@ CREATE OR REPLACE FUNCTION "_lease_token"() RETURNS uuid /* pgrx :: Uuid */
 STRICT VOLATILE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_lease_token_wrapper';
+
+-- src/api.rs:44
+-- flow::api::_left_out
+CREATE OR REPLACE FUNCTION "_left_out"(
+	"what" TEXT /* & str */
+) RETURNS TEXT /* Option < String > */
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', '_left_out_wrapper';
+
+-- src/api.rs:81
+-- flow::api::_left_out_of
+CREATE OR REPLACE FUNCTION "_left_out_of"(
+	"ticket" bigint /* Option < i64 > */
+) RETURNS TEXT[] /* Vec < String > */
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', '_left_out_of_wrapper';
 
 -- src/locks.rs:79
 -- flow::locks::_lock_event_bucket
@@ -2779,7 +2832,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_lock_queue_name_wrapper';
 
--- src/api.rs:77
+-- src/api.rs:130
 -- flow::api::_max_payload_bytes
 CREATE OR REPLACE FUNCTION "_max_payload_bytes"() RETURNS INT /* i32 */
 STRICT STABLE PARALLEL SAFE
@@ -2815,7 +2868,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_note_spawn_wrapper';
 
--- src/api.rs:135
+-- src/api.rs:188
 -- flow::api::_observe
 CREATE OR REPLACE FUNCTION "_observe"(
 	"metric" TEXT, /* & str */
@@ -2825,7 +2878,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_observe_wrapper';
 
--- src/api.rs:34
+-- src/api.rs:87
 -- flow::api::_redeem
 CREATE OR REPLACE FUNCTION "_redeem"(
 	"ticket" bigint /* Option < i64 > */
@@ -2838,7 +2891,7 @@ AS 'MODULE_PATHNAME', '_redeem_wrapper';
 -- flow::spans::_span_ok
 -- Skipped due to `#[pgrx(sql = false)]`
 
--- src/api.rs:71
+-- src/api.rs:124
 -- flow::api::_stop_workers_of
 CREATE OR REPLACE FUNCTION "_stop_workers_of"(
 	"run" uuid /* pgrx :: Uuid */
@@ -2847,7 +2900,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_stop_workers_of_wrapper';
 
--- src/api.rs:143
+-- src/api.rs:196
 -- flow::api::_stopped_in
 CREATE OR REPLACE FUNCTION "_stopped_in"(
 	"pid" INT, /* i32 */
@@ -2866,21 +2919,21 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_test_panic_wrapper';
 
--- src/api.rs:18
+-- src/api.rs:23
 -- flow::api::_ticket
 CREATE OR REPLACE FUNCTION "_ticket"() RETURNS bigint /* i64 */
 STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_ticket_wrapper';
 
--- src/api.rs:50
+-- src/api.rs:103
 -- flow::api::_wake
 CREATE OR REPLACE FUNCTION "_wake"() RETURNS void
 STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_wake_wrapper';
 
--- src/api.rs:58
+-- src/api.rs:111
 -- flow::api::_wake_due_from
 CREATE OR REPLACE FUNCTION "_wake_due_from"(
 	"due" timestamp with time zone /* TimestampWithTimeZone */
@@ -2889,7 +2942,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_wake_due_from_wrapper';
 
--- src/api.rs:97
+-- src/api.rs:150
 -- flow::api::_worker_states
 CREATE OR REPLACE FUNCTION "_worker_states"() RETURNS TABLE (
 	"worker" INT,  /* i32 */
@@ -2951,13 +3004,17 @@ BEGIN
                          backoff_max, max_elapsed, timeout, args_type);
 END $$;
 
--- Set a queue's concurrency limit (NULL: none) and paused flag (NULL: unchanged).
-CREATE OR REPLACE FUNCTION flow.set_queue(name text, concurrency integer DEFAULT NULL, paused boolean DEFAULT NULL,
-    caller_ticket bigint DEFAULT flow._ticket())
+-- Set a queue's concurrency limit (NULL: none) and paused flag. An option
+-- left out keeps the value it has (flow._left_out: its default is NULL, and
+-- says it was left out); paused NULL keeps it too.
+CREATE OR REPLACE FUNCTION flow.set_queue(name text, concurrency integer DEFAULT flow._left_out('concurrency')::integer,
+    paused boolean DEFAULT NULL, caller_ticket bigint DEFAULT flow._ticket())
 RETURNS void
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    left_out text[] := flow._left_out_of(caller_ticket);
 BEGIN
-    PERFORM flow._set_queue(flow._redeem(caller_ticket), name, concurrency, paused);
+    PERFORM flow._set_queue(flow._redeem(caller_ticket), name, concurrency, paused, left_out);
 END $$;
 
 -- Drop a queue you manage that no definition and no unfinished command uses
@@ -3494,7 +3551,7 @@ DECLARE
 BEGIN
     FOR f IN SELECT p.oid::regprocedure FROM pg_proc p
              WHERE p.pronamespace = 'flow'::regnamespace AND p.proname LIKE '\_%'
-               AND p.proname NOT IN ('_ticket', '_decide', '_worker_rows', '_counters', '_args_misfit', '_among', '_lane', '_span_ok') LOOP
+               AND p.proname NOT IN ('_ticket', '_left_out', '_decide', '_worker_rows', '_counters', '_args_misfit', '_among', '_lane', '_span_ok') LOOP
         EXECUTE format('REVOKE ALL ON FUNCTION %s FROM PUBLIC', f);
     END LOOP;
 END $$;

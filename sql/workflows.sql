@@ -18,6 +18,8 @@ CREATE FUNCTION flow._cancel(caller oid, run_id uuid) RETURNS boolean
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     r flow._runs;
+    started timestamptz := clock_timestamp();
+    stopped boolean := false;
 BEGIN
     SELECT * INTO r FROM flow._run_rows x WHERE x.id = run_id;
     PERFORM flow._require_member(caller, r.owner, 'run', run_id);
@@ -26,15 +28,28 @@ BEGIN
     -- so the lock comes free and nothing is settled as success (the worker
     -- hands the command back, whatever attempt it was on).
     PERFORM flow._interrupt_run(run_id);
-    BEGIN
-        PERFORM set_config('lock_timeout', '3s', true);
-        PERFORM flow._lock_run_and_commands(run_id);
-    EXCEPTION WHEN lock_not_available THEN
-        -- A handler of the run ignored the cancel: stop its worker (recovery
-        -- concludes that attempt), then wait for whoever else holds the run.
-        PERFORM flow._stop_workers_of(run_id);
-        PERFORM flow._lock_run_and_commands(run_id);
-    END;
+    LOOP
+        BEGIN
+            PERFORM set_config('lock_timeout', CASE WHEN stopped THEN '0' ELSE '3s' END, true);
+            PERFORM flow._lock_run_and_commands(run_id);
+            -- Whoever held the run's commands may have given the run its row
+            -- meanwhile (a root's chunk that spawned, or failed): it is locked
+            -- too, without waiting while the commands are held (a settlement
+            -- takes the run, then the command: that wait could deadlock), or
+            -- the commands' locks are given back and all taken again.
+            PERFORM 1 FROM flow._runs x WHERE x.id = run_id FOR UPDATE NOWAIT;
+            EXIT;
+        EXCEPTION WHEN lock_not_available THEN
+            -- (rolled back: the commands' locks are given back) A handler of the
+            -- run that ignores the cancel for 3 s has its worker stopped
+            -- (recovery concludes that attempt); then whoever else holds the
+            -- run is waited for.
+            IF NOT stopped AND clock_timestamp() - started >= interval '3 s' THEN
+                PERFORM flow._stop_workers_of(run_id);
+                stopped := true;
+            END IF;
+        END;
+    END LOOP;
     PERFORM set_config('lock_timeout', '0', true);
     -- (as it stands now that it is locked: it may have ended with its root,
     -- or, ended long ago, been deleted by retention while the lock was awaited)
@@ -43,7 +58,10 @@ BEGIN
         RETURN false;
     END IF;
     PERFORM flow._run_row_needed(run_id);   -- (its root is locked above)
-    UPDATE flow._runs x SET status = 'cancelled', finished_at = now() WHERE x.id = run_id;
+    UPDATE flow._runs x SET status = 'cancelled', finished_at = now() WHERE x.id = run_id AND x.status = 'running';
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
     PERFORM flow._close_open_commands(run_id, 'cancelled');
     PERFORM flow._observe('runs_cancelled', 1);
     PERFORM flow._wake();   -- a limited queue may have room now

@@ -7,33 +7,86 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 
 thread_local! {
-    /// Tickets handed out by `_ticket()` and not yet redeemed: ticket → role.
-    static TICKETS: RefCell<HashMap<i64, pg_sys::Oid>> = RefCell::new(HashMap::new());
+    /// Tickets handed out by `_ticket()` and not yet redeemed: ticket → the
+    /// role, and the optional parameters its call left out.
+    static TICKETS: RefCell<HashMap<i64, (pg_sys::Oid, Vec<String>)>> = RefCell::new(HashMap::new());
+    /// The optional parameters `_left_out` noted since the last ticket.
+    static LEFT_OUT: RefCell<Vec<String>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Remember the current role under a random one-shot ticket. Called in the
 /// default expression of a public SECURITY DEFINER function, this runs in the
 /// caller's security context; `_redeem` then tells the function who called it.
-/// A role can only ever make tickets for itself.
+/// A role can only ever make tickets for itself. The ticket also takes the
+/// parameters `_left_out` noted for the same call (its `caller_ticket`
+/// comes last, so its default is evaluated after theirs).
 #[pg_extern(volatile, parallel_unsafe)]
 fn _ticket() -> i64 {
     let ticket: i64 = rand::random();
     let role = unsafe { pg_sys::GetUserId() };
+    let left_out = LEFT_OUT.with(|l| std::mem::take(&mut *l.borrow_mut()));
     TICKETS.with(|t| {
         let mut t = t.borrow_mut();
         // Tickets of calls that failed before redeeming are never used again.
         if t.len() > 1024 {
             t.clear();
         }
-        t.insert(ticket, role);
+        t.insert(ticket, (role, left_out));
     });
     ticket
+}
+
+/// The default of an optional parameter whose omission means "keep the
+/// value it has" (flow.set_queue's): NULL, and a note that the call left
+/// `what` out (a default expression is evaluated only for an argument the
+/// call leaves out), which the call's ticket takes (`_left_out_of`). So a
+/// NULL that is given (no limit) differs from one that is not (unchanged).
+#[pg_extern(volatile, parallel_unsafe)]
+fn _left_out(what: &str) -> Option<String> {
+    LEFT_OUT.with(|l| l.borrow_mut().push(what.to_string()));
+    None
+}
+
+/// Forget what `_left_out` noted for a call that failed before its ticket
+/// was made (a (sub)transaction's abort; see `init`).
+#[pg_guard]
+unsafe extern "C-unwind" fn forget_left_out_on_abort(
+    event: pg_sys::SubXactEvent::Type,
+    _mine: pg_sys::SubTransactionId,
+    _parent: pg_sys::SubTransactionId,
+    _arg: *mut std::ffi::c_void,
+) {
+    if event == pg_sys::SubXactEvent::SUBXACT_EVENT_ABORT_SUB {
+        LEFT_OUT.with(|l| l.borrow_mut().clear());
+    }
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn forget_left_out_on_xact_abort(event: pg_sys::XactEvent::Type, _arg: *mut std::ffi::c_void) {
+    if event == pg_sys::XactEvent::XACT_EVENT_ABORT {
+        LEFT_OUT.with(|l| l.borrow_mut().clear());
+    }
+}
+
+/// Register the callbacks that forget stale `_left_out` notes (`_PG_init`).
+pub fn init() {
+    unsafe {
+        pg_sys::RegisterXactCallback(Some(forget_left_out_on_xact_abort), std::ptr::null_mut());
+        pg_sys::RegisterSubXactCallback(Some(forget_left_out_on_abort), std::ptr::null_mut());
+    }
+}
+
+/// The optional parameters a ticket's call left out (see `_left_out`),
+/// before the ticket is redeemed.
+#[pg_extern(volatile, parallel_unsafe)]
+fn _left_out_of(ticket: Option<i64>) -> Vec<String> {
+    ticket.and_then(|ticket| TICKETS.with(|t| t.borrow().get(&ticket).map(|(_, l)| l.clone()))).unwrap_or_default()
 }
 
 /// Exchange a ticket for the role that made it. Each ticket works once.
 #[pg_extern(volatile, parallel_unsafe)]
 fn _redeem(ticket: Option<i64>) -> pg_sys::Oid {
-    let role = ticket.and_then(|ticket| TICKETS.with(|t| t.borrow_mut().remove(&ticket)));
+    let role = ticket.and_then(|ticket| TICKETS.with(|t| t.borrow_mut().remove(&ticket))).map(|(role, _)| role);
     let Some(role) = role else {
         pgrx::ereport!(
             ERROR,

@@ -424,7 +424,9 @@ fn attempt(index: usize, command: &Claimed, group: Option<&Subtransaction>, now:
         gucs::inject_fault("handler_start");
         // The deadline covers what fires when the handler returns, too.
         let result = with_deadline(remaining_ms, || {
-            gateway::run_handler(command.owner, || handler_call::call_handler(command, deadline, now))
+            outcome::noting_error_code(|| {
+                gateway::run_handler(command.owner, || handler_call::call_handler(command, deadline, now))
+            })
         });
         CURRENT_COMMAND.with(|c| c.set(None));
         gucs::inject_fault("handler_return");

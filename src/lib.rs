@@ -73,6 +73,7 @@ pub extern "C-unwind" fn _PG_init() {
     gucs::init();
     hooks::init();
     gateway::init();
+    api::init();
     shmem::init();
     external::init();
     worker::register();

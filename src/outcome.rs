@@ -2,7 +2,7 @@
 //! handler decided (flow.fail, flow.retry_after, an invalid spawn or emit),
 //! and how a caught handler error, a deadline or a cancel is classified.
 
-use crate::spi::sqlstate;
+use crate::spi::{sqlstate, unpack_sqlstate};
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 use std::cell::RefCell;
@@ -151,6 +151,48 @@ pub fn take_kept_failure() -> Option<Failure> {
     KEPT_FAILURE.with(|d| d.borrow_mut().take()).map(|d| d.0)
 }
 
+thread_local! {
+    /// The SQLSTATE of the last error raised while a handler ran, as
+    /// PostgreSQL packs it (0: none): pgrx's CaughtError maps a code it does
+    /// not know (a handler's own `RAISE ... USING ERRCODE = 'AB123'`) to
+    /// XX000, so the code is read from the error data itself, by an error
+    /// context callback around the handler's call.
+    static RAISED: std::cell::Cell<i32> = const { std::cell::Cell::new(0) };
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn note_error_code(_arg: *mut std::ffi::c_void) {
+    // (called by errfinish for every message it reports, an ERROR last)
+    RAISED.with(|r| r.set(unsafe { pg_sys::geterrcode() }));
+}
+
+/// Run `f` (a handler's call) noting the SQLSTATE of what it raises, for
+/// `classify`. The caller's catch restores the error context stack on an
+/// ERROR (spi::catching).
+pub fn noting_error_code<R>(f: impl FnOnce() -> R) -> R {
+    RAISED.with(|r| r.set(0));
+    unsafe {
+        let mut callback = pg_sys::ErrorContextCallback {
+            previous: pg_sys::error_context_stack,
+            callback: Some(note_error_code),
+            arg: std::ptr::null_mut(),
+        };
+        pg_sys::error_context_stack = &mut callback;
+        let result = f();
+        pg_sys::error_context_stack = callback.previous;
+        result
+    }
+}
+
+/// The SQLSTATE the handler's error carries, from the error data itself
+/// (see RAISED), else as pgrx read it.
+fn raised_sqlstate(report: &pg_sys::panic::ErrorReportWithLevel) -> String {
+    match RAISED.with(|r| r.replace(0)) {
+        0 => sqlstate(report.sql_error_code()),
+        code => unpack_sqlstate(code),
+    }
+}
+
 /// Classify a caught handler error (rule 5). `late_cancel`: flow.cancel
 /// signalled this worker since the attempt before this one started, so a
 /// statement cancel of a run nobody cancelled was meant for that attempt's:
@@ -181,8 +223,8 @@ pub fn classify(
     if let Some(Decision(decided)) = DECISION.with(|d| d.borrow_mut().take()).filter(|d| d.0.message == message) {
         return decided;
     }
-    let code = report.sql_error_code();
-    if code == PgSqlErrorCode::ERRCODE_QUERY_CANCELED {
+    let code = raised_sqlstate(report);
+    if code == "57014" {
         if message.contains("statement timeout") {
             return Failure::timeout(0);
         }
@@ -191,9 +233,9 @@ pub fn classify(
         }
         return Failure::new(Class::Interrupted, "cancelled", message);
     }
-    if code == PgSqlErrorCode::ERRCODE_INTERNAL_ERROR {
+    if code == "XX000" {
         // a Rust panic (pgrx reports it as XX000) or an internal error in C code
         return Failure::new(Class::Crash, "XX000", message);
     }
-    Failure::new(Class::Retryable, &sqlstate(code), message)
+    Failure::new(Class::Retryable, &code, message)
 }

@@ -30,3 +30,5 @@ DROP FUNCTION flow._args_misfit(regtype, jsonb);
 
 -- (REASSIGN OWNED gives journal entries their new owner: flow._journal_is_append_only,
 -- sql/schema.sql, which the script replaces before this part.)
+-- (set_queue keeps what it is not given: src/api.rs, _left_out)
+DROP FUNCTION flow._set_queue(oid, text, integer, boolean);
