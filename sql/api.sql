@@ -204,7 +204,7 @@ END $$;
 -- caller's transaction instead: the claim locks their rows and writes
 -- nothing, and their settlement in the same transaction (complete_many,
 -- complete, fail) writes each once; the transaction's end releases what it
--- did not settle, each such attempt counted as interrupted (by worker 0,
+-- did not settle, each such attempt counted as interrupted (by the maintenance worker,
 -- src/external.rs). No heartbeat: the lease is the transaction. (A limited
 -- queue's commands are still leased, so that they count as running: their
 -- lease runs out if the transaction commits them unsettled.)
@@ -597,7 +597,8 @@ BEGIN
              WHERE p.pronamespace = 'flow'::regnamespace
                AND p.proname = ANY (ARRAY['_claim', '_lease', '_next_due_ms', '_run_row_needed', '_leased',
                    '_prepare_external_claim', '_complete_many', '_recover', '_prune', '_retire_events',
-                   '_lock_runs', '_lock_runs_of', '_try_lock_run_of', '_close_open_commands', '_begin_batch',
+                   '_lock_runs', '_lock_runs_of', '_try_lock_run_of', '_close_open_commands', '_conclude_record',
+                   '_expire_runs', '_conclude_expired_lease', '_gone_workers',
                    '_release', '_settle_batch', '_settle_failure', '_lock_run_and_commands',
                    '_promote_if_satisfied']) LOOP
         EXECUTE format('ALTER FUNCTION %s SET enable_seqscan = off SET enable_bitmapscan = off'

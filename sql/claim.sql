@@ -39,7 +39,7 @@ $$;
 -- which cost more than the scan itself (the statement of an in-database
 -- claim of 1,000 held commands: 3.9 ms, 2.5 ms now).
 -- `excluded`: commands other workers' records name, or whose abandoned held
--- attempts wait for worker 0, or that the caller's transaction holds already,
+-- attempts wait for the maintenance worker, or that the caller's transaction holds already,
 -- left alone.
 -- In-database workers pass no names (they claim commands with an SQL
 -- handler); external workers pass definition names.
@@ -306,7 +306,10 @@ BEGIN
             lease_backend_start = owner_started,
             budget_started_at = flow._budget_start(c.status, c.attempts, c.next_run_at, c.budget_started_at),
             attempt_deadline = a.attempt_deadline,
-            lease_expires_at = CASE WHEN owner_pid IS NULL THEN now() + lease
+            -- (an external lease ends at the attempt's deadline at the latest:
+            -- its timeout, max_elapsed and the run's deadline hold for
+            -- external workers too, see flow._heartbeat)
+            lease_expires_at = CASE WHEN owner_pid IS NULL THEN least(now() + lease, coalesce(a.attempt_deadline, 'infinity'))
                                     ELSE coalesce(a.attempt_deadline, 'infinity') END,
             lease_interval = CASE WHEN owner_pid IS NULL THEN lease END,
             wait_timed_out = flow._wait_timed_out(c.status, c.wait_timed_out)
@@ -316,24 +319,6 @@ BEGIN
         -- primary key: sql/common.sql)
         WHERE c.ctid = a.row_at AND NOT (c.id IS DISTINCT FROM a.id) AND c.status::text IN ('pending', 'waiting')
         RETURNING c.id, c.run_id, c.lease_token, c.lease_expires_at
-    ), leased_runs AS (
-        -- An in-database worker runs a leased command in a chunk that locks
-        -- its run first (flow._begin_batch): a run without a row of its own
-        -- (see flow._runs) gets it here, under the lock the claim holds on
-        -- its root. (Its root's row would do as the run's lock, but the
-        -- chunk's settlement writes the root in a subtransaction, and a row
-        -- locked by a transaction and written by its subtransaction gets a
-        -- MultiXact: see src/execute.rs, settle_successes.) An external worker's claim adds
-        -- none: its completion of a root with no child locks no run.
-        -- (the run's row as flow._run_row_needed writes it, which a statement
-        -- cannot call without a result to use; the rows as they stood before
-        -- this statement's update: the run's columns are not among those it changes)
-        INSERT INTO flow._runs (id, owner, name, version, queue, args, deadline, created_at)
-        SELECT x.id, x.owner, x.name, x.version, x.queue, x.args, x.deadline, x.created_at
-        FROM flow._commands x
-        WHERE owner_pid IS NOT NULL
-          AND x.id = ANY (ARRAY(SELECT k.id FROM leased k WHERE k.id = k.run_id))
-        ON CONFLICT (id) DO NOTHING
     )
     SELECT k.id, k.lease_token, k.lease_expires_at FROM leased k;
 END $$;

@@ -135,14 +135,27 @@ BEGIN
         RETURN;
     END IF;
     FOR expired IN
-        SELECT c.id, c.lease_token FROM flow._commands c                -- index _commands_running, per queue
+        SELECT c.id, c.lease_token, c.attempt_deadline <= c.lease_expires_at AS timed_out
+        FROM flow._commands c                                            -- index _commands_running, per queue
         WHERE c.status = 'running' AND c.queue = ANY (ARRAY(SELECT q.name FROM flow._queues q))
           AND c.lease_expires_at < now() AND c.lease_pid IS NULL AND c.name = ANY (names)
     LOOP
         CONTINUE WHEN NOT flow._try_lock_run_of(expired.id);
-        PERFORM flow._settle_failure(expired.id, expired.lease_token, 'lease_lost', 'lease_lost',
-                                     'the lease expired before the command was settled');
+        PERFORM flow._conclude_expired_lease(expired.id, expired.lease_token, coalesce(expired.timed_out, false));
     END LOOP;
+END $$;
+
+-- Conclude an external lease that expired: lease_lost, or, when it ended at
+-- the attempt's deadline (`timed_out`), timeout. The caller holds its run's lock.
+CREATE FUNCTION flow._conclude_expired_lease(command_id uuid, lease_token uuid, timed_out boolean) RETURNS text
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF timed_out THEN
+        RETURN flow._settle_failure(command_id, lease_token, 'timeout', 'attempt_timeout',
+                                    'the attempt''s deadline passed before the command was settled');
+    END IF;
+    RETURN flow._settle_failure(command_id, lease_token, 'lease_lost', 'lease_lost',
+                                'the lease expired before the command was settled');
 END $$;
 
 -- Whether the attempt under lease_token was concluded by a cancel of its run.
@@ -181,7 +194,9 @@ BEGIN
         END IF;
         RAISE;
     END;
-    UPDATE flow._commands x SET lease_expires_at = now() + coalesce(extend, x.lease_interval)
+    -- (never past the attempt's deadline: its timeout, max_elapsed, the run's deadline)
+    UPDATE flow._commands x SET
+        lease_expires_at = least(now() + coalesce(extend, x.lease_interval), coalesce(x.attempt_deadline, 'infinity'))
     WHERE x.id = c.id
     RETURNING x.lease_expires_at INTO c.lease_expires_at;
     RETURN QUERY SELECT c.lease_expires_at, false;

@@ -64,8 +64,16 @@ DROP FUNCTION flow._args_misfit(regtype, jsonb);
 -- sql/schema.sql, which the script replaces before this part.)
 -- (set_queue keeps what it is not given: src/api.rs, _left_out)
 DROP FUNCTION flow._set_queue(oid, text, integer, boolean);
+-- (recovery reads the workers' attempt records: src/recovery.rs)
+DROP FUNCTION flow._recover();
+DROP FUNCTION flow._stopped_in(integer, timestamptz);
+-- (a leased command's run is locked at its settlement, not before it runs)
+DROP FUNCTION flow._begin_batch(uuid[], uuid[]);
 
--- src/lib.rs:54
+-- Runs past their deadline end as a whole (flow._expire_runs).
+CREATE INDEX _commands_deadline ON flow._commands (deadline) WHERE finished_at IS NULL AND deadline IS NOT NULL;
+
+-- src/lib.rs:55
 -- requires:
 --   schema
 
@@ -220,7 +228,7 @@ BEGIN
     ON CONFLICT (id) DO NOTHING;
 END $$;
 
--- src/lib.rs:55
+-- src/lib.rs:56
 -- requires:
 --   common
 
@@ -687,7 +695,7 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
         OR EXISTS (SELECT 1 FROM flow._run_rows r WHERE r.owner = role AND r.status = 'running')
 $$;
 
--- src/lib.rs:56
+-- src/lib.rs:57
 -- requires:
 --   definitions
 
@@ -854,7 +862,7 @@ BEGIN
     RETURN ids;
 END $$;
 
--- src/lib.rs:57
+-- src/lib.rs:58
 -- requires:
 --   enqueue
 
@@ -899,7 +907,7 @@ $$;
 -- which cost more than the scan itself (the statement of an in-database
 -- claim of 1,000 held commands: 3.9 ms, 2.5 ms now).
 -- `excluded`: commands other workers' records name, or whose abandoned held
--- attempts wait for worker 0, or that the caller's transaction holds already,
+-- attempts wait for the maintenance worker, or that the caller's transaction holds already,
 -- left alone.
 -- In-database workers pass no names (they claim commands with an SQL
 -- handler); external workers pass definition names.
@@ -1166,7 +1174,10 @@ BEGIN
             lease_backend_start = owner_started,
             budget_started_at = flow._budget_start(c.status, c.attempts, c.next_run_at, c.budget_started_at),
             attempt_deadline = a.attempt_deadline,
-            lease_expires_at = CASE WHEN owner_pid IS NULL THEN now() + lease
+            -- (an external lease ends at the attempt's deadline at the latest:
+            -- its timeout, max_elapsed and the run's deadline hold for
+            -- external workers too, see flow._heartbeat)
+            lease_expires_at = CASE WHEN owner_pid IS NULL THEN least(now() + lease, coalesce(a.attempt_deadline, 'infinity'))
                                     ELSE coalesce(a.attempt_deadline, 'infinity') END,
             lease_interval = CASE WHEN owner_pid IS NULL THEN lease END,
             wait_timed_out = flow._wait_timed_out(c.status, c.wait_timed_out)
@@ -1176,24 +1187,6 @@ BEGIN
         -- primary key: sql/common.sql)
         WHERE c.ctid = a.row_at AND NOT (c.id IS DISTINCT FROM a.id) AND c.status::text IN ('pending', 'waiting')
         RETURNING c.id, c.run_id, c.lease_token, c.lease_expires_at
-    ), leased_runs AS (
-        -- An in-database worker runs a leased command in a chunk that locks
-        -- its run first (flow._begin_batch): a run without a row of its own
-        -- (see flow._runs) gets it here, under the lock the claim holds on
-        -- its root. (Its root's row would do as the run's lock, but the
-        -- chunk's settlement writes the root in a subtransaction, and a row
-        -- locked by a transaction and written by its subtransaction gets a
-        -- MultiXact: see src/execute.rs, settle_successes.) An external worker's claim adds
-        -- none: its completion of a root with no child locks no run.
-        -- (the run's row as flow._run_row_needed writes it, which a statement
-        -- cannot call without a result to use; the rows as they stood before
-        -- this statement's update: the run's columns are not among those it changes)
-        INSERT INTO flow._runs (id, owner, name, version, queue, args, deadline, created_at)
-        SELECT x.id, x.owner, x.name, x.version, x.queue, x.args, x.deadline, x.created_at
-        FROM flow._commands x
-        WHERE owner_pid IS NOT NULL
-          AND x.id = ANY (ARRAY(SELECT k.id FROM leased k WHERE k.id = k.run_id))
-        ON CONFLICT (id) DO NOTHING
     )
     SELECT k.id, k.lease_token, k.lease_expires_at FROM leased k;
 END $$;
@@ -1227,7 +1220,7 @@ BEGIN
                                WHERE r.queue = q.name AND r.status = 'running')));
 END $$;
 
--- src/lib.rs:58
+-- src/lib.rs:59
 -- requires:
 --   claim
 
@@ -1299,7 +1292,8 @@ BEGIN
                                              WHERE c.id = _try_lock_run_of.command_id), false)) > 0;
 END $$;
 
--- Close every unfinished command of a run (cancel or run failure). An
+-- Close every unfinished command of a run (cancel, run failure, or the
+-- run's deadline: reason 'deadline', the commands expire). An
 -- attempt in progress gets an attempt row and is counted, leased or held
 -- (a held one is known from its worker's shared memory, as the views know it:
 -- say, a handler that cancels its own run); its worker's later settlement
@@ -1318,12 +1312,15 @@ BEGIN
     ), counted AS (
         INSERT INTO flow._attempts (command_id, attempt, lease_token, owner, started_at, finished_at,
             outcome, error_code, error_message)
-        SELECT i.id, i.attempt, i.lease_token, i.owner, i.started_at, clock_timestamp(), 'cancelled',
+        SELECT i.id, i.attempt, i.lease_token, i.owner, i.started_at, clock_timestamp(),
+               CASE WHEN reason = 'deadline' THEN 'expired' ELSE 'cancelled' END,
                reason, 'the run ended while this attempt ran'
         FROM in_progress i
         RETURNING command_id, attempt
     ), closed AS (
-        UPDATE flow._commands c SET status = 'cancelled', stop_reason = reason, finished_at = clock_timestamp(),
+        UPDATE flow._commands c SET
+            status = CASE WHEN reason = 'deadline' THEN 'expired' ELSE 'cancelled' END::flow.command_status,
+            stop_reason = reason, finished_at = clock_timestamp(),
             attempts = coalesce((SELECT k.attempt FROM counted k WHERE k.command_id = c.id), c.attempts),
             lease_token = NULL, lease_owner = NULL, lease_pid = NULL, lease_backend_start = NULL,
             lease_expires_at = NULL, lease_interval = NULL, attempt_started_at = NULL, attempt_deadline = NULL
@@ -1331,28 +1328,6 @@ BEGIN
     )
     SELECT count(*) INTO interrupted FROM counted;
     PERFORM flow._observe('attempts_cancelled', interrupted);
-END $$;
-
--- In-database workers execute claimed commands in chunks, one transaction
--- each: _begin_batch locks the chunk's runs (in id order: two chunks never
--- deadlock, and cancel / run failure / external settlements of those runs
--- wait for the chunk's commit) and returns the commands whose lease is still
--- held, each with whether its run's lock was had (those whose run was
--- cancelled or failed since the claim are not returned). A run locked
--- elsewhere (a cancel, an external client idle in its transaction) is
--- skipped, never waited for: its commands are handed back (_release).
-CREATE OR REPLACE FUNCTION flow._begin_batch(command_ids uuid[], lease_tokens uuid[])
-RETURNS TABLE (command_id uuid, run_locked boolean)
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
-DECLARE
-    locked uuid[];
-BEGIN
-    locked := flow._lock_runs(ARRAY(SELECT DISTINCT c.run_id FROM flow._commands c WHERE c.id = ANY (command_ids)),
-                              false);
-    RETURN QUERY
-        SELECT c.id, c.run_id = ANY (coalesce(locked, '{}'))
-        FROM flow._commands c JOIN unnest(command_ids, lease_tokens) AS t(id, token) ON c.id = ANY (ARRAY[t.id])
-        WHERE c.status::text = 'running' AND c.lease_token = t.token;   -- by id (sql/common.sql)
 END $$;
 
 -- Hand claimed commands back to their queue, giving back the attempt the
@@ -1631,55 +1606,152 @@ BEGIN
     RETURN CASE WHEN stop IS NULL THEN 'retry' ELSE 'failed' END;
 END $$;
 
--- src/lib.rs:59
+-- src/lib.rs:60
 -- requires:
 --   settle
 
--- Recover: concluding attempts whose owner is gone (rule 8).
+-- Recover: concluding attempts whose owner is gone (rule 8), run by the
+-- maintenance worker (src/recovery.rs). Nothing here waits for a lock.
 
--- Conclude attempts whose owner is provably gone (rule 8): an in-database
--- worker whose (pid, backend start) no longer exists, or an external lease
--- past its expiry by the database clock. Returns how many were concluded.
--- (A worker that exited without a record of its last attempt, as after a
--- crash restart, has every command it held charged: the conservative side
--- of rule 3.)
-CREATE OR REPLACE FUNCTION flow._recover() RETURNS integer
+-- Which of these worker processes (pid, backend start) are gone.
+CREATE OR REPLACE FUNCTION flow._gone_workers(pids integer[], started timestamptz[]) RETURNS boolean[]
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT coalesce(array_agg(NOT EXISTS (SELECT 1 FROM pg_stat_activity a
+                                          WHERE a.pid = w.pid AND a.backend_start = w.started) ORDER BY w.i), '{}')
+    FROM unnest(pids, started) WITH ORDINALITY AS w(pid, started, i)
+$$;
+
+-- Conclude, as interrupted, the attempt a gone worker's record names (see
+-- src/attempt_record.rs): the attempt `attempt` of `command_id`, which the
+-- worker (pid, started) had leased, or held (its row only locked, its
+-- attempt not counted yet). Changes nothing if the command has moved on
+-- (settled, or concluded already). Returns 'retry' or 'failed' (concluded),
+-- 'expired' (moved on) or 'locked' (its run or row is locked elsewhere: try
+-- again later).
+CREATE OR REPLACE FUNCTION flow._conclude_record(command_id uuid, attempt integer, pid integer, started timestamptz)
+RETURNS text
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
-    lost record;
-    concluded integer := 0;
+    c flow._commands;
+    message constant text := 'the worker running this attempt exited before settling it';
 BEGIN
+    SELECT * INTO c FROM flow._commands x WHERE x.id = _conclude_record.command_id;
+    IF c.status::text = 'running' AND c.lease_pid = pid AND c.lease_backend_start = started
+       AND c.attempts = attempt THEN
+        RETURN flow._settle_failure(c.id, c.lease_token, 'interrupted', 'owner_died', message,
+                                    wait_for_run => false);
+    ELSIF c.status::text IN ('pending', 'waiting') AND c.attempts = attempt - 1 THEN
+        RETURN flow._settle_failure(c.id, flow._new_id(), 'interrupted', 'owner_died', message,
+                                    held_attempt => attempt, owner_name => current_database() || ':' || pid,
+                                    wait_for_run => false);
+    END IF;
+    RETURN 'expired';
+END $$;
+
+-- One round of recovery. The writers of attempt records (pids[i], started[i]),
+-- whether each was found gone (gone[i]), and for those gone what their record
+-- names (recorded_commands[i], recorded_attempts[i]; NULL: no attempt):
+-- * the attempt each gone worker's record names is charged, interrupted
+--   (flow._conclude_record);
+-- * the other commands a gone worker had leased never started their
+--   attempt (or had it rolled back with the worker's chunk): they go back to
+--   their queues uncharged (flow._release). A lease of a worker that is gone
+--   and wrote no record (after an OS crash lost the files) is charged, the
+--   conservative side of rule 3; one of a worker that went after the
+--   records were read waits for the next round;
+-- * an external lease past its expiry is concluded as lease_lost.
+-- Returns how many attempts it concluded, and for each writer whether its
+-- record is done with (gone, and what it names concluded or moved on).
+CREATE OR REPLACE FUNCTION flow._recover(pids integer[], started timestamptz[], gone boolean[],
+    recorded_commands uuid[], recorded_attempts integer[], OUT concluded integer, OUT records_done boolean[])
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    w record;
+    lost record;
+    outcome text;
+BEGIN
+    concluded := 0;
+    records_done := '{}';
+    FOR w IN SELECT * FROM unnest(pids, started, gone, recorded_commands, recorded_attempts)
+                          WITH ORDINALITY AS x(writer_pid, writer_started, writer_gone, command_id, attempt, i)
+             ORDER BY x.i LOOP
+        outcome := CASE WHEN NOT w.writer_gone THEN 'alive'
+                        WHEN w.command_id IS NULL THEN 'expired'
+                        ELSE flow._conclude_record(w.command_id, w.attempt, w.writer_pid, w.writer_started) END;
+        records_done := records_done || (outcome NOT IN ('alive', 'locked'));
+        concluded := concluded + (outcome IN ('retry', 'failed'))::integer;
+    END LOOP;
+
     FOR lost IN
         SELECT c.id, c.lease_token, c.lease_pid IS NULL AS external,
-               CASE WHEN c.lease_pid IS NOT NULL THEN flow._stopped_in(c.lease_pid, c.lease_backend_start) END AS stopped_in
+               coalesce(c.attempt_deadline <= c.lease_expires_at, false) AS timed_out,
+               (SELECT bool_or(g.writer_gone) FROM unnest(pids, started, gone) AS g(writer_pid, writer_started, writer_gone)
+                WHERE g.writer_pid = c.lease_pid AND g.writer_started = c.lease_backend_start) AS writer_gone
         FROM flow._commands c                                       -- index _commands_running
         WHERE c.status = 'running'
           AND CASE WHEN c.lease_pid IS NULL THEN c.lease_expires_at < now()
                    ELSE NOT EXISTS (SELECT 1 FROM pg_stat_activity a
                                     WHERE a.pid = c.lease_pid AND a.backend_start = c.lease_backend_start) END
     LOOP
-        -- A worker that was told to stop is charged only for the attempt it
-        -- was in: the other commands it held never started theirs (or had it
-        -- rolled back with the worker's chunk), so they go back uncharged.
-        IF lost.stopped_in IS NOT NULL AND lost.stopped_in <> lost.id THEN
-            PERFORM flow._release(ARRAY[lost.id], ARRAY[lost.lease_token]);
-            CONTINUE;
+        IF NOT lost.external THEN
+            -- (named by its worker's record: concluded above, or on a later round)
+            CONTINUE WHEN lost.id = ANY (recorded_commands) OR lost.writer_gone IS false;
+            IF lost.writer_gone THEN
+                PERFORM flow._release(ARRAY[lost.id], ARRAY[lost.lease_token]);
+                CONTINUE;
+            END IF;
         END IF;
         -- a run locked elsewhere (an external client idle in its transaction, a
         -- long chunk) is concluded on a later round, never waited for
         CONTINUE WHEN NOT flow._try_lock_run_of(lost.id);
-        IF flow._settle_failure(lost.id, lost.lease_token,
-               CASE WHEN lost.external THEN 'lease_lost' ELSE 'interrupted' END,
-               CASE WHEN lost.external THEN 'lease_lost' ELSE 'owner_died' END,
-               CASE WHEN lost.external THEN 'the lease expired before the command was settled'
-                    ELSE 'the worker running this attempt exited before settling it' END) <> 'expired' THEN
-            concluded := concluded + 1;
+        IF lost.external THEN
+            outcome := flow._conclude_expired_lease(lost.id, lost.lease_token, lost.timed_out);
+        ELSE
+            outcome := flow._settle_failure(lost.id, lost.lease_token, 'interrupted', 'owner_died',
+                                            'the worker running this attempt exited before settling it');
         END IF;
+        concluded := concluded + (outcome <> 'expired')::integer;
     END LOOP;
-    RETURN concluded;
 END $$;
 
--- src/lib.rs:60
+-- End the runs whose deadline has passed (rule 6): each one fails with
+-- stop_reason 'deadline', and its unfinished commands expire (an attempt in
+-- progress is counted, outcome 'expired'; an in-database handler still in
+-- it is cut off by its own deadline, which is never later than the run's).
+-- Without this a run whose child is due after the deadline, or whose
+-- external command nobody claims, would stay running. A run locked
+-- elsewhere is left for the next round. Returns how many runs ended.
+CREATE OR REPLACE FUNCTION flow._expire_runs() RETURNS integer
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    late uuid;
+    ended integer := 0;
+BEGIN
+    FOR late IN
+        SELECT DISTINCT c.run_id FROM flow._commands c              -- index _commands_deadline
+        WHERE c.finished_at IS NULL AND c.deadline IS NOT NULL AND c.deadline <= now()
+        LIMIT 1000
+    LOOP
+        CONTINUE WHEN NOT flow._try_lock_run_of(late);
+        -- (under the run's lock: still past its deadline with something unfinished)
+        CONTINUE WHEN NOT EXISTS (SELECT 1 FROM flow._commands_of(late) c
+                                  WHERE c.finished_at IS NULL AND c.deadline <= now());
+        PERFORM flow._run_row_needed(late);
+        UPDATE flow._runs r SET status = 'failed', finished_at = clock_timestamp(),
+            error = jsonb_build_object('code', 'deadline', 'message', 'the run''s deadline passed',
+                                       'stop_reason', 'deadline', 'deadline', r.deadline)
+        WHERE r.id = late AND r.status = 'running';
+        IF FOUND THEN
+            ended := ended + 1;
+        END IF;
+        PERFORM flow._close_open_commands(late, 'deadline');
+        PERFORM flow._interrupt_run(late);
+    END LOOP;
+    PERFORM flow._observe('runs_failed', ended), flow._observe('stops_deadline', ended);
+    RETURN ended;
+END $$;
+
+-- src/lib.rs:61
 -- requires:
 --   recover
 
@@ -1732,7 +1804,7 @@ DECLARE
     ended_ids uuid[];
 BEGIN
     -- (committed without waiting for its WAL to reach disk: a deletion lost
-    -- to a crash is simply done again, and worker 0, which prunes between
+    -- to a crash is simply done again, and the maintenance worker, which prunes between
     -- its batches, waited for that flush after each of them: under a churn
     -- of 84,000 runs/s the drain fell behind once runs expired)
     PERFORM flow._commit_without_flush();
@@ -1838,7 +1910,7 @@ BEGIN
     RETURN retired;
 END $$;
 
--- src/lib.rs:61
+-- src/lib.rs:62
 -- requires:
 --   retention
 
@@ -2224,7 +2296,7 @@ BEGIN
     RETURN format(E'flowchart LR\n%s\n', array_to_string(lines, E'\n'));
 END $$;
 
--- src/lib.rs:62
+-- src/lib.rs:63
 -- requires:
 --   workflows
 
@@ -2365,14 +2437,27 @@ BEGIN
         RETURN;
     END IF;
     FOR expired IN
-        SELECT c.id, c.lease_token FROM flow._commands c                -- index _commands_running, per queue
+        SELECT c.id, c.lease_token, c.attempt_deadline <= c.lease_expires_at AS timed_out
+        FROM flow._commands c                                            -- index _commands_running, per queue
         WHERE c.status = 'running' AND c.queue = ANY (ARRAY(SELECT q.name FROM flow._queues q))
           AND c.lease_expires_at < now() AND c.lease_pid IS NULL AND c.name = ANY (names)
     LOOP
         CONTINUE WHEN NOT flow._try_lock_run_of(expired.id);
-        PERFORM flow._settle_failure(expired.id, expired.lease_token, 'lease_lost', 'lease_lost',
-                                     'the lease expired before the command was settled');
+        PERFORM flow._conclude_expired_lease(expired.id, expired.lease_token, coalesce(expired.timed_out, false));
     END LOOP;
+END $$;
+
+-- Conclude an external lease that expired: lease_lost, or, when it ended at
+-- the attempt's deadline (`timed_out`), timeout. The caller holds its run's lock.
+CREATE OR REPLACE FUNCTION flow._conclude_expired_lease(command_id uuid, lease_token uuid, timed_out boolean) RETURNS text
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF timed_out THEN
+        RETURN flow._settle_failure(command_id, lease_token, 'timeout', 'attempt_timeout',
+                                    'the attempt''s deadline passed before the command was settled');
+    END IF;
+    RETURN flow._settle_failure(command_id, lease_token, 'lease_lost', 'lease_lost',
+                                'the lease expired before the command was settled');
 END $$;
 
 -- Whether the attempt under lease_token was concluded by a cancel of its run.
@@ -2411,7 +2496,9 @@ BEGIN
         END IF;
         RAISE;
     END;
-    UPDATE flow._commands x SET lease_expires_at = now() + coalesce(extend, x.lease_interval)
+    -- (never past the attempt's deadline: its timeout, max_elapsed, the run's deadline)
+    UPDATE flow._commands x SET
+        lease_expires_at = least(now() + coalesce(extend, x.lease_interval), coalesce(x.attempt_deadline, 'infinity'))
     WHERE x.id = c.id
     RETURNING x.lease_expires_at INTO c.lease_expires_at;
     RETURN QUERY SELECT c.lease_expires_at, false;
@@ -2649,7 +2736,7 @@ AS 'MODULE_PATHNAME', '_claim_excluded_wrapper';
 -- flow::invariants::_command_row_is_consistent
 -- Skipped due to `#[pgrx(sql = false)]`
 
--- src/api.rs:182
+-- src/api.rs:183
 -- flow::api::_counters
 CREATE OR REPLACE FUNCTION "_counters"() RETURNS TABLE (
 	"name" TEXT,  /* String */
@@ -2659,7 +2746,7 @@ STRICT VOLATILE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_counters_wrapper';
 
--- src/api.rs:142
+-- src/api.rs:143
 -- flow::api::_current_command
 CREATE OR REPLACE FUNCTION "_current_command"() RETURNS uuid /* Option < pgrx :: Uuid > */
 STRICT VOLATILE PARALLEL UNSAFE
@@ -2676,7 +2763,7 @@ STRICT STABLE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_deadline_wrapper';
 
--- src/execute.rs:116
+-- src/execute.rs:136
 -- flow::execute::_decide
 CREATE OR REPLACE FUNCTION "_decide"(
 	"class" TEXT, /* & str */
@@ -2766,7 +2853,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_interrupt_run_wrapper';
 
--- src/api.rs:136
+-- src/api.rs:137
 -- flow::api::_lease_duration_s
 CREATE OR REPLACE FUNCTION "_lease_duration_s"() RETURNS INT /* i32 */
 STRICT STABLE PARALLEL SAFE
@@ -2832,7 +2919,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_lock_queue_name_wrapper';
 
--- src/api.rs:130
+-- src/api.rs:131
 -- flow::api::_max_payload_bytes
 CREATE OR REPLACE FUNCTION "_max_payload_bytes"() RETURNS INT /* i32 */
 STRICT STABLE PARALLEL SAFE
@@ -2861,14 +2948,14 @@ VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_note_holding_wrapper';
 
--- src/execute.rs:108
+-- src/execute.rs:128
 -- flow::execute::_note_spawn
 CREATE OR REPLACE FUNCTION "_note_spawn"() RETURNS void
 STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_note_spawn_wrapper';
 
--- src/api.rs:188
+-- src/api.rs:189
 -- flow::api::_observe
 CREATE OR REPLACE FUNCTION "_observe"(
 	"metric" TEXT, /* & str */
@@ -2891,7 +2978,7 @@ AS 'MODULE_PATHNAME', '_redeem_wrapper';
 -- flow::spans::_span_ok
 -- Skipped due to `#[pgrx(sql = false)]`
 
--- src/api.rs:124
+-- src/api.rs:125
 -- flow::api::_stop_workers_of
 CREATE OR REPLACE FUNCTION "_stop_workers_of"(
 	"run" uuid /* pgrx :: Uuid */
@@ -2899,16 +2986,6 @@ CREATE OR REPLACE FUNCTION "_stop_workers_of"(
 STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_stop_workers_of_wrapper';
-
--- src/api.rs:196
--- flow::api::_stopped_in
-CREATE OR REPLACE FUNCTION "_stopped_in"(
-	"pid" INT, /* i32 */
-	"backend_start" timestamp with time zone /* TimestampWithTimeZone */
-) RETURNS uuid /* Option < pgrx :: Uuid > */
-STRICT VOLATILE PARALLEL UNSAFE
-LANGUAGE c /* Rust */
-AS 'MODULE_PATHNAME', '_stopped_in_wrapper';
 
 -- src/handlers.rs:43
 -- flow::handlers::_test_panic
@@ -2942,7 +3019,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_wake_due_from_wrapper';
 
--- src/api.rs:150
+-- src/api.rs:151
 -- flow::api::_worker_states
 CREATE OR REPLACE FUNCTION "_worker_states"() RETURNS TABLE (
 	"worker" INT,  /* i32 */
@@ -2975,7 +3052,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', 'run_sql_wrapper';
 
--- src/lib.rs:63
+-- src/lib.rs:64
 -- finalize
 -- flow's public SQL surface (names and named parameters are the API, see
 -- DESIGN.md) and the views a person reads.
@@ -3183,7 +3260,7 @@ END $$;
 -- caller's transaction instead: the claim locks their rows and writes
 -- nothing, and their settlement in the same transaction (complete_many,
 -- complete, fail) writes each once; the transaction's end releases what it
--- did not settle, each such attempt counted as interrupted (by worker 0,
+-- did not settle, each such attempt counted as interrupted (by the maintenance worker,
 -- src/external.rs). No heartbeat: the lease is the transaction. (A limited
 -- queue's commands are still leased, so that they count as running: their
 -- lease runs out if the transaction commits them unsettled.)
@@ -3576,7 +3653,8 @@ BEGIN
              WHERE p.pronamespace = 'flow'::regnamespace
                AND p.proname = ANY (ARRAY['_claim', '_lease', '_next_due_ms', '_run_row_needed', '_leased',
                    '_prepare_external_claim', '_complete_many', '_recover', '_prune', '_retire_events',
-                   '_lock_runs', '_lock_runs_of', '_try_lock_run_of', '_close_open_commands', '_begin_batch',
+                   '_lock_runs', '_lock_runs_of', '_try_lock_run_of', '_close_open_commands', '_conclude_record',
+                   '_expire_runs', '_conclude_expired_lease', '_gone_workers',
                    '_release', '_settle_batch', '_settle_failure', '_lock_run_and_commands',
                    '_promote_if_satisfied']) LOOP
         EXECUTE format('ALTER FUNCTION %s SET enable_seqscan = off SET enable_bitmapscan = off'

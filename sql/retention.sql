@@ -47,7 +47,7 @@ DECLARE
     ended_ids uuid[];
 BEGIN
     -- (committed without waiting for its WAL to reach disk: a deletion lost
-    -- to a crash is simply done again, and worker 0, which prunes between
+    -- to a crash is simply done again, and the maintenance worker, which prunes between
     -- its batches, waited for that flush after each of them: under a churn
     -- of 84,000 runs/s the drain fell behind once runs expired)
     PERFORM flow._commit_without_flush();

@@ -215,7 +215,7 @@ CREATE TABLE flow._commands (
     result            jsonb,
     last_error_code   text,
     last_error_message text,
-    stop_reason       text,    -- permanent, attempt_limit, elapsed_limit, deadline_before_next_attempt, cancelled, run_failed
+    stop_reason       text,    -- permanent, attempt_limit, elapsed_limit, deadline_before_next_attempt, cancelled, run_failed, deadline
     wait_timed_out    boolean NOT NULL DEFAULT false,
     created_at        timestamptz NOT NULL DEFAULT now(),
     finished_at       timestamptz,
@@ -261,6 +261,8 @@ CREATE INDEX _commands_due ON flow._commands
 -- conclude first without walking every running command)
 CREATE INDEX _commands_running ON flow._commands (queue, lease_expires_at) WHERE status = 'running';
 CREATE INDEX _commands_parent ON flow._commands (parent_id) WHERE parent_id IS NOT NULL;
+-- (the maintenance worker's look for runs past their deadline: flow._expire_runs)
+CREATE INDEX _commands_deadline ON flow._commands (deadline) WHERE finished_at IS NULL AND deadline IS NOT NULL;
 
 -- One row per finished attempt, but for a success: a succeeded command keeps
 -- its successful attempt on its own row (lease_token, lease_owner,

@@ -66,7 +66,8 @@ BEGIN
                                              WHERE c.id = _try_lock_run_of.command_id), false)) > 0;
 END $$;
 
--- Close every unfinished command of a run (cancel or run failure). An
+-- Close every unfinished command of a run (cancel, run failure, or the
+-- run's deadline: reason 'deadline', the commands expire). An
 -- attempt in progress gets an attempt row and is counted, leased or held
 -- (a held one is known from its worker's shared memory, as the views know it:
 -- say, a handler that cancels its own run); its worker's later settlement
@@ -85,12 +86,15 @@ BEGIN
     ), counted AS (
         INSERT INTO flow._attempts (command_id, attempt, lease_token, owner, started_at, finished_at,
             outcome, error_code, error_message)
-        SELECT i.id, i.attempt, i.lease_token, i.owner, i.started_at, clock_timestamp(), 'cancelled',
+        SELECT i.id, i.attempt, i.lease_token, i.owner, i.started_at, clock_timestamp(),
+               CASE WHEN reason = 'deadline' THEN 'expired' ELSE 'cancelled' END,
                reason, 'the run ended while this attempt ran'
         FROM in_progress i
         RETURNING command_id, attempt
     ), closed AS (
-        UPDATE flow._commands c SET status = 'cancelled', stop_reason = reason, finished_at = clock_timestamp(),
+        UPDATE flow._commands c SET
+            status = CASE WHEN reason = 'deadline' THEN 'expired' ELSE 'cancelled' END::flow.command_status,
+            stop_reason = reason, finished_at = clock_timestamp(),
             attempts = coalesce((SELECT k.attempt FROM counted k WHERE k.command_id = c.id), c.attempts),
             lease_token = NULL, lease_owner = NULL, lease_pid = NULL, lease_backend_start = NULL,
             lease_expires_at = NULL, lease_interval = NULL, attempt_started_at = NULL, attempt_deadline = NULL
@@ -98,28 +102,6 @@ BEGIN
     )
     SELECT count(*) INTO interrupted FROM counted;
     PERFORM flow._observe('attempts_cancelled', interrupted);
-END $$;
-
--- In-database workers execute claimed commands in chunks, one transaction
--- each: _begin_batch locks the chunk's runs (in id order: two chunks never
--- deadlock, and cancel / run failure / external settlements of those runs
--- wait for the chunk's commit) and returns the commands whose lease is still
--- held, each with whether its run's lock was had (those whose run was
--- cancelled or failed since the claim are not returned). A run locked
--- elsewhere (a cancel, an external client idle in its transaction) is
--- skipped, never waited for: its commands are handed back (_release).
-CREATE FUNCTION flow._begin_batch(command_ids uuid[], lease_tokens uuid[])
-RETURNS TABLE (command_id uuid, run_locked boolean)
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
-DECLARE
-    locked uuid[];
-BEGIN
-    locked := flow._lock_runs(ARRAY(SELECT DISTINCT c.run_id FROM flow._commands c WHERE c.id = ANY (command_ids)),
-                              false);
-    RETURN QUERY
-        SELECT c.id, c.run_id = ANY (coalesce(locked, '{}'))
-        FROM flow._commands c JOIN unnest(command_ids, lease_tokens) AS t(id, token) ON c.id = ANY (ARRAY[t.id])
-        WHERE c.status::text = 'running' AND c.lease_token = t.token;   -- by id (sql/common.sql)
 END $$;
 
 -- Hand claimed commands back to their queue, giving back the attempt the

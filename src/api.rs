@@ -117,6 +117,7 @@ fn _wake_due_from(due: TimestampWithTimeZone) {
 /// before it waits for the run's lock).
 #[pg_extern(volatile, parallel_unsafe)]
 fn _interrupt_run(run: pgrx::Uuid) {
+    crate::execute::note_run_interrupted(*run.as_bytes());
     shmem::interrupt_run(*run.as_bytes());
 }
 
@@ -190,11 +191,18 @@ fn _observe(metric: &str, n: i64) {
     shmem::observe(metric, n.max(0) as u64);
 }
 
-/// For recovery: the command whose attempt the stopped worker (pid,
-/// backend_start) was in (the nil UUID: between attempts), or NULL when
-/// nothing is known of how it ended (a crash, a server restart).
-#[pg_extern(volatile, parallel_unsafe)]
-fn _stopped_in(pid: i32, backend_start: TimestampWithTimeZone) -> Option<pgrx::Uuid> {
-    let micros = backend_start.into_datum().map_or(0, |d| d.value() as i64);
-    shmem::stopped_in(pid, micros).map(pgrx::Uuid::from_bytes)
+// flow._stopped_in (0.1.0-0.2.0) asked shared memory which attempt a stopped
+// worker was in; attempt records answer that now (src/attempt_record.rs), and
+// the 0.2.0--0.3.0 script drops the function. Its symbol stays for the
+// 0.1.0--0.2.0 script, which creates it on the way: it says "nothing known".
+#[unsafe(no_mangle)]
+pub extern "C" fn pg_finfo__stopped_in_wrapper() -> &'static pg_sys::Pg_finfo_record {
+    static V1: pg_sys::Pg_finfo_record = pg_sys::Pg_finfo_record { api_version: 1 };
+    &V1
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C-unwind" fn _stopped_in_wrapper(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
+    unsafe { (*fcinfo).isnull = true };
+    pg_sys::Datum::from(0)
 }

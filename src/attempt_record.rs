@@ -1,29 +1,27 @@
-//! The record of the held attempt a worker is in (engine rule 3 for held
-//! commands; see flow._claim).
+//! The record of the attempt a worker is in (engine rule 3: a crash, a kill
+//! or a restart charges the attempt each worker was in, and nothing else).
 //!
-//! A held command is locked, run and settled in one transaction, so nothing
-//! in the database says that its attempt started: if the handler takes the
-//! backend down (a crash, a FATAL, the worker stopped past its deadline),
-//! the transaction rolls back and the attempt would go uncounted, and a
-//! poison command would loop forever. So before each held handler starts,
-//! the worker writes the command and the number of its attempt to a small
-//! file of its own, `pg_flow/held_attempt.<worker>` in the data directory,
-//! and clears it once its transaction has ended.
+//! Before each handler starts, held or leased, the worker writes the command
+//! and the number of its attempt to a small file of its own process,
+//! `pg_flow/attempt.<slot>.<pid>.<backend start>` in the data directory, and
+//! clears it once the attempt's transaction has ended. The file is mapped
+//! into the worker's memory, so the record is a store of 20 bytes into the
+//! page cache, not a system call per command (a `pwrite` per held handler
+//! was 3-4 % of a no-op drain's CPU). It survives a backend crash and a
+//! server crash, not an OS crash.
 //!
-//! A record that is found set was left by a worker that stopped inside that
-//! attempt: the worker's next incarnation (the same slot, restarted by the
-//! postmaster) concludes it as interrupted, through flow._settle_failure,
-//! which changes nothing if the command has moved on since. Until then every
-//! other worker's claim leaves that command alone (`held_elsewhere`), so a
-//! poison command is counted each time it takes a worker down.
-//!
-//! The file is mapped into the worker's memory, so the record is a store of
-//! 20 bytes into the page cache, not a system call per command (a `pwrite`
-//! per held handler was 3-4 % of a no-op drain's CPU). It survives a backend
-//! crash and a server crash, not an OS crash: after an OS crash an attempt
-//! that was in progress may go uncounted; its writes were rolled back with
-//! its transaction, and it runs again. (So may one whose worker was killed
-//! in the middle of those 20 bytes: the mixed record names no attempt, and
+//! A record found set in the file of a process that is gone was left by a
+//! worker that stopped inside that attempt: the maintenance worker
+//! concludes it as interrupted (`flow._conclude_record`, which changes
+//! nothing if the command has moved on since) and removes the file. Until
+//! then every claim leaves that command alone (`named_elsewhere`), so a
+//! poison command is counted each time it takes a worker down; and recovery
+//! gives the other commands a dead worker had leased back uncharged: they
+//! never started an attempt (or had it rolled back with its chunk), and only
+//! a record names one that did. After an OS crash an attempt that was in
+//! progress may go uncounted; its writes were rolled back with its
+//! transaction, and it runs again. (So may one whose worker was killed in
+//! the middle of those 20 bytes: the mixed record names no attempt, and
 //! concluding it changes nothing.)
 
 use std::cell::Cell;
@@ -33,7 +31,7 @@ use std::os::unix::io::AsRawFd;
 
 /// Relative to the data directory (every backend's working directory).
 const DIR: &str = "pg_flow";
-const PREFIX: &str = "held_attempt.";
+const PREFIX: &str = "attempt.";
 /// A command id (16 bytes) and the attempt's number (4, little-endian).
 const SIZE: usize = 20;
 
@@ -42,18 +40,50 @@ thread_local! {
     static RECORD: Cell<*mut u8> = const { Cell::new(std::ptr::null_mut()) };
 }
 
-fn path(slot: usize) -> String {
-    format!("{DIR}/{PREFIX}{slot}")
+/// Whose record a file is: the worker slot, and the process (pid and
+/// backend start, TimestampTz µs) that wrote it.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct Writer {
+    pub slot: usize,
+    pub pid: i32,
+    pub started: i64,
 }
 
-/// Open and map this worker's record (created if missing). Called once at start.
+impl Writer {
+    fn path(&self) -> String {
+        format!("{DIR}/{PREFIX}{}.{}.{}", self.slot, self.pid, self.started)
+    }
+
+    fn parse(name: &str) -> Option<Writer> {
+        let mut parts = name.strip_prefix(PREFIX)?.split('.');
+        let writer = Writer {
+            slot: parts.next()?.parse().ok()?,
+            pid: parts.next()?.parse().ok()?,
+            started: parts.next()?.parse().ok()?,
+        };
+        parts.next().is_none().then_some(writer)
+    }
+
+    /// This process, as worker `slot`.
+    pub fn me(slot: usize) -> Writer {
+        unsafe { Writer { slot, pid: pgrx::pg_sys::MyProcPid, started: pgrx::pg_sys::MyStartTimestamp } }
+    }
+}
+
+/// An attempt a record names: the command and the attempt's number.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct Recorded {
+    pub command: [u8; 16],
+    pub attempt: i32,
+}
+
+/// Create and map this worker process's record. Called once at start.
 pub fn open(slot: usize) {
+    let path = Writer::me(slot).path();
     let mapped = std::fs::create_dir_all(DIR)
-        .and_then(|_| OpenOptions::new().read(true).write(true).create(true).truncate(false).open(path(slot)))
+        .and_then(|_| OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&path))
         .and_then(|file| {
-            if file.metadata()?.len() < SIZE as u64 {
-                file.set_len(SIZE as u64)?; // zeros: no attempt
-            }
+            file.set_len(SIZE as u64)?; // zeros: no attempt
             // SAFETY: a fresh shared mapping of the file's first SIZE bytes,
             // kept for the worker's life (the mapping outlives the descriptor)
             let at = unsafe {
@@ -73,7 +103,7 @@ pub fn open(slot: usize) {
         });
     match mapped {
         Ok(at) => RECORD.with(|r| r.set(at)),
-        Err(e) => pgrx::error!("flow: cannot open {}: {e}", path(slot)),
+        Err(e) => pgrx::error!("flow: cannot open {path}: {e}"),
     }
 }
 
@@ -87,7 +117,7 @@ fn write_bytes(bytes: &[u8; SIZE]) {
     }
 }
 
-/// Record that the held attempt `attempt` of `command` starts now.
+/// Record that the attempt `attempt` of `command` starts now.
 pub fn write(command: &[u8; 16], attempt: i32) {
     let mut bytes = [0u8; SIZE];
     bytes[..16].copy_from_slice(command);
@@ -95,60 +125,51 @@ pub fn write(command: &[u8; 16], attempt: i32) {
     write_bytes(&bytes);
 }
 
-/// The held attempts are over: settled and committed, or rolled back with
-/// their transaction (an error the worker caught).
+/// The attempt is over: settled and committed, or rolled back with its
+/// transaction (an error the worker caught).
 pub fn clear() {
     write_bytes(&[0u8; SIZE]);
 }
 
-fn parse(bytes: &[u8]) -> Option<([u8; 16], i32)> {
+fn parse(bytes: &[u8]) -> Option<Recorded> {
     if bytes.len() < SIZE || bytes.iter().all(|b| *b == 0) {
         return None;
     }
-    let id: [u8; 16] = bytes[..16].try_into().ok()?;
+    let command: [u8; 16] = bytes[..16].try_into().ok()?;
     let attempt = i32::from_le_bytes(bytes[16..SIZE].try_into().ok()?);
-    Some((id, attempt))
+    Some(Recorded { command, attempt })
 }
 
-fn read_path(path: &str) -> Option<([u8; 16], i32)> {
+pub fn read(writer: &Writer) -> Option<Recorded> {
     let mut bytes = [0u8; SIZE];
-    let file = File::open(path).ok()?;
+    let file = File::open(writer.path()).ok()?;
     let n = file.read_at(&mut bytes, 0).ok()?;
     parse(&bytes[..n])
 }
 
-/// The record this worker's slot holds (left by its previous incarnation).
-pub fn left_behind(slot: usize) -> Option<([u8; 16], i32)> {
-    read_path(&path(slot))
-}
-
-/// Records of slots no worker runs (flow.workers was lowered), with their
-/// slot numbers.
-pub fn orphans(workers: usize) -> Vec<(usize, ([u8; 16], i32))> {
-    slots()
-        .into_iter()
-        .filter(|slot| *slot >= workers)
-        .filter_map(|slot| read_path(&path(slot)).map(|record| (slot, record)))
-        .collect()
-}
-
-/// Remove the record of a slot no worker runs.
-pub fn remove(slot: usize) {
-    let _ = std::fs::remove_file(path(slot));
-}
-
-fn slots() -> Vec<usize> {
+/// Every worker process that has a record file, and what its record names.
+pub fn all() -> Vec<(Writer, Option<Recorded>)> {
     let Ok(entries) = std::fs::read_dir(DIR) else { return Vec::new() };
-    entries.filter_map(|e| e.ok()?.file_name().to_str()?.strip_prefix(PREFIX)?.parse().ok()).collect()
+    entries
+        .filter_map(|e| Writer::parse(e.ok()?.file_name().to_str()?))
+        .map(|writer| (writer, read(&writer)))
+        .collect()
 }
 
-/// The commands other workers' records name: in an attempt of a live worker
-/// (locked anyway), or left by one that stopped and not concluded yet.
-pub fn held_elsewhere(slot: usize) -> Vec<pgrx::Uuid> {
-    slots()
+/// The commands other worker processes' records name: in an attempt of a
+/// live worker (locked anyway), or left by one that stopped and not
+/// concluded yet. Claims leave them alone.
+pub fn named_elsewhere(slot: usize) -> Vec<pgrx::Uuid> {
+    let me = Writer::me(slot);
+    all()
         .into_iter()
-        .filter(|s| *s != slot)
-        .filter_map(|s| read_path(&path(s)))
-        .map(|(id, _)| pgrx::Uuid::from_bytes(id))
+        .filter(|(writer, _)| *writer != me)
+        .filter_map(|(_, recorded)| recorded)
+        .map(|r| pgrx::Uuid::from_bytes(r.command))
         .collect()
+}
+
+/// Remove the record of a process that is gone, once what it named is concluded.
+pub fn remove(writer: &Writer) {
+    let _ = std::fs::remove_file(writer.path());
 }

@@ -12,7 +12,7 @@ use crate::spi::{
     engine_query, BOOL, INT4, INT8, JSONB, OID, OID_ARRAY, TEXT, TEXT_ARRAY, TID, TID_ARRAY, TIMESTAMPTZ,
     TIMESTAMPTZ_ARRAY, UUID, UUID_ARRAY,
 };
-use crate::{gateway, spi};
+use crate::{gateway, gucs, shmem, spi};
 use pgrx::pg_sys::{self, PgOid};
 use pgrx::prelude::*;
 use std::cell::RefCell;
@@ -36,6 +36,11 @@ pub struct Claimed {
     pub context: Option<Context>,
     /// The definition's args_type, if any: the args must still fit it.
     pub args_type: Option<pg_sys::Oid>,
+    /// The number of the attempt it makes (what its attempt record names).
+    pub attempt: i32,
+    /// Its handler was known to be fast when it was claimed: it runs under a
+    /// budget (src/execute.rs, FAST_BUDGET_US), held or in a leased batch.
+    pub fast: bool,
     /// Held, not leased (see flow._claim): the number of the attempt it makes,
     /// counted when it is settled in the claim's own transaction.
     pub held_attempt: Option<i32>,
@@ -61,9 +66,15 @@ impl Claimed {
         AttemptId { command_id: self.command_id, lease_token: self.lease_token, held_attempt: self.held_attempt }
     }
 
-    /// The attempt's deadline for a handler starting at `now` (TimestampTz µs).
+    /// The attempt's deadline for a handler starting at `now` (TimestampTz µs):
+    /// its timeout (the definition's, else the statement_timeout its owner
+    /// inherits), within `flow.max_attempt_timeout`, and its hard deadline.
     pub fn deadline(&self, now: i64) -> Option<i64> {
         let timeout = self.timeout_us.or_else(gateway::default_attempt_timeout_us);
+        let timeout = match (timeout, gucs::max_attempt_timeout_us()) {
+            (Some(t), Some(max)) => Some(t.min(max)),
+            (t, max) => t.or(max),
+        };
         let soft = timeout.map(|t| now.saturating_add(t));
         match (soft, self.hard_deadline) {
             (Some(a), Some(b)) => Some(a.min(b)),
@@ -172,6 +183,8 @@ pub struct Claim {
     /// each queue gave no more than its share, so a claim short of its size
     /// may have left some due.
     pub interleaved: bool,
+    /// It left commands it locked (see `one_slow_command_at_most`): more is due.
+    pub left_some: bool,
 }
 
 /// The columns of the claim's statement, in its order, read by name.
@@ -248,23 +261,23 @@ pub fn claim(
     turn: i32,
     excluded: Vec<pgrx::Uuid>,
     after: Option<&ClaimCursor>,
+    recorded_elsewhere: &dyn Fn() -> Vec<pgrx::Uuid>,
 ) -> Claim {
     let (after_queues, after_at, after_ids) = after.map(ClaimCursor::columns).unwrap_or_default();
     let fast: Vec<pg_sys::Oid> = FAST_HANDLERS.with(|f| f.borrow().iter().map(|oid| pg_sys::Oid::from(*oid)).collect());
-    let (mut commands, to_lease, ended_at, interleaved) = engine_query(
+    let (mut commands, to_lease, interleaved) = engine_query(
         CLAIM_SQL,
         &[INT4, INT4, OID_ARRAY, UUID_ARRAY, TEXT_ARRAY, TIMESTAMPTZ_ARRAY, UUID_ARRAY],
         &[
             max.into(),
             turn.into(),
-            fast.into(),
+            fast.clone().into(),
             excluded.into(),
             after_queues.into(),
             after_at.into(),
             after_ids.into(),
         ],
         |rows| {
-            let mut ended_at = ClaimCursor::default();
             // A claim from one queue has no claim order (NULL): its rows come
             // in due order, and are run so. A claim from several queues (claim
             // order 0) is put in claim order here, not by the claim's
@@ -275,7 +288,6 @@ pub fn claim(
                 let command_id = get(row, Col::CommandId).expect("command_id");
                 let queue: String = get(row, Col::Queue).expect("queue");
                 let due_at: TimestampWithTimeZone = get(row, Col::DueAt).expect("due_at");
-                ended_at.advance(queue.clone(), due_at, command_id);
                 interleaved |= get::<i32>(row, Col::ClaimOrder).is_some();
                 let row_at: pg_sys::ItemPointerData = get(row, Col::RowAt).expect("row_at");
                 let held: bool = get(row, Col::Held).expect("held");
@@ -285,8 +297,10 @@ pub fn claim(
                     to_lease.rows.push(row_at);
                     to_lease.attempt_deadlines.push(attempt_deadline);
                 }
+                let handler: pg_sys::Oid = get(row, Col::Handler).expect("handler");
                 Claimed {
                     command_id,
+                    fast: held || fast.contains(&handler),
                     run_id: get(row, Col::RunId).expect("run_id"),
                     // (a held attempt's token never leaves the worker: it
                     // names the attempt, and no client presents it, so it need
@@ -295,10 +309,11 @@ pub fn claim(
                     lease_token: if held { ids::_new_id() } else { pgrx::Uuid::from_bytes([0; 16]) },
                     hard_deadline: get(row, Col::HardDeadlineUs),
                     timeout_us: get(row, Col::TimeoutUs),
-                    handler: get(row, Col::Handler).expect("handler"),
+                    handler,
                     owner: get(row, Col::HandlerOwner).expect("handler_owner"),
                     args: get(row, Col::Args).expect("args"),
                     args_type: get(row, Col::ArgsType),
+                    attempt: get(row, Col::Attempt).expect("attempt"),
                     held_attempt: held.then(|| get(row, Col::Attempt).expect("attempt")),
                     context: get(row, Col::Context),
                     queue,
@@ -307,9 +322,17 @@ pub fn claim(
                     attempt_deadline,
                 }
             });
-            (commands, to_lease, ended_at, interleaved)
+            (commands, to_lease, interleaved)
         },
     );
+    let claimed = commands.len();
+    let to_lease = keep_what_starts_now(&mut commands, to_lease, &recorded_elsewhere);
+    let left_some = commands.len() < claimed;
+    // (where the commands kept end: those left are claimed again)
+    let mut ended_at = ClaimCursor::default();
+    for command in &commands {
+        ended_at.advance(command.queue.clone(), command.due_at, command.command_id);
+    }
     if !to_lease.ids.is_empty() {
         let tokens = lease(owner, backend_start, to_lease);
         // (each leased command's row is locked by this transaction: every
@@ -322,7 +345,57 @@ pub fn claim(
     if interleaved {
         into_round_robin(&mut commands, turn);
     }
-    Claim { commands, ended_at, interleaved }
+    Claim { commands, ended_at, interleaved, left_some }
+}
+
+/// Keep, of the commands a claim locked, those that start now:
+/// - none that another worker's attempt record names (`recorded_elsewhere`,
+///   read again now that the rows are locked: a worker that wrote its record
+///   after the claim read the records, then died in that attempt, unlocked
+///   the command, and only its record says that attempt started);
+/// - held commands, and leased ones of handlers known to be fast (commands
+///   of limited queues, run in batches);
+/// - of the others, the first only: a handler that may be slow runs one
+///   command per claim, so a burst of slow commands spreads over the idle
+///   workers instead of queueing behind one (the reference's "claim only
+///   what can start now").
+///
+/// The rest stay locked until the claim's transaction ends and are due again
+/// then: its commit wakes the workers, whose claims start from where they
+/// are. Returns the leases to write.
+fn keep_what_starts_now(
+    commands: &mut Vec<Claimed>,
+    to_lease: ToLease,
+    recorded_elsewhere: &dyn Fn() -> Vec<pgrx::Uuid>,
+) -> ToLease {
+    if commands.is_empty() {
+        return to_lease;
+    }
+    let recorded: HashSet<[u8; 16]> = recorded_elsewhere().iter().map(|id| *id.as_bytes()).collect();
+    let mut slow_kept = false;
+    let keep: HashSet<[u8; 16]> = commands
+        .iter()
+        .filter(|c| !recorded.contains(c.command_id.as_bytes()))
+        .filter(|c| c.fast || !std::mem::replace(&mut slow_kept, true))
+        .map(|c| *c.command_id.as_bytes())
+        .collect();
+    if keep.len() == commands.len() {
+        return to_lease;
+    }
+    let left = commands.iter().filter(|c| !keep.contains(c.command_id.as_bytes()));
+    if let Some(earliest) = left.map(|c| c.due_at.into_inner()).min() {
+        shmem::wake_at_commit(earliest);
+    }
+    commands.retain(|c| keep.contains(c.command_id.as_bytes()));
+    let mut kept = ToLease::default();
+    for ((id, row), deadline) in to_lease.ids.into_iter().zip(to_lease.rows).zip(to_lease.attempt_deadlines) {
+        if keep.contains(id.as_bytes()) {
+            kept.ids.push(id);
+            kept.rows.push(row);
+            kept.attempt_deadlines.push(deadline);
+        }
+    }
+    kept
 }
 
 /// Lease, in the claim's transaction, held commands this worker will not run

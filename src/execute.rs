@@ -3,11 +3,16 @@
 //! handler through the gateway (src/gateway.rs), in a subtransaction of its
 //! own or shared with the same owner's held attempts (a group), under the
 //! attempt's deadline (PostgreSQL's statement-timeout timer, and a hard stop
-//! for a handler that swallows it). A failed attempt's subtransaction is
-//! rolled back and the failure settled at once; successes are settled
-//! together at the end of the chunk (src/settle.rs). Handlers' writes, events
-//! and children commit with their settlement in the chunk's transaction, or
-//! not at all.
+//! for a handler that swallows it). Handlers' writes, events and children
+//! commit with their settlement in the chunk's transaction, or not at all.
+//!
+//! Held commands (locked by the claim, with their runs) are settled together
+//! at the end of the chunk, failures one by one as they happen; each held
+//! attempt has FAST_BUDGET_US to finish, or it is cut and given back uncharged,
+//! its handler no longer taken for fast. A leased command holds no lock while
+//! its handler runs: its handler and its settlement share a subtransaction,
+//! its run locked at the settlement, and a lease lost meanwhile (a cancel,
+//! the run's end) rolls its writes back.
 
 use crate::claim::{self, Claimed};
 use crate::outcome::{self, Class, Failure};
@@ -23,7 +28,10 @@ use std::ffi::c_int;
 
 thread_local! {
     static CURRENT_COMMAND: Cell<Option<[u8; 16]>> = const { Cell::new(None) };
-    static ATTEMPT_IN_PROGRESS: Cell<Option<[u8; 16]>> = const { Cell::new(None) };
+    /// The run of the command whose handler runs now, and whether that
+    /// handler ended its own run (flow.cancel of it: see `note_run_interrupted`).
+    static CURRENT_RUN: Cell<Option<[u8; 16]>> = const { Cell::new(None) };
+    static ENDED_OWN_RUN: Cell<bool> = const { Cell::new(false) };
     /// A command was spawned in this backend since the current chunk began
     /// (flow._note_spawn): its settlement must look for children (see
     /// flow._settle_batch's `alone`).
@@ -47,6 +55,16 @@ thread_local! {
 const GROUP_SIZE: usize = 32;
 /// After a failure, this many of the handler's attempts run alone.
 const ALONE_AFTER_FAILURE: u32 = 256;
+
+/// How long an attempt of a handler known to be fast may run (µs). Such
+/// commands are claimed many at a time and run one after the other (held in
+/// the claim's transaction, with their runs locked, or leased in a batch): a
+/// fast handler that turns slow (a lock wait, a slow call) would hold all the
+/// others. Past this, its attempt is cut (a statement cancel) and given back
+/// uncharged, the chunk ends, the rest of the claim goes back to its queue,
+/// and the handler is run alone, leased, from then on. Ten times
+/// FAST_HANDLER (src/claim.rs): a fast handler's occasional slow call is not cut.
+const FAST_BUDGET_US: i64 = 100_000;
 
 /// Whether a held attempt of `handler` may join a group.
 fn groupable(handler: pg_sys::Oid) -> bool {
@@ -92,11 +110,13 @@ pub fn subxid_cache_nearly_full() -> bool {
     status.overflowed || status.count >= MAX_CACHED_SUBXIDS - 8
 }
 
-/// The command whose attempt this worker is in, from before its handler starts
-/// until the attempt's outcome is known (what a worker stopped meanwhile is
-/// charged for).
-pub fn attempt_in_progress() -> Option<[u8; 16]> {
-    ATTEMPT_IN_PROGRESS.with(|c| c.get())
+/// flow.cancel of `run` in this backend (flow._interrupt_run): if a handler
+/// running here cancels its own run, its attempt's settlement finds its
+/// command ended by its own transaction, and keeps what it did (the cancel).
+pub fn note_run_interrupted(run: [u8; 16]) {
+    if CURRENT_RUN.with(|r| r.get()) == Some(run) {
+        ENDED_OWN_RUN.with(|e| e.set(true));
+    }
 }
 
 pub fn current_command() -> Option<[u8; 16]> {
@@ -125,6 +145,8 @@ pub struct Finished {
     pub handed_back: Vec<(pgrx::Uuid, pgrx::Uuid)>,
     /// Held commands left to a cancel.
     pub left: Vec<pgrx::Uuid>,
+    /// Leased commands to hand back at once (an attempt cut at its budget).
+    pub released_now: Vec<(pgrx::Uuid, pgrx::Uuid)>,
 }
 
 /// Claimed commands executed in one transaction: `begin` locks their runs and
@@ -146,8 +168,10 @@ pub struct Chunk<'a> {
     /// Held commands left to a cancel: nothing of them was written, so they
     /// are due again at once (see `finish`).
     left: Vec<pgrx::Uuid>,
-    /// Held commands: their rows and runs were locked by this transaction itself.
-    held: bool,
+    /// An attempt overran FAST_BUDGET_US: the chunk ends (see `demoted`).
+    demoted: bool,
+    /// Leased commands whose attempt was cut so: back to their queue at once.
+    released_now: Vec<(pgrx::Uuid, pgrx::Uuid)>,
     /// The open group of held attempts sharing a subtransaction, if any.
     group: Option<Group<'a>>,
 }
@@ -170,55 +194,40 @@ impl<'a> Chunk<'a> {
     /// locked already.
     pub fn held(worker: &'a str, commands: &[Claimed]) -> Chunk<'a> {
         let live = commands.iter().map(|c| *c.command_id.as_bytes()).collect();
-        Chunk::with(worker, live, Vec::new(), true)
+        Chunk::with(worker, live)
     }
 
-    fn with(worker: &'a str, live: HashSet<[u8; 16]>, handed_back: Vec<(pgrx::Uuid, pgrx::Uuid)>, held: bool) -> Self {
+    fn with(worker: &'a str, live: HashSet<[u8; 16]>) -> Self {
         SPAWNED_IN_CHUNK.with(|s| s.set(false));
         Chunk {
             worker,
             live,
             failed_runs: HashSet::new(),
             successes: Vec::new(),
-            handed_back,
+            handed_back: Vec::new(),
             left: Vec::new(),
-            held,
+            demoted: false,
+            released_now: Vec::new(),
             group: None,
         }
     }
 
-    /// Leased commands, in a transaction of their own.
-    pub fn begin(worker: &'a str, commands: &[Claimed]) -> Chunk<'a> {
-        let ids: Vec<pgrx::Uuid> = commands.iter().map(|c| c.command_id).collect();
-        let tokens: Vec<pgrx::Uuid> = commands.iter().map(|c| c.lease_token).collect();
-        let states: Vec<([u8; 16], bool)> = spi::engine_query(
-            "SELECT command_id, run_locked FROM flow._begin_batch($1, $2)",
-            &[spi::UUID_ARRAY, spi::UUID_ARRAY],
-            &[ids.into(), tokens.into()],
-            |table| {
-                spi::rows(table, &[spi::UUID, spi::BOOL], |row| {
-                    row.get::<pgrx::Uuid>(1).map(|id| (*id.as_bytes(), row.get::<bool>(2).unwrap_or(false)))
-                })
-                .into_iter()
-                .flatten()
-                .collect()
-            },
-        );
-        // held under a run we locked: live; held under a run locked elsewhere: handed back
-        let (live, elsewhere): (Vec<_>, Vec<_>) = states.into_iter().partition(|(_, run_locked)| *run_locked);
-        let elsewhere: HashSet<[u8; 16]> = elsewhere.into_iter().map(|(id, _)| id).collect();
-        let handed_back = commands
-            .iter()
-            .filter(|c| elsewhere.contains(c.command_id.as_bytes()))
-            .map(|c| (c.command_id, c.lease_token))
-            .collect();
-        let live = live.into_iter().map(|(id, _)| id).collect();
-        Chunk::with(worker, live, handed_back, false)
+    /// Leased commands, in a transaction of their own (their leases are
+    /// checked at each one's settlement).
+    pub fn leased(worker: &'a str, commands: &[Claimed]) -> Chunk<'a> {
+        let live = commands.iter().map(|c| *c.command_id.as_bytes()).collect();
+        Chunk::with(worker, live)
     }
 
-    /// Run one command of the chunk for worker `index`; commands whose lease
-    /// or run is gone are skipped, those a cancel asked for are handed back
-    /// (the cancel closes them once it has the run's lock).
+    /// A held attempt of this chunk overran FAST_BUDGET_US: the chunk must end
+    /// here (its claim's other commands are locked until it commits).
+    pub fn demoted(&self) -> bool {
+        self.demoted
+    }
+
+    /// Run one command of the chunk for worker `index`; commands of a run
+    /// that failed in this chunk are skipped, those a cancel asked for are
+    /// handed back (the cancel closes them once it has the run's lock).
     pub fn execute(&mut self, index: usize, command: &'a Claimed) {
         self.run(index, command, true);
     }
@@ -237,7 +246,12 @@ impl<'a> Chunk<'a> {
             self.leave(command);
             return;
         }
-        let grouped = may_group && command.held_attempt.is_some() && groupable(command.handler);
+        crate::attempt_record::write(command.command_id.as_bytes(), command.attempt);
+        if command.held_attempt.is_none() {
+            self.run_leased(index, command);
+            return;
+        }
+        let grouped = may_group && groupable(command.handler);
         if !grouped || self.group.as_ref().is_some_and(|g| g.members.len() >= GROUP_SIZE || g.owner != command.owner) {
             self.close_group();
         }
@@ -249,13 +263,11 @@ impl<'a> Chunk<'a> {
                 subtransaction: Subtransaction::begin(),
             });
         }
-        if let Some(attempt) = command.held_attempt {
-            crate::attempt_record::write(command.command_id.as_bytes(), attempt);
-        }
         // when the attempt started: what its context and its attempt row say
         let now = unsafe { pg_sys::GetCurrentTimestamp() };
         let started = spans::timestamp_from_pg(now);
-        let outcome = attempt(index, command, self.group.as_ref().filter(|_| grouped).map(|g| &g.subtransaction), now);
+        let group = self.group.as_ref().filter(|_| grouped).map(|g| &g.subtransaction);
+        let outcome = attempt(index, command, group, now, Some(now + FAST_BUDGET_US));
         if let Attempted::Succeeded(result) = outcome {
             self.successes.push((command, result, started));
             if let Some(group) = self.group.as_mut().filter(|_| grouped) {
@@ -281,6 +293,11 @@ impl<'a> Chunk<'a> {
         match outcome {
             Attempted::Succeeded(_) => unreachable!(),
             Attempted::Failed(failure) if failure.class == Class::Cancelled => self.leave(command),
+            // (nothing of it is written: due again once this chunk commits)
+            Attempted::Failed(failure) if failure.class == Class::Demoted => {
+                self.demoted = true;
+                shmem::observe("demoted", 1);
+            }
             Attempted::Failed(failure) | Attempted::FailedKeepingWrites(failure) => {
                 // Successes before this failure settle first: they happened first.
                 self.settle_successes();
@@ -293,6 +310,52 @@ impl<'a> Chunk<'a> {
                 }
             }
         }
+    }
+
+    /// A leased attempt: its handler and its settlement share a subtransaction
+    /// of their own, and its run is locked at the settlement (waited for:
+    /// this transaction holds no command's row). A lease that is no longer
+    /// ours by then (a cancel, the run's failure or deadline ended the
+    /// command while its handler ran) settles nothing, and the handler's
+    /// writes roll back with the subtransaction.
+    fn run_leased(&mut self, index: usize, command: &'a Claimed) {
+        let now = unsafe { pg_sys::GetCurrentTimestamp() };
+        let started = spans::timestamp_from_pg(now);
+        SPAWNED_IN_CHUNK.with(|s| s.set(false));
+        let whole = Subtransaction::begin();
+        let budget = command.fast.then_some(now + FAST_BUDGET_US);
+        let settled = match attempt(index, command, None, now, budget) {
+            Attempted::Succeeded(result) => {
+                let spawned = SPAWNED_IN_CHUNK.with(|s| s.get());
+                settle::settle_leased_success(command, result, started, self.worker, spawned)
+                    // (a handler that cancelled its own run: its cancel closed
+                    // the command, and commits with its attempt)
+                    || ENDED_OWN_RUN.with(|e| e.replace(false))
+            }
+            Attempted::Failed(failure) if failure.class == Class::Cancelled => {
+                whole.end(true);
+                self.leave(command);
+                return;
+            }
+            Attempted::Failed(failure) if failure.class == Class::Demoted => {
+                whole.end(false);
+                self.demoted = true;
+                shmem::observe("demoted", 1);
+                self.released_now.push((command.command_id, command.lease_token));
+                return;
+            }
+            Attempted::Failed(failure) | Attempted::FailedKeepingWrites(failure) => {
+                match settle::settle_failure(&command.id(), &failure, started, self.worker, true) {
+                    Settled::Failed { retry: false } => {
+                        self.failed_runs.insert(*command.run_id.as_bytes());
+                        true
+                    }
+                    Settled::Failed { retry: true } => true,
+                    Settled::Expired | Settled::Locked => false,
+                }
+            }
+        };
+        whole.end(settled);
     }
 
     /// Leave a cancelled command to the cancel (see `run`).
@@ -321,7 +384,11 @@ impl<'a> Chunk<'a> {
     pub fn finish(mut self) -> Finished {
         self.close_group();
         self.settle_successes();
-        Finished { handed_back: std::mem::take(&mut self.handed_back), left: std::mem::take(&mut self.left) }
+        Finished {
+            handed_back: std::mem::take(&mut self.handed_back),
+            left: std::mem::take(&mut self.left),
+            released_now: std::mem::take(&mut self.released_now),
+        }
     }
 
     fn settle_successes(&mut self) {
@@ -355,23 +422,17 @@ impl<'a> Chunk<'a> {
             rows.into(),
             spawned.into(),
         ];
-        let settle = || {
-            gucs::inject_fault("settle_success");
-            settle::settle_batch(&args)
-        };
-        if self.held {
-            // Not in a subtransaction: this transaction locked the rows it
-            // updates, and a row locked by a transaction and updated by its
-            // subtransaction gets a MultiXact as its xmax. Index entries of
-            // such a row version are never marked dead by the scans that pass
-            // them (only VACUUM removes them), so every claim would walk all
-            // the commands settled since the last vacuum. Nothing here waits
-            // for a lock, so a transient error has nothing to retry; any
-            // error goes up to the chunk, which is contained.
-            settle()
-        } else {
-            settle::with_settlement_retries(settle)
-        }
+        // (held commands only: leased ones settle one by one, run_leased)
+        // Not in a subtransaction: this transaction locked the rows it
+        // updates, and a row locked by a transaction and updated by its
+        // subtransaction gets a MultiXact as its xmax. Index entries of such
+        // a row version are never marked dead by the scans that pass them
+        // (only VACUUM removes them), so every claim would walk all the
+        // commands settled since the last vacuum. Nothing here waits for a
+        // lock, so a transient error has nothing to retry; any error goes up
+        // to the chunk, which is contained.
+        gucs::inject_fault("settle_success");
+        settle::settle_batch(&args);
     }
 }
 
@@ -404,10 +465,17 @@ enum Attempted {
 /// Run a command's handler in its own subtransaction, or in `group`'s (see
 /// GROUP_SIZE). On success the subtransaction is kept (its writes commit
 /// with the chunk's settlement); on failure it is rolled back and the
-/// failure classified — a group's too, whatever the failure.
-fn attempt(index: usize, command: &Claimed, group: Option<&Subtransaction>, now: i64) -> Attempted {
+/// failure classified — a group's too, whatever the failure. `demote_at`:
+/// a held attempt's budget ends then (see FAST_BUDGET_US).
+fn attempt(index: usize, command: &Claimed, group: Option<&Subtransaction>, now: i64, demote_at: Option<i64>) -> Attempted {
     let deadline = command.deadline(now);
     let remaining_ms = deadline.map(|d| (d - now) / 1000);
+    // the statement timer fires at the deadline, or at the budget's end before it
+    let timer_ms = match (deadline, demote_at) {
+        (Some(d), Some(b)) => Some((d.min(b) - now) / 1000),
+        (d, b) => d.or(b).map(|at| (at - now) / 1000),
+    };
+    let demoted = move || demote_at.is_some_and(|at| unsafe { pg_sys::GetCurrentTimestamp() } >= at);
     if let Some(failure) = refused_before_start(command, remaining_ms) {
         if let Some(group) = group {
             group.end(false);
@@ -418,17 +486,19 @@ fn attempt(index: usize, command: &Claimed, group: Option<&Subtransaction>, now:
     outcome::forget_decisions();
     let run = *command.run_id.as_bytes();
     let started = std::time::Instant::now();
-    ATTEMPT_IN_PROGRESS.with(|c| c.set(Some(*command.command_id.as_bytes())));
     let body = || {
         CURRENT_COMMAND.with(|c| c.set(Some(*command.command_id.as_bytes())));
+        CURRENT_RUN.with(|c| c.set(Some(run)));
+        ENDED_OWN_RUN.with(|e| e.set(false));
         gucs::inject_fault("handler_start");
         // The deadline covers what fires when the handler returns, too.
-        let result = with_deadline(remaining_ms, || {
+        let result = with_deadline(timer_ms, remaining_ms, || {
             outcome::noting_error_code(|| {
                 gateway::run_handler(command.owner, || handler_call::call_handler(command, deadline, now))
             })
         });
         CURRENT_COMMAND.with(|c| c.set(None));
+        CURRENT_RUN.with(|c| c.set(None));
         gucs::inject_fault("handler_return");
         // Test-only: die with the handler's writes done and nothing settled.
         gucs::inject_fault("before_settle");
@@ -440,6 +510,9 @@ fn attempt(index: usize, command: &Claimed, group: Option<&Subtransaction>, now:
         // cancel, so the clock tells whether the deadline passed.)
         if deadline.is_some_and(|d| unsafe { pg_sys::GetCurrentTimestamp() } >= d) {
             return Err(Failure::timeout(0));
+        }
+        if demoted() {
+            return Err(Failure::demoted());
         }
         if shmem::cancel_requested(index, &run) {
             return Err(Failure::cancelled());
@@ -462,7 +535,14 @@ fn attempt(index: usize, command: &Claimed, group: Option<&Subtransaction>, now:
     let signals_before = note_cancel_signals(index);
     let on_error = |caught| {
         let late_cancel = shmem::cancel_signals(index) != signals_before;
-        outcome::classify(caught, deadline, shmem::cancel_requested(index, &run), late_cancel)
+        let failure = outcome::classify(caught, deadline, shmem::cancel_requested(index, &run), late_cancel);
+        // (cut at the budget's end, before its deadline: whatever it raised
+        // then, the statement timer's cancel included, it was this)
+        let past_deadline = deadline.is_some_and(|d| unsafe { pg_sys::GetCurrentTimestamp() } >= d);
+        if !past_deadline && failure.class != Class::Cancelled && demoted() {
+            return Failure::demoted();
+        }
+        failure
     };
     let outcome = match group {
         None => in_subtransaction(body, on_error),
@@ -475,12 +555,12 @@ fn attempt(index: usize, command: &Claimed, group: Option<&Subtransaction>, now:
         }
     };
     CURRENT_COMMAND.with(|c| c.set(None));
+    CURRENT_RUN.with(|c| c.set(None));
     stop_deadline_timer();
     shmem::observe("handler_us", started.elapsed().as_micros() as u64);
     claim::note_handler_time(command.handler, started.elapsed());
     // A cancel that comes late, after the handler, must not hit the cleanup.
     spi::holding_off_cancels(gateway::after_handler);
-    ATTEMPT_IN_PROGRESS.with(|c| c.set(None));
     match outcome {
         Ok(Ok(result)) => Attempted::Succeeded(result),
         Ok(Err(kept)) => {
@@ -541,13 +621,15 @@ pub fn hard_stopped() -> bool {
     HARD_STOPPED.load(std::sync::atomic::Ordering::Relaxed)
 }
 
-fn with_deadline<R>(remaining_ms: Option<i64>, f: impl FnOnce() -> R) -> R {
-    if let Some(ms) = remaining_ms {
-        unsafe {
+/// Run `f` with the statement timer set to fire in `timer_ms`, and the hard
+/// stop HARD_STOP_GRACE_MS after the deadline, in `deadline_ms`.
+fn with_deadline<R>(timer_ms: Option<i64>, deadline_ms: Option<i64>, f: impl FnOnce() -> R) -> R {
+    unsafe {
+        if let Some(ms) = timer_ms {
             enable_timeout_after(STATEMENT_TIMEOUT, ms.clamp(1, i32::MAX as i64) as c_int);
-            if let Some(id) = HARD_STOP_TIMEOUT.with(|t| t.get()) {
-                enable_timeout_after(id, (ms + HARD_STOP_GRACE_MS).clamp(1, i32::MAX as i64) as c_int);
-            }
+        }
+        if let (Some(ms), Some(id)) = (deadline_ms, HARD_STOP_TIMEOUT.with(|t| t.get())) {
+            enable_timeout_after(id, (ms + HARD_STOP_GRACE_MS).clamp(1, i32::MAX as i64) as c_int);
         }
     }
     let result = f();

@@ -2,7 +2,7 @@
 //! same definition ended, as in-database workers' claims do (flow.claim in
 //! sql/api.sql; the shared ends are in `note_external_end`); and the
 //! claims held by a client's own transaction (below), with the attempts
-//! they abandon, waiting in shared memory for worker 0 (src/recovery.rs).
+//! they abandon, waiting in shared memory for the maintenance worker (src/recovery.rs).
 
 use crate::shmem;
 use pgrx::pg_sys;
@@ -68,15 +68,15 @@ fn _external_claim_ended(
 // Nothing in the database says such an attempt started, so a client that
 // dies in it (its transaction rolls back) would leave it uncounted, and a
 // command that kills its client every time would run forever (engine rule
-// 3). This backend keeps the held claims of its open transaction here; a
-// transaction (or subtransaction) that ends with some unsettled leaves them
-// in shared memory to worker 0 (shmem::abandon), which concludes each as
-// interrupted in a transaction of its own (retried by policy), and external
-// claims leave those commands alone until it has. A backend's exit rolls
-// its transaction back the same way. Only a crash of the server (which
-// empties shared memory) loses an abandoned attempt's count: every held
-// command has its place from its claim on (shmem::reserve_abandon_room,
-// HELD_PER_ROLE of them per role).
+// 3). This backend keeps the held claims of its open transaction here, and
+// enters each in shared memory from its claim on (`register_held`); a
+// transaction (or subtransaction) that ends with some unsettled leaves
+// their entries to the maintenance worker (`end_held`), which concludes
+// each as interrupted in a transaction of its own (retried by policy), and
+// external claims leave those commands alone until it has. A backend's exit
+// rolls its transaction back the same way. Only a crash of the server
+// (which empties shared memory) loses an abandoned attempt's count (at most
+// HELD_PER_ROLE entries per role).
 
 /// A command claimed held by the open transaction.
 struct HeldClaim {
@@ -147,14 +147,14 @@ fn _note_holding(
     row_at: Option<String>,
     worker: &str,
 ) -> bool {
-    // (a place for its attempt among the abandoned ones, kept until the
-    // transaction has ended: an error here aborts the claim, whose commands
-    // noted so far have theirs)
-    if let Err(full) = reserve_abandon_room(caller) {
+    // (its entry in shared memory, from now until the transaction has
+    // ended: see `register_held`; an error here aborts the claim, whose
+    // commands noted so far have theirs)
+    if let Err(full) = register_held(*command_id.as_bytes(), attempt, *lease_token.as_bytes(), worker, caller) {
         let message = match full {
-            NoPlace::All => "flow: 16384 commands are held by open transactions or wait for worker 0".to_string(),
+            NoPlace::All => "flow: 16384 commands are held by open transactions or wait for the maintenance worker".to_string(),
             NoPlace::Role => format!(
-                "flow: this role holds {} commands in open transactions or waiting for worker 0 already",
+                "flow: this role holds {} commands in open transactions or waiting for the maintenance worker already",
                 HELD_PER_ROLE
             ),
         };
@@ -178,8 +178,8 @@ fn _note_holding(
         settled: None,
     };
     if let Some(earlier) = HELD.with(|h| h.borrow_mut().insert(*command_id.as_bytes(), claim)) {
-        // (claimed again after its earlier attempt ended: one place is enough)
-        abandon(&[], &[earlier.caller]);
+        // (claimed again after its earlier attempt ended: that one's entry goes)
+        end_held(&[], &[(*command_id.as_bytes(), earlier.attempt)]);
     }
     true
 }
@@ -246,7 +246,7 @@ fn _holding_settled(command_ids: Vec<Option<pgrx::Uuid>>) -> bool {
 }
 
 /// The commands an external claim leaves alone (NULL: none): those whose
-/// abandoned held attempts wait for worker 0, and those this transaction
+/// abandoned held attempts wait for the maintenance worker, and those this transaction
 /// holds unsettled (their rows are locked by this very transaction, which
 /// SKIP LOCKED does not skip).
 #[pg_extern(volatile, parallel_unsafe)]
@@ -256,31 +256,22 @@ fn _claim_excluded() -> Option<Vec<pgrx::Uuid>> {
     (!commands.is_empty()).then(|| commands.into_iter().map(pgrx::Uuid::from_bytes).collect())
 }
 
-/// Forget the claims that `ended` picks, giving back their places, and
-/// leave the attempts of those `abandoned` picks to worker 0 (their places
-/// go to them).
+/// Forget the claims that `ended` picks, and leave the attempts of those
+/// `abandoned` picks to the maintenance worker (their entries stay, marked
+/// abandoned; the others' go, with their places).
 fn abandon_where(ended: impl Fn(&HeldClaim) -> bool, abandoned: impl Fn(&HeldClaim) -> bool) {
-    let worker = HELD_WORKER.with(|w| w.borrow().clone()).unwrap_or_default();
-    let (left, forgotten): (Vec<([u8; 16], i32, [u8; 16], pg_sys::Oid)>, Vec<pg_sys::Oid>) = HELD.with(|h| {
+    let (left, released): (Vec<([u8; 16], i32)>, Vec<([u8; 16], i32)>) = HELD.with(|h| {
         let mut h = h.borrow_mut();
         let picked: Vec<[u8; 16]> = h.iter().filter(|(_, c)| ended(c)).map(|(id, _)| *id).collect();
-        let mut forgotten = Vec::with_capacity(picked.len());
-        let left = picked
-            .into_iter()
-            .filter_map(|id| {
-                let claim = h.remove(&id)?;
-                forgotten.push(claim.caller);
-                abandoned(&claim).then_some((id, claim.attempt, claim.token, claim.caller))
-            })
-            .collect();
-        (left, forgotten)
+        let (mut left, mut released) = (Vec::new(), Vec::new());
+        for id in picked {
+            if let Some(claim) = h.remove(&id) {
+                if abandoned(&claim) { left.push((id, claim.attempt)) } else { released.push((id, claim.attempt)) }
+            }
+        }
+        (left, released)
     });
-    let list: Vec<_> = left.iter().map(|(id, n, token, role)| (*id, *n, *token, worker.as_str(), *role)).collect();
-    let lost = abandon(&list, &forgotten);
-    if lost > 0 {
-        // (as a transaction ends: a LOG line, never an error)
-        pgrx::log!("flow: {lost} abandoned held attempts could not be left to worker 0 and go uncounted");
-    }
+    end_held(&left, &released);
 }
 
 #[pg_guard]
@@ -299,7 +290,7 @@ unsafe extern "C-unwind" fn on_xact_event(event: pg_sys::XactEvent::Type, _arg: 
             );
         }
         // Before the commit the unsettled ones: their rows are still locked,
-        // so no claim takes them before worker 0 is told (it never waits for
+        // so no claim takes them before the maintenance worker is told (it never waits for
         // them, and counts them once this commit is over). The settled ones
         // stay until the commit is done: a commit can still fail after this
         // (a serialization failure), and then their settlements are rolled
@@ -309,8 +300,10 @@ unsafe extern "C-unwind" fn on_xact_event(event: pg_sys::XactEvent::Type, _arg: 
             abandon_where(|c| c.held && c.settled.is_none(), |_| true);
             return;
         }
+        // (an abort ends the transaction's row locks before this callback
+        // runs: its entries kept every claim off its commands until now)
         pg_sys::XactEvent::XACT_EVENT_COMMIT | pg_sys::XactEvent::XACT_EVENT_PARALLEL_COMMIT => {
-            abandon_where(|_| true, |_| false) // (settled, or leased: nothing is left to worker 0)
+            abandon_where(|_| true, |_| false) // (settled, or leased: nothing is left to the maintenance worker)
         }
         // rolled back: every claim with it, and every settlement
         pg_sys::XactEvent::XACT_EVENT_ABORT | pg_sys::XactEvent::XACT_EVENT_PARALLEL_ABORT => {
@@ -362,7 +355,7 @@ unsafe extern "C-unwind" fn on_subxact_event(
 
 // ---------------------------------------------------------------- shared memory
 // The cursors of external claims, per definition, and the abandoned held
-// attempts waiting for worker 0, with the places reserved for them.
+// attempts waiting for the maintenance worker.
 
 /// How many definitions' external claim cursors are shared at once (see
 /// `external_end`): a definition without one claims from its queue's head.
@@ -441,7 +434,7 @@ pub fn note_external_end(definition: &str, end: Option<(&str, i64, [u8; 16])>, s
 }
 
 /// How many held commands' places there are in all (see `abandon`): held
-/// by open transactions, or abandoned and waiting for worker 0.
+/// by open transactions, or abandoned and waiting for the maintenance worker.
 const ABANDONED: usize = 16_384;
 /// How many of those places one role's claims may take at once: one role
 /// holding thousands of commands in open transactions cannot lock every
@@ -461,6 +454,9 @@ struct AbandonedAttempt {
     token: [u8; 16],
     worker: shmem::SharedName,
     role: pg_sys::Oid,
+    /// The backend whose open transaction holds it; 0: abandoned, waiting
+    /// for the maintenance worker.
+    holder: i32,
 }
 
 /// The places one role's claims take (0 roles: a free entry).
@@ -470,21 +466,20 @@ struct RolePlaces {
     places: u32,
 }
 
-/// How many abandoned attempts wait (their list: `attempts`), the room
-/// reserved for those that may come (every command a transaction holds has
-/// a place from its claim on, `reserve_abandon_room`, so an abandoned
-/// attempt always fits, whatever other roles hold), and how many places
-/// each role takes. The list is read and written under this one's lock.
+/// How many entries the list holds (`attempt_list`): every command an open
+/// transaction holds has one from its claim on (`register_held`), which
+/// stays, marked abandoned, if the transaction ends without settling it,
+/// until the maintenance worker has counted it; and how many places each
+/// role takes. The list is read and written under this one's lock.
 #[derive(Copy, Clone)]
 pub struct Abandoned {
     len: usize,
-    reserved: usize,
     roles: [RolePlaces; HOLDING_ROLES],
 }
 
 impl Default for Abandoned {
     fn default() -> Self {
-        Abandoned { len: 0, reserved: 0, roles: [RolePlaces::default(); HOLDING_ROLES] }
+        Abandoned { len: 0, roles: [RolePlaces::default(); HOLDING_ROLES] }
     }
 }
 
@@ -559,7 +554,7 @@ impl Abandoned {
     }
 }
 
-/// Why a held claim found no place (`reserve_abandon_room`).
+/// Why a held claim found no place (`register_held`).
 pub enum NoPlace {
     /// every place is taken
     All,
@@ -567,85 +562,100 @@ pub enum NoPlace {
     Role,
 }
 
-/// Reserve a place for one held command's attempt, claimed by `role`
-/// (a superuser's claims have no limit of their own).
-pub fn reserve_abandon_room(role: pg_sys::Oid) -> Result<(), NoPlace> {
+/// Enter a command that this backend's open transaction holds (attempt,
+/// token, the client's worker name, the claiming role: a superuser's claims
+/// have no limit of their own). Its entry is in the list from the claim on,
+/// so an abandoned attempt always fits whatever other roles hold, and every
+/// claim leaves the command alone until its entry goes: a transaction that
+/// aborts releases its row locks before its callbacks run, and a claim in
+/// between would take the command under the same attempt, uncounted.
+fn register_held(
+    command: [u8; 16],
+    attempt: i32,
+    token: [u8; 16],
+    worker: &str,
+    role: pg_sys::Oid,
+) -> Result<(), NoPlace> {
     let limit = if unsafe { pg_sys::superuser_arg(role) } { u32::MAX } else { HELD_PER_ROLE };
     let mut table = ABANDONED_TABLE.exclusive();
-    if table.len + table.reserved >= ABANDONED {
+    if table.len >= ABANDONED {
         return Err(NoPlace::All);
     }
     if !table.add_places(role, 1, limit) {
         return Err(NoPlace::Role);
     }
-    table.reserved += 1;
+    // (a worker name longer than a shared name is cut at a character boundary)
+    let mut cut = worker.len().min(shmem::SHARED_NAME_BYTES);
+    while !worker.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    let at = table.len;
+    attempt_list(&table)[at] = AbandonedAttempt {
+        command,
+        attempt,
+        token,
+        worker: shmem::SharedName::new(&worker[..cut]).unwrap_or(shmem::SharedName::NONE),
+        role,
+        holder: unsafe { pg_sys::MyProcPid },
+    };
+    table.len += 1;
     Ok(())
 }
 
 unsafe impl PGRXSharedMemory for Abandoned {}
 
-/// Leave these attempts (command, attempt, token, worker, role) to worker 0,
-/// which concludes them as interrupted (`abandoned`), and wake it; and give
-/// back the reservations of `released` (the role of each: those of these
-/// attempts, and of held commands that were settled). Called as a
-/// transaction ends: raises nothing. Returns how many did not fit (none,
-/// while each came with its reservation).
-pub fn abandon(attempts: &[([u8; 16], i32, [u8; 16], &str, pg_sys::Oid)], released: &[pg_sys::Oid]) -> usize {
-    if attempts.is_empty() && released.is_empty() {
-        return 0;
+/// This backend's transaction ended: the entries of the `abandoned`
+/// attempts (command, attempt) are left to the maintenance worker, which
+/// concludes them as interrupted (`abandoned`), and woken; those of the
+/// `released` ones (settled, or leased) go, with their places. Called as a
+/// transaction ends: raises nothing.
+fn end_held(abandoned: &[([u8; 16], i32)], released: &[([u8; 16], i32)]) {
+    if abandoned.is_empty() && released.is_empty() {
+        return;
     }
+    let me = unsafe { pg_sys::MyProcPid };
     let mut table = ABANDONED_TABLE.exclusive();
-    table.reserved = table.reserved.saturating_sub(released.len());
-    for role in released {
-        table.add_places(*role, -1, u32::MAX);
-    }
-    if attempts.is_empty() {
-        return 0;
-    }
-    let mut lost = 0;
-    for (command, attempt, token, worker, role) in attempts {
-        // (its reservation, given back above, becomes its entry's place)
-        if table.len == ABANDONED || !table.add_places(*role, 1, u32::MAX) {
-            lost += 1;
+    let list = attempt_list(&table);
+    let (mut kept, mut gone) = (0, Vec::new());
+    for i in 0..table.len {
+        let mut entry = list[i];
+        let mine = |set: &[([u8; 16], i32)]| entry.holder == me && set.contains(&(entry.command, entry.attempt));
+        if mine(released) {
+            gone.push(entry.role);
             continue;
         }
-        // (a worker name longer than a shared name is cut at a character boundary)
-        let mut cut = worker.len().min(shmem::SHARED_NAME_BYTES);
-        while !worker.is_char_boundary(cut) {
-            cut -= 1;
+        if mine(abandoned) {
+            entry.holder = 0;
         }
-        let at = table.len;
-        attempt_list(&table)[at] = AbandonedAttempt {
-            command: *command,
-            attempt: *attempt,
-            token: *token,
-            worker: shmem::SharedName::new(&worker[..cut]).unwrap_or(shmem::SharedName::NONE),
-            role: *role,
-        };
-        table.len += 1;
+        list[kept] = entry;
+        kept += 1;
+    }
+    table.len = kept;
+    for role in gone {
+        table.add_places(role, -1, u32::MAX);
     }
     drop(table);
-    let workers = shmem::WORKERS.share();
-    if let Some(first) = workers.slots.first().filter(|s| s.procno >= 0) {
-        shmem::set_latch(first);
+    if !abandoned.is_empty() {
+        shmem::wake_maintenance();
     }
-    lost
 }
 
-/// The commands whose abandoned attempts wait for worker 0: external claims
-/// leave them alone until then (each would otherwise run again uncounted).
+/// The commands held by open transactions, or whose abandoned attempts wait
+/// for the maintenance worker: external claims leave them alone until then
+/// (each would otherwise run again uncounted).
 pub fn abandoned_commands() -> Vec<[u8; 16]> {
     let table = ABANDONED_TABLE.share();
     attempt_list(&table)[..table.len].iter().map(|a| a.command).collect()
 }
 
-/// The abandoned attempts, for worker 0 to conclude; each stays (and its
-/// command left alone by claims) until `forget_abandoned`, after its
-/// conclusion committed.
+/// The abandoned attempts, for the maintenance worker to conclude; each
+/// stays (and its command left alone by claims) until `forget_abandoned`,
+/// after its conclusion committed.
 pub fn abandoned() -> Vec<([u8; 16], i32, [u8; 16], String)> {
     let table = ABANDONED_TABLE.share();
     attempt_list(&table)[..table.len]
         .iter()
+        .filter(|a| a.holder == 0)
         .map(|a| (a.command, a.attempt, a.token, a.worker.to_string().unwrap_or_default()))
         .collect()
 }
@@ -662,7 +672,7 @@ pub fn forget_abandoned(done: &[([u8; 16], i32)]) {
     let mut gone = Vec::new();
     for i in 0..table.len {
         let a = list[i];
-        if done.contains(&(a.command, a.attempt)) {
+        if a.holder == 0 && done.contains(&(a.command, a.attempt)) {
             gone.push(a.role);
         } else {
             list[kept] = a;

@@ -22,6 +22,7 @@ static RETENTION_S: GucSetting<i32> = GucSetting::<i32>::new(7 * 86_400);
 static MAX_QUEUES_PER_ROLE: GucSetting<i32> = GucSetting::<i32>::new(1000);
 static EVENT_RETENTION_S: GucSetting<i32> = GucSetting::<i32>::new(7 * 86_400);
 static LOG_LEVEL: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(c"debug1"));
+static MAX_ATTEMPT_TIMEOUT_S: GucSetting<i32> = GucSetting::<i32>::new(3600);
 static FAULT_POINTS: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
 
 pub fn init() {
@@ -121,6 +122,16 @@ pub fn init() {
         GucContext::Sighup,
         GucFlags::UNIT_S,
     );
+    GucRegistry::define_int_guc(
+        c"flow.max_attempt_timeout",
+        c"Longest an in-database handler's attempt may run, whatever its definition's timeout.",
+        c"Bounds a handler whose definition sets no timeout (the default) or a longer one: past it the attempt times out and is retried by its policy. 0: no bound.",
+        &MAX_ATTEMPT_TIMEOUT_S,
+        0,
+        i32::MAX,
+        GucContext::Suset,
+        GucFlags::UNIT_S,
+    );
     GucRegistry::define_string_guc(
         c"flow.log_level",
         c"Server log level of flow's per-batch engine messages (debug1..log).",
@@ -167,6 +178,12 @@ pub fn lease_duration() -> Duration {
 pub fn retention() -> Option<Duration> {
     let seconds = RETENTION_S.get();
     (seconds > 0).then(|| Duration::from_secs(seconds as u64))
+}
+
+/// flow.max_attempt_timeout in µs; None: no bound.
+pub fn max_attempt_timeout_us() -> Option<i64> {
+    let seconds = MAX_ATTEMPT_TIMEOUT_S.get();
+    (seconds > 0).then(|| seconds as i64 * 1_000_000)
 }
 
 /// None: keep the event journal forever.

@@ -57,6 +57,7 @@ fn _command_row_is_consistent(
                     | "deadline_before_next_attempt"
                     | "cancelled"
                     | "run_failed"
+                    | "deadline"
             )
         })
         && attempt_kept(lease_token)

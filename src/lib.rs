@@ -37,6 +37,7 @@ mod hooks;
 mod ids;
 mod invariants;
 mod locks;
+mod maintenance;
 mod outcome;
 mod payload;
 mod recovery;

@@ -25,6 +25,9 @@ pub enum Class {
     Retryable,
     /// flow.cancel stopped it: not settled as a failure, left to the cancel.
     Cancelled,
+    /// A held attempt cut at the end of its budget (src/execute.rs,
+    /// HELD_BUDGET_US): never settled, its command due again uncharged.
+    Demoted,
 }
 
 impl Class {
@@ -38,6 +41,7 @@ impl Class {
             Class::Crash => "crash",
             Class::Retryable => "retryable",
             Class::Cancelled => "cancelled",
+            Class::Demoted => "demoted",
         }
     }
 }
@@ -66,6 +70,10 @@ impl Failure {
             "the handler ran past its attempt deadline".into()
         };
         Failure::new(Class::Timeout, "attempt_timeout", message)
+    }
+
+    pub fn demoted() -> Failure {
+        Failure::new(Class::Demoted, "demoted", "a held attempt ran past its budget: run again, leased")
     }
 
     pub fn cancelled() -> Failure {

@@ -1,57 +1,56 @@
 //! Recovery (engine rule 8): concluding attempts whose owner is gone, as
-//! interrupted, and retrying them by their policy. Three sources:
-//! - leased attempts of in-database workers that died (`flow._recover`,
-//!   sql/recover.sql: their pid and backend start are gone), and external
-//!   leases that expired, every RECOVERY_INTERVAL by every worker;
-//! - the held attempt a worker's previous incarnation stopped in (its
-//!   attempt record, src/attempt_record.rs), when the worker starts, and for
-//!   worker 0 the records of slots no worker runs any more;
+//! interrupted, retried by their policy, and giving back uncharged what a
+//! gone owner had claimed and not started. Run by the maintenance worker
+//! (src/maintenance.rs), never behind a handler. Three sources:
+//! - in-database workers that are gone (their pid and backend start no
+//!   longer exist): the attempt each one's record names (src/attempt_record.rs)
+//!   is charged, held or leased; its other leased commands go back to their
+//!   queues uncharged (`flow._recover`, sql/recover.sql);
+//! - external leases past their expiry, concluded as lease_lost;
 //! - held attempts that external clients' transactions abandoned
-//!   (src/external.rs), by worker 0, each in a transaction of its own.
+//!   (src/external.rs), each in a transaction of its own.
+//!
+//! Nothing here waits for a lock: a run or a row locked elsewhere (a client's
+//! open transaction, a long chunk) is left for a later round.
 
-use crate::spi::{engine_query, transaction};
-use crate::{attempt_record, gucs, settle, shmem};
+use crate::attempt_record::{self, Recorded, Writer};
+use crate::spi::{self, engine_query, transaction};
+use crate::{gucs, settle, shmem};
+use pgrx::prelude::*;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-/// How often a worker looks for attempts whose owner died or whose external
-/// lease expired. Recovery is one index scan of running commands.
-const RECOVERY_INTERVAL: Duration = Duration::from_secs(1);
-/// How long worker 0 waits before it tries again to conclude an abandoned
-/// held attempt whose conclusion failed (see `conclude_abandoned`).
+/// How long the maintenance worker waits before it tries again to conclude
+/// an abandoned held attempt whose conclusion failed (see `conclude_abandoned`).
 const FAILED_CONCLUSION_PAUSE: Duration = Duration::from_secs(1);
 
-/// A worker's recovery: when it last ran, and (worker 0) the abandoned
-/// attempts whose conclusion failed, with when to try each again.
+/// The maintenance worker's recovery: the abandoned attempts whose
+/// conclusion failed, with when to try each again.
 #[derive(Default)]
 pub struct Recovery {
-    last_run: Option<Instant>,
     failed_conclusions: HashMap<([u8; 16], i32), Instant>,
 }
 
 impl Recovery {
-    /// Conclude the attempts of dead owners and expired leases, if a pass is
-    /// due. None if its transaction failed.
-    pub fn maybe_recover(&mut self) -> Option<()> {
-        if self.last_run.is_some_and(|at| at.elapsed() < RECOVERY_INTERVAL) {
-            return Some(());
+    /// One round: the gone workers' records and leases, expired external
+    /// leases, abandoned external attempts. None if a transaction failed.
+    pub fn round(&mut self, name: &str) -> Option<()> {
+        let concluded = recover_gone_workers()?;
+        if concluded > 0 {
+            gucs::log(&format!("flow: concluded {concluded} attempts whose owner was gone"));
         }
-        self.last_run = Some(Instant::now());
-        match transaction(recover)? {
-            0 => {}
-            n => gucs::log(&format!("flow: concluded {n} attempts whose owner was gone")),
-        }
+        self.conclude_abandoned(name);
         Some(())
     }
 
-    /// Worker 0: conclude the held attempts external clients' transactions
-    /// abandoned (src/external.rs), each in a transaction of its own, never
-    /// waiting for a lock: one whose run or row is busy elsewhere (a client's
-    /// open transaction) stays for a later turn. Claims leave their commands
+    /// Conclude the held attempts external clients' transactions abandoned
+    /// (src/external.rs), each in a transaction of its own, never waiting
+    /// for a lock: one whose run or row is busy elsewhere (a client's open
+    /// transaction) stays for a later round. Claims leave their commands
     /// alone until they are concluded here. One whose conclusion fails (an
     /// error) stays too, tried again every FAILED_CONCLUSION_PAUSE: dropped,
     /// its attempt would go uncounted and its command be claimed again (rule 3).
-    pub fn conclude_abandoned(&mut self, name: &str) {
+    fn conclude_abandoned(&mut self, name: &str) {
         let abandoned = crate::external::abandoned();
         if abandoned.is_empty() {
             self.failed_conclusions.clear();
@@ -82,42 +81,73 @@ impl Recovery {
             self.failed_conclusions.remove(&(command, attempt));
             done.push((command, attempt));
         }
-        // (what stays is tried again next turn: a poll interval later at most)
         crate::external::forget_abandoned(&done);
     }
 }
 
-/// Conclude what worker `index`'s record held when it started: the held
-/// attempt its previous incarnation stopped in (and, for worker 0, the
-/// records of slots no worker runs any more). Called in a transaction.
-pub fn conclude_records(index: usize, name: &str) {
-    let mut records: Vec<(Option<usize>, ([u8; 16], i32))> =
-        attempt_record::left_behind(index).into_iter().map(|r| (None, r)).collect();
-    if index == 0 {
-        records.extend(attempt_record::orphans(gucs::workers()).into_iter().map(|(slot, r)| (Some(slot), r)));
-    }
-    for (slot, (command, attempt)) in records {
-        if settle::conclude_held(command, attempt, name, None) == settle::Conclusion::Counted {
-            pgrx::log!(
-                "flow: concluded the attempt {attempt} of command {} as interrupted: its worker stopped in it",
-                pgrx::Uuid::from_bytes(command)
-            );
+/// Which worker processes that wrote attempt records are gone; then, their
+/// records read again (a process that is gone writes no more), what they
+/// name is concluded and their other leases given back (flow._recover), and
+/// the files of those fully concluded removed. Returns how many attempts
+/// were concluded.
+fn recover_gone_workers() -> Option<i32> {
+    let writers: Vec<Writer> = attempt_record::all().into_iter().map(|(writer, _)| writer).collect();
+    let gone = transaction(|| gone_writers(&writers))?;
+    // (read after they were found gone: what they say now is final)
+    let records: Vec<Option<Recorded>> =
+        writers.iter().zip(&gone).map(|(w, gone)| if *gone { attempt_record::read(w) } else { None }).collect();
+    let (concluded, done) = transaction(|| recover(&writers, &gone, &records))?;
+    for ((writer, gone), done) in writers.iter().zip(&gone).zip(&done) {
+        if *gone && *done {
+            if let Some(Recorded { command, attempt }) = attempt_record::read(writer) {
+                pgrx::log!(
+                    "flow: concluded the attempt {attempt} of command {} as interrupted: its worker stopped in it (pid {})",
+                    pgrx::Uuid::from_bytes(command),
+                    writer.pid
+                );
+            }
+            attempt_record::remove(writer);
         }
-        match slot {
-            None => attempt_record::clear(),
-            Some(slot) => attempt_record::remove(slot),
-        }
     }
+    shmem::observe("recovered", concluded.max(0) as u64);
+    Some(concluded)
 }
 
-// (The worker's statements run on plans kept for its lifetime, as the claim's
-// and settlement's do: a statement run from its text is parsed and planned
-// each time.)
-fn recover() -> i32 {
-    let n = engine_query("SELECT flow._recover()", &[], &[], |rows| rows.first().get_one::<i32>())
-        .ok()
-        .flatten()
-        .unwrap_or(0);
-    shmem::observe("recovered", n.max(0) as u64);
-    n
+fn starts(writers: &[Writer]) -> (Vec<i32>, Vec<Option<TimestampWithTimeZone>>) {
+    writers.iter().map(|w| (w.pid, crate::spans::timestamp_from_pg(w.started))).unzip()
+}
+
+/// For each writer: whether its process is gone (flow._gone_workers).
+fn gone_writers(writers: &[Writer]) -> Vec<bool> {
+    if writers.is_empty() {
+        return Vec::new();
+    }
+    let (pids, started) = starts(writers);
+    engine_query(
+        "SELECT flow._gone_workers($1, $2)",
+        &[spi::INT4_ARRAY, spi::TIMESTAMPTZ_ARRAY],
+        &[pids.into(), started.into()],
+        |rows| rows.first().get_one::<Vec<bool>>().ok().flatten(),
+    )
+    .unwrap_or_else(|| vec![false; writers.len()])
+}
+
+/// flow._recover: returns how many attempts it concluded, and for each
+/// writer whether its record is concluded (its file may go).
+fn recover(writers: &[Writer], gone: &[bool], records: &[Option<Recorded>]) -> (i32, Vec<bool>) {
+    let (pids, started) = starts(writers);
+    let commands: Vec<Option<pgrx::Uuid>> =
+        records.iter().map(|r| r.map(|r| pgrx::Uuid::from_bytes(r.command))).collect();
+    let attempts: Vec<Option<i32>> = records.iter().map(|r| r.map(|r| r.attempt)).collect();
+    engine_query(
+        "SELECT concluded, records_done FROM flow._recover($1, $2, $3, $4, $5)",
+        &[spi::INT4_ARRAY, spi::TIMESTAMPTZ_ARRAY, spi::BOOL_ARRAY, spi::UUID_ARRAY, spi::INT4_ARRAY],
+        &[pids.into(), started.into(), gone.to_vec().into(), commands.into(), attempts.into()],
+        |rows| {
+            let row = rows.first();
+            let concluded = row.get::<i32>(1).ok().flatten().unwrap_or(0);
+            let done = row.get::<Vec<bool>>(2).ok().flatten().unwrap_or_default();
+            (concluded, done)
+        },
+    )
 }

@@ -1,4 +1,4 @@
-//! Retention: worker 0 deletes finished runs past `flow.retention` (with
+//! Retention: the maintenance worker (src/maintenance.rs) deletes finished runs past `flow.retention` (with
 //! their commands, attempts and waits: `flow._prune`, sql/retention.sql) and
 //! retires journal entries past `flow.event_retention` that no wait refers
 //! to (`flow._retire_events`), a bounded window at a time, each in a short
@@ -8,10 +8,10 @@ use crate::gucs;
 use crate::spi::{engine_query, transaction, FLOAT8, INT4, UUID};
 use std::time::{Duration, Instant};
 
-/// How often worker 0 prunes when it last found nothing more to delete, how
+/// How often the maintenance worker prunes when it last found nothing more to delete, how
 /// many at most per transaction (each short: ~10 ms for 5,000 runs; batches
 /// of 1,000 cost a quarter more per run), and how long one pass may go on
-/// while more is due: between two batches of its own, worker 0 deletes
+/// while more is due: between two of its rounds, the maintenance worker deletes
 /// about as many runs as the engine finishes at its peak, so retention
 /// keeps pace under load.
 const PRUNE_INTERVAL: Duration = Duration::from_secs(1);

@@ -6,7 +6,8 @@
 //! (`flow._release`). A settlement that meets a transient error is tried
 //! again.
 
-use crate::claim::AttemptId;
+use crate::claim::{AttemptId, Claimed};
+use crate::payload::Jsonb;
 use crate::outcome::{Class, Failure};
 use crate::spi::{
     self, engine_query, in_subtransaction, BOOL, INT4, INT4_ARRAY, INT8, JSONB_ARRAY, TEXT, TID_ARRAY, TIMESTAMPTZ,
@@ -31,14 +32,43 @@ pub enum Settled {
 }
 
 /// Settle successes: (ids, lease tokens, results, handler starts, held
-/// attempts, worker, held commands' rows, whether this chunk spawned a command).
-pub fn settle_batch(args: &[DatumWithOid; 8]) {
+/// attempts, worker, held commands' rows, whether this chunk spawned a
+/// command). Returns how many it settled (a command that moved on is not).
+pub fn settle_batch(args: &[DatumWithOid; 8]) -> usize {
     engine_query(
-        "SELECT flow._settle_batch($1, $2, $3, $4, $5, $6, $7, $8)",
+        "SELECT cardinality(flow._settle_batch($1, $2, $3, $4, $5, $6, $7, $8))",
         &[UUID_ARRAY, UUID_ARRAY, JSONB_ARRAY, TIMESTAMPTZ_ARRAY, INT4_ARRAY, TEXT, TID_ARRAY, BOOL],
         args,
-        |_| (),
+        |rows| rows.first().get_one::<i32>().ok().flatten().unwrap_or(0) as usize,
     )
+}
+
+/// Settle the success of a leased attempt: lock its run (waiting: the
+/// caller holds no command's row), then settle it if its lease is still
+/// ours. Returns whether it was settled; if not, the caller rolls back the
+/// handler's writes.
+pub fn settle_leased_success(
+    command: &Claimed,
+    result: Option<Jsonb>,
+    started: Option<TimestampWithTimeZone>,
+    worker: &str,
+    spawned: bool,
+) -> bool {
+    let args = [
+        vec![command.command_id].into(),
+        vec![command.lease_token].into(),
+        vec![result].into(),
+        vec![started].into(),
+        vec![None::<i32>].into(),
+        worker.into(),
+        vec![None::<pg_sys::ItemPointerData>].into(),
+        spawned.into(),
+    ];
+    with_settlement_retries(|| {
+        gucs::inject_fault("settle_success");
+        engine_query("SELECT flow._lock_runs_of($1)", &[UUID_ARRAY], &[vec![command.command_id].into()], |_| ());
+        settle_batch(&args) == 1
+    })
 }
 
 /// A settlement that failed on a transient error (deadlock, serialization

@@ -114,31 +114,16 @@ impl Default for WorkerSlot {
     }
 }
 
-/// A worker process that was told to stop (pg_terminate_backend, a cancel
-/// it ignored, its own hard stop), with the command whose attempt it was in
-/// when it stopped (all zero: between attempts). Recovery charges that
-/// attempt alone and hands the rest of the dead worker's claim back.
-#[derive(Copy, Clone, Default)]
-pub struct Exit {
-    pub pid: i32,
-    pub backend_start: i64,
-    pub command: [u8; 16],
-}
-
-/// Exits remembered at once: recovery runs every second, so this only needs
-/// to cover the workers that stop within one recovery round.
-const EXITS: usize = 64;
-
 #[derive(Copy, Clone)]
 pub struct WorkerTable {
     pub slots: [WorkerSlot; MAX_WORKERS],
-    exits: [Exit; EXITS],
-    next_exit: usize,
+    /// PGPROC number of the maintenance worker (src/maintenance.rs), -1: none.
+    maintenance_procno: i32,
 }
 
 impl Default for WorkerTable {
     fn default() -> Self {
-        WorkerTable { slots: [WorkerSlot::default(); MAX_WORKERS], exits: [Exit::default(); EXITS], next_exit: 0 }
+        WorkerTable { slots: [WorkerSlot::default(); MAX_WORKERS], maintenance_procno: -1 }
     }
 }
 
@@ -162,6 +147,7 @@ pub const METRICS: &[&str] = &[
     "stops_attempt_limit",
     "stops_elapsed_limit",
     "stops_deadline_before_next_attempt",
+    "stops_deadline",
     "runs_succeeded",
     "runs_failed",
     "runs_cancelled",
@@ -174,6 +160,7 @@ pub const METRICS: &[&str] = &[
     "handed_back",
     "recovered",
     "group_reruns",
+    "demoted",
     "pruned_runs",
 ];
 const METRIC_SLOTS: usize = 32;
@@ -277,6 +264,91 @@ pub static WORKERS: PgLwLock<WorkerTable> = unsafe { PgLwLock::new(c"flow_worker
 pub static COUNTERS: PgAtomic<Counters> = unsafe { PgAtomic::new(c"flow_counters") };
 static DUE_FLOORS: PgAtomic<DueFloors> = unsafe { PgAtomic::new(c"flow_due_floors") };
 static ACTIVITIES: PgAtomic<Activities> = unsafe { PgAtomic::new(c"flow_worker_activities") };
+static PREPARED: PgLwLock<PreparedCounts> = unsafe { PgLwLock::new(c"flow_prepared_counts") };
+
+/// Prepared transactions whose counter increments wait at once (more are not
+/// counted: their increments are dropped at PREPARE).
+const PREPARED_SLOTS: usize = 32;
+/// PostgreSQL's GIDSIZE: the longest transaction identifier PREPARE takes.
+const GID_BYTES: usize = 200;
+
+/// The counter increments of prepared transactions, by their GID, until
+/// COMMIT PREPARED counts them or ROLLBACK PREPARED drops them (a prepared
+/// transaction is finished by another session, where none of its own
+/// transaction's state is).
+#[derive(Copy, Clone)]
+pub struct PreparedCounts {
+    gids: [[u8; GID_BYTES]; PREPARED_SLOTS],
+    used: [bool; PREPARED_SLOTS],
+    values: [[u64; METRIC_SLOTS]; PREPARED_SLOTS],
+}
+
+impl Default for PreparedCounts {
+    fn default() -> Self {
+        PreparedCounts {
+            gids: [[0; GID_BYTES]; PREPARED_SLOTS],
+            used: [false; PREPARED_SLOTS],
+            values: [[0; METRIC_SLOTS]; PREPARED_SLOTS],
+        }
+    }
+}
+
+unsafe impl PGRXSharedMemory for PreparedCounts {}
+
+fn gid_key(gid: &str) -> Option<[u8; GID_BYTES]> {
+    let mut key = [0; GID_BYTES];
+    key.get_mut(..gid.len())?.copy_from_slice(gid.as_bytes());
+    Some(key)
+}
+
+/// PREPARE TRANSACTION `gid` runs now (the utility hook, src/hooks.rs): at
+/// the prepare, the transaction's counter increments wait under that GID.
+pub fn note_preparing(gid: &str) {
+    PREPARING.with(|p| p.replace(gid_key(gid)));
+}
+
+/// COMMIT PREPARED (`committed`) or ROLLBACK PREPARED of `gid` succeeded:
+/// count its increments, or drop them; a commit wakes the workers when this
+/// transaction commits (what it made due may be due at any time).
+pub fn finish_prepared(gid: &str, committed: bool) {
+    let Some(key) = gid_key(gid) else { return };
+    let values = {
+        let mut table = PREPARED.exclusive();
+        let Some(at) = (0..PREPARED_SLOTS).find(|i| table.used[*i] && table.gids[*i] == key) else {
+            if committed {
+                wake_at_commit(i64::MIN);
+            }
+            return;
+        };
+        table.used[at] = false;
+        table.values[at]
+    };
+    if committed {
+        wake_at_commit(i64::MIN);
+        let level = unsafe { pg_sys::GetCurrentTransactionNestLevel() };
+        PENDING.with(|p| {
+            p.borrow_mut().extend(values.iter().enumerate().filter(|(_, n)| **n > 0).map(|(i, n)| (i, level, *n)))
+        });
+    }
+}
+
+/// At PREPARE: the open transaction's increments wait under its GID.
+fn stash_prepared() {
+    let pending: Vec<(usize, i32, u64)> = PENDING.with(|p| std::mem::take(&mut *p.borrow_mut()));
+    let Some(key) = PREPARING.with(|p| p.take()) else { return };
+    if pending.is_empty() {
+        return;
+    }
+    let mut table = PREPARED.exclusive();
+    if let Some(at) = (0..PREPARED_SLOTS).find(|i| !table.used[*i]) {
+        table.used[at] = true;
+        table.gids[at] = key;
+        table.values[at] = [0; METRIC_SLOTS];
+        for (index, _, n) in pending {
+            table.values[at][index] += n;
+        }
+    }
+}
 
 thread_local! {
     static WAKE_AT_COMMIT: Cell<bool> = const { Cell::new(false) };
@@ -284,6 +356,8 @@ thread_local! {
     static DUE_FLOOR: Cell<i64> = const { Cell::new(i64::MAX) };
     /// Counter increments of the open transaction: (metric, subtransaction level, n).
     static PENDING: std::cell::RefCell<Vec<(usize, i32, u64)>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// The GID the open transaction is being prepared under (see `note_preparing`).
+    static PREPARING: Cell<Option<[u8; GID_BYTES]>> = const { Cell::new(None) };
 }
 
 pub fn init() {
@@ -291,6 +365,7 @@ pub fn init() {
     pg_shmem_init!(COUNTERS);
     pg_shmem_init!(DUE_FLOORS);
     pg_shmem_init!(ACTIVITIES);
+    pg_shmem_init!(PREPARED);
     unsafe {
         pg_sys::RegisterXactCallback(Some(on_xact_event), std::ptr::null_mut());
         pg_sys::RegisterSubXactCallback(Some(on_subxact_event), std::ptr::null_mut());
@@ -372,6 +447,13 @@ unsafe extern "C-unwind" fn on_xact_event(event: pg_sys::XactEvent::Type, _arg: 
             WAKE_AT_COMMIT.with(|w| w.set(false));
             DUE_FLOOR.with(|f| f.set(i64::MAX));
             PENDING.with(|p| p.borrow_mut().clear());
+            PREPARING.with(|p| p.take());
+        }
+        pg_sys::XactEvent::XACT_EVENT_PREPARE => {
+            // (the wake-up comes with COMMIT PREPARED: see finish_prepared)
+            WAKE_AT_COMMIT.with(|w| w.set(false));
+            DUE_FLOOR.with(|f| f.set(i64::MAX));
+            stash_prepared();
         }
         _ => {}
     }
@@ -477,30 +559,29 @@ fn clear_activity(index: usize, slot: &mut WorkerSlot) {
 }
 
 /// Called at process exit so a dead worker is never woken or shown.
-/// `stopped_in`: the worker was told to stop, in the attempt of this command
-/// (or between attempts: None); a worker that died otherwise leaves no record,
-/// and recovery charges every command it held.
-pub fn unregister_worker(index: usize, stopped_in: Option<Option<[u8; 16]>>) {
+pub fn unregister_worker(index: usize) {
     let mut table = WORKERS.exclusive();
-    let me = unsafe { pg_sys::MyProcPid };
-    if let Some(command) = stopped_in {
-        let at = table.next_exit % EXITS;
-        table.exits[at] =
-            Exit { pid: me, backend_start: unsafe { pg_sys::MyStartTimestamp }, command: command.unwrap_or([0; 16]) };
-        table.next_exit = at + 1;
-    }
     let slot = &mut table.slots[index];
-    if slot.pid == me {
+    if slot.pid == unsafe { pg_sys::MyProcPid } {
         *slot = WorkerSlot::default();
         clear_activity(index, slot);
     }
 }
 
-/// How the worker process (pid, backend_start) ended, if it was told to stop:
-/// Some(the command whose attempt it was in, all zero for none).
-pub fn stopped_in(pid: i32, backend_start: i64) -> Option<[u8; 16]> {
-    let table = WORKERS.share();
-    table.exits.iter().find(|e| e.pid == pid && e.backend_start == backend_start).map(|e| e.command)
+/// The maintenance worker starts (true) or exits (false) in this process.
+pub fn register_maintenance(live: bool) {
+    WORKERS.exclusive().maintenance_procno = if live { unsafe { (*pg_sys::MyProc).pgprocno } } else { -1 };
+}
+
+/// Wake the maintenance worker (an abandoned attempt to conclude). Raises nothing.
+pub fn wake_maintenance() {
+    let procno = WORKERS.share().maintenance_procno;
+    if procno >= 0 {
+        unsafe {
+            let proc_ = (*pg_sys::ProcGlobal).allProcs.add(procno as usize);
+            pg_sys::SetLatch(&mut (*proc_).procLatch);
+        }
+    }
 }
 
 /// Record what worker `index` is doing now: the command (and its run) it is

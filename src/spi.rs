@@ -167,6 +167,7 @@ pub(crate) const OID: PgOid = PgOid::BuiltIn(PgBuiltInOids::OIDOID);
 pub(crate) const TID: PgOid = PgOid::BuiltIn(PgBuiltInOids::TIDOID);
 pub(crate) const TID_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::TIDARRAYOID);
 pub(crate) const TEXT_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::TEXTARRAYOID);
+pub(crate) const BOOL_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::BOOLARRAYOID);
 
 /// The error report inside a caught error (a Rust panic carries one too).
 pub fn caught_report(caught: &pg_sys::panic::CaughtError) -> &pg_sys::panic::ErrorReportWithLevel {
@@ -283,7 +284,10 @@ pub fn try_transaction<R>(body: impl FnOnce() -> R) -> Result<R, (String, String
             }
             Err(_) => {
                 pg_sys::QueryCancelPending = 0;
-                pg_sys::AbortCurrentTransaction();
+                // (every level: an ERROR may leave subtransactions open, such
+                // as a leased attempt's, which AbortCurrentTransaction would
+                // only mark aborted)
+                pg_sys::AbortOutOfAnyTransaction();
             }
         }
         pg_sys::pgstat_report_stat(false);

@@ -6,14 +6,21 @@
 //! flagged, one bounded unit of work per transaction, wait on the latch until
 //! the next due time. Errors outside a handler are caught per transaction and
 //! never kill the worker; a handler's own errors never leave its
-//! subtransaction (src/execute.rs). Upkeep is recovery (src/recovery.rs)
-//! and, in worker 0, retention (src/retention.rs).
+//! subtransaction (src/execute.rs). Upkeep (recovery, retention) is the
+//! maintenance worker's (src/maintenance.rs): nothing waits behind a handler
+//! for it.
+//!
+//! What a worker claims starts now (src/claim.rs, `keep_what_starts_now`):
+//! held commands of handlers known to be fast, run in the claim's own
+//! transaction under a time budget; leased commands of fast handlers
+//! (limited queues), run in chunks; and at most one command of a handler
+//! that may be slow, run in a transaction of its own with no run locked
+//! while it runs (its run is locked at its settlement). Whatever a worker
+//! claimed and has not started within CLAIM_TARGET goes back to its queue.
 
 use crate::claim::{self, AttemptId, ClaimCursor, Claimed};
-use crate::recovery::{self, Recovery};
-use crate::retention::Pruning;
 use crate::spi::{self, engine_query, transaction, try_transaction};
-use crate::{attempt_record, execute, gateway, gucs, settle, shmem, spans};
+use crate::{attempt_record, execute, gateway, gucs, maintenance, settle, shmem, spans};
 use pgrx::bgworkers::{BackgroundWorker, BackgroundWorkerBuilder, SignalWakeFlags};
 use pgrx::datum::DatumWithOid;
 use pgrx::prelude::*;
@@ -31,7 +38,9 @@ impl Drop for RunningTime<'_> {
     }
 }
 
-/// A worker claims about this much work at a time (see `claim_size`).
+/// A worker claims about this much work at a time (see `claim_size`), and
+/// hands back what it claimed and has not started this long after its claim
+/// (see `run_batch`), so that an idle worker takes it.
 const CLAIM_TARGET: Duration = Duration::from_millis(100);
 
 /// A chunk of claimed commands commits once this much time has been spent on
@@ -42,14 +51,18 @@ const CHUNK_BUDGET: Duration = Duration::from_millis(50);
 /// engine's SQL fail is found and settled alone.
 const ISOLATION_PERIOD: Duration = Duration::from_secs(10);
 
-/// Commands a cancel stopped, or whose run was locked elsewhere, stay claimed
-/// this long before they are handed back: long enough for a cancel waiting on
-/// their run's lock to close them first.
+/// Commands a cancel stopped stay claimed this long before they are handed
+/// back: long enough for the cancel, which signals before it locks, to close
+/// them first.
 const HAND_BACK_DELAY: Duration = Duration::from_millis(1000);
 
 /// How long a worker waits before claiming again when work is due that its
-/// last claim did not get (see Worker::turn).
+/// last claim did not get (see Worker::turn); after a claim that got nothing
+/// of it (its runs or queues locked elsewhere), EMPTY_CLAIM_PAUSE: about ten
+/// empty claims a second, not 160, while a long transaction holds a run.
+/// A commit that makes work due wakes the worker sooner either way.
 const DUE_AGAIN_PAUSE: Duration = Duration::from_millis(10);
+const EMPTY_CLAIM_PAUSE: Duration = Duration::from_millis(100);
 /// The smallest chunk window (see Worker::chunk_window).
 const MIN_CHUNK_WINDOW: usize = 8;
 /// The most a worker's first claim after it slept takes (see Worker::claim).
@@ -77,17 +90,14 @@ unsafe extern "C-unwind" {
     fn die(signal: c_int);
 }
 
-/// Whether this worker was told to stop (SIGTERM: pg_terminate_backend, a
-/// cancel its handler ignored, a server shutdown).
-static TERMINATED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
 unsafe extern "C-unwind" fn terminate(signal: c_int) {
-    TERMINATED.store(true, std::sync::atomic::Ordering::Relaxed);
     unsafe { die(signal) };
 }
 
-/// Register the workers; called from `_PG_init` while preloading.
+/// Register the workers and the maintenance worker; called from `_PG_init`
+/// while preloading.
 pub fn register() {
+    maintenance::register();
     for index in 0..gucs::workers() {
         BackgroundWorkerBuilder::new(&format!("flow worker {index}"))
             .set_type("flow worker")
@@ -141,11 +151,9 @@ unsafe extern "C-unwind" fn on_exit(_code: c_int, arg: pg_sys::Datum) {
     if execute::hard_stopped() {
         pgrx::log!("flow: a handler ran past its deadline and ignored its cancel; its worker stopped (the attempt is concluded as interrupted)");
     }
-    // Told to stop: recovery charges the attempt it was in, if any, and hands
-    // the rest of its claim back. Died otherwise: nothing is known, and
-    // recovery charges everything it held.
-    let told = TERMINATED.load(std::sync::atomic::Ordering::Relaxed) || execute::hard_stopped();
-    shmem::unregister_worker(arg.value(), told.then(execute::attempt_in_progress));
+    // (its attempt record says which attempt it was in, if any: the
+    // maintenance worker charges that one and hands the rest of its claim back)
+    shmem::unregister_worker(arg.value());
 }
 
 /// How far a chunk got (`Worker::run_chunk`): how many commands it entered,
@@ -179,12 +187,6 @@ struct Worker {
     turn: Cell<i32>,
     /// The extension was found installed by the last check.
     ready: bool,
-    recovery: Recovery,
-    /// Worker 0 prunes (src/retention.rs).
-    pruning: Pruning,
-    /// What this slot's record held when the worker started is concluded
-    /// (see attempt_record.rs); no claim before.
-    record_concluded: bool,
     /// Recent time per command (µs, moving average), to size the next claim.
     per_command_us: f64,
     /// Time spent running commands (run_chunk) since per_command_us was last noted.
@@ -217,9 +219,6 @@ impl Worker {
             backend_start: spans::timestamp_from_pg(unsafe { pg_sys::MyStartTimestamp }),
             turn: Cell::new(index as i32),
             ready: false,
-            recovery: Recovery::default(),
-            pruning: Pruning::default(),
-            record_concluded: false,
             per_command_us: 0.0,
             running: Cell::new(Duration::ZERO),
             isolate_until: None,
@@ -246,36 +245,21 @@ impl Worker {
                 return idle;
             }
         }
-        if self.index == 0 {
-            self.recovery.conclude_abandoned(&self.name);
-        }
-        if !self.record_concluded {
-            match transaction(|| recovery::conclude_records(self.index, &self.name)) {
-                Some(()) => self.record_concluded = true,
-                None => return self.failed_turn(),
-            }
-        }
-        // Work first: a wake-up at commit goes straight to the claim; upkeep
-        // (recovery, pruning) runs after a batch, or when there was nothing to do.
         // A claim that came back short took everything due then; anything due
         // since was committed with a wake-up (this worker's latch is set if
         // no other worker was idle), so the turn right after it skips the claim.
         let skip_claim = self.took_all_due.replace(false);
+        let mut claimed_nothing = false;
         if !skip_claim {
+            let claimed_at = Instant::now();
             let Some((claimed, leased)) = self.claim_and_run_held() else { return self.failed_turn() };
             if !leased.is_empty() {
-                self.run_batch(leased);
+                self.run_batch(leased, claimed_at);
             }
             if claimed > 0 {
-                self.upkeep();
                 return Duration::ZERO;
             }
-        }
-        match self.upkeep() {
-            None => return self.failed_turn(),
-            // Pruning keeps pace: an idle worker goes on at once while more is due.
-            Some(true) => return Duration::ZERO,
-            Some(false) => {}
+            claimed_nothing = true;
         }
         // (from where the claims take up, while they may: see claim)
         let cursor = self.cursor.borrow().as_ref().filter(|(since, _)| !cursor_time_left(*since).is_zero()).cloned();
@@ -285,6 +269,7 @@ impl Worker {
             // claim was skipped), so claim again, after a breath in case what
             // holds it back is a lock (a run or a limited queue locked elsewhere).
             Some(Some(_)) if skip_claim => Duration::ZERO,
+            Some(Some(_)) if claimed_nothing => EMPTY_CLAIM_PAUSE,
             Some(Some(_)) => DUE_AGAIN_PAUSE,
             Some(None) => idle,
             None => return self.failed_turn(),
@@ -305,13 +290,6 @@ impl Worker {
             self.slept.set(true);
         }
         sleep
-    }
-
-    /// Recovery (every RECOVERY_INTERVAL) and pruning (worker 0) when due.
-    /// Returns whether more is due for pruning now, None if recovery failed.
-    fn upkeep(&mut self) -> Option<bool> {
-        self.recovery.maybe_recover()?;
-        Some(self.index == 0 && self.pruning.maybe_prune())
     }
 
     /// Release the handed-back commands put aside at least HAND_BACK_DELAY ago.
@@ -428,6 +406,7 @@ impl Worker {
             chunk.execute(self.index, command);
             ran += 1;
             if isolating
+                || chunk.demoted()
                 || chunk_started.elapsed() >= CHUNK_BUDGET
                 || execute::subxid_cache_nearly_full()
                 || gateway::constraint_state_changed()
@@ -500,11 +479,14 @@ impl Worker {
         gucs::log(&format!("flow: ran {count} commands in {} ms (their chunks' runs)", elapsed.as_millis()));
     }
 
-    /// Execute a batch of leased commands (their claim is committed) in
-    /// chunks, one transaction each, each of one owner's commands: the
-    /// batch is grouped by owner (in the order their first commands came),
-    /// and a chunk ends where its owner's group does.
-    fn run_batch(&mut self, mut claimed: Vec<Claimed>) {
+    /// Execute leased commands (their claim is committed) in chunks, one
+    /// transaction each, each of one owner's commands: grouped by owner (in
+    /// the order their first commands came), a chunk ends where its owner's
+    /// group does. A leased command holds no lock while its handler runs:
+    /// its run is locked at its settlement, right after (execute::Chunk).
+    /// What has not started CLAIM_TARGET after the claim (`claimed_at`) goes
+    /// back to its queue at once, uncharged, for an idle worker to take.
+    fn run_batch(&mut self, mut claimed: Vec<Claimed>, claimed_at: Instant) {
         let mut first_seen: Vec<pg_sys::Oid> = Vec::new();
         for command in &claimed {
             if !first_seen.contains(&command.owner) {
@@ -513,15 +495,17 @@ impl Worker {
         }
         claimed.sort_by_key(|c| first_seen.iter().position(|o| *o == c.owner));
         let count = claimed.len();
-        report_activity(&format!("flow: running a batch of {count} commands"));
-        // Chunks commit at least every CHUNK_BUDGET, so a slow handler does not
-        // hold back the results of the fast ones claimed with it.
+        report_activity(&format!("flow: running {count} leased commands"));
         let mut rest: &[Claimed] = &claimed;
         let mut ran_in_all = 0;
         let isolating = self.isolating();
         while !rest.is_empty() {
-            // The commands this chunk may run (it begins by locking their runs):
-            // as many as the last chunk that ended early managed, or all.
+            if claimed_at.elapsed() >= CLAIM_TARGET {
+                self.hand_back(rest);
+                break;
+            }
+            // The commands this chunk may run: as many as the last chunk
+            // that ended early managed, or all.
             let owner = rest[0].owner;
             let same_owner = rest.iter().take_while(|c| c.owner == owner).count();
             let window = &rest[..same_owner.min(self.chunk_window)];
@@ -529,15 +513,21 @@ impl Worker {
             let this = &*self;
             let ran = try_transaction(|| {
                 gateway::begin_owner(owner);
-                let mut chunk = execute::Chunk::begin(&this.name, window);
+                let mut chunk = execute::Chunk::leased(&this.name, window);
                 let run = this.run_chunk(&mut chunk, window, &entered, isolating);
-                (run, chunk.finish().handed_back)
+                let finished = chunk.finish();
+                (run, finished.handed_back, finished.released_now)
             });
+            // committed or rolled back: its attempts are over either way
+            attempt_record::clear();
             match ran {
-                Ok((run, handed_back)) => {
+                Ok((run, handed_back, released_now)) => {
                     self.next_window(run);
                     let at = Instant::now();
                     self.unreleased.extend(handed_back.into_iter().map(|(id, token)| (id, token, at)));
+                    // (released at the start of the next turn)
+                    let now = at - HAND_BACK_DELAY;
+                    self.unreleased.extend(released_now.into_iter().map(|(id, token)| (id, token, now)));
                     let runs: Vec<[u8; 16]> = rest[..run.ran].iter().map(|c| *c.run_id.as_bytes()).collect();
                     shmem::clear_cancels(self.index, &runs);
                     rest = &rest[run.ran..];
@@ -553,6 +543,18 @@ impl Worker {
         shmem::set_worker_state(self.index, true, None, 0);
         // (the commands run: those a failed chunk left to `contain` were not)
         self.note_time_per_command(ran_in_all);
+    }
+
+    /// Give leased commands that did not start back to their queues now
+    /// (flow._release, which wakes the workers); those whose row is locked
+    /// elsewhere are tried again next turn.
+    fn hand_back(&mut self, commands: &[Claimed]) {
+        self.forget_cursor(); // what goes back to its queue is behind it
+        let (ids, tokens): (Vec<_>, Vec<_>) = commands.iter().map(|c| (c.command_id, c.lease_token)).unzip();
+        let still_locked = transaction(|| settle::release(ids, tokens))
+            .unwrap_or_else(|| commands.iter().map(|c| (c.command_id, c.lease_token)).collect());
+        let at = Instant::now() - HAND_BACK_DELAY; // locked elsewhere: try again next turn
+        self.unreleased.extend(still_locked.into_iter().map(|(id, token)| (id, token, at)));
     }
 
     /// How many commands to claim: `flow.batch_size` for fast handlers, fewer
@@ -593,7 +595,9 @@ impl Worker {
         // not once it has claimed a whole batch (4 ms for 1,000); the claims
         // after that are whole again.
         let size = if self.slept.replace(false) { size.min(FIRST_CLAIM_AFTER_SLEEP) } else { size };
-        let mut excluded = attempt_record::held_elsewhere(self.index);
+        // (the commands other workers' attempt records name: in an attempt,
+        // or left by a worker that stopped in it and not concluded yet)
+        let mut excluded = attempt_record::named_elsewhere(self.index);
         // and the held commands this worker left to a cancel lately (see execute::Chunk::finish)
         let mut left = self.left_to_cancels.borrow_mut();
         left.retain(|(_, at)| at.elapsed() < HAND_BACK_DELAY);
@@ -631,10 +635,13 @@ impl Worker {
             }
         }
         gucs::inject_fault("claim");
-        let claim::Claim { commands: claimed, ended_at, interleaved } =
-            claim::claim(&self.name, self.backend_start, size, turn, excluded, kept.as_ref().map(|(_, at)| at));
-        // (a claim from several queues took each one's share only: more may be due)
-        let full = claimed.len() >= size as usize || interleaved;
+        let claim::Claim { commands: claimed, ended_at, interleaved, left_some } =
+            claim::claim(&self.name, self.backend_start, size, turn, excluded, kept.as_ref().map(|(_, at)| at), &|| {
+                attempt_record::named_elsewhere(self.index)
+            });
+        // (a claim from several queues took each one's share only, and one
+        // that left commands it locked left them due: more may be due)
+        let full = claimed.len() >= size as usize || interleaved || left_some;
         let (since, cursor) = if full {
             // more may be due: bring in an idle worker
             shmem::wake_workers();
@@ -664,7 +671,7 @@ impl Worker {
     }
 }
 
-fn extension_installed() -> bool {
+pub(crate) fn extension_installed() -> bool {
     // Waits calmly while the extension is missing or being created, dropped or
     // updated, and while its SQL is of another release than this library (after
     // a new library was installed and the server restarted, until `ALTER
@@ -714,7 +721,7 @@ fn next_due_ms(after: Option<&ClaimCursor>) -> Option<i64> {
 }
 
 /// Sleep on the latch; settlements, enqueues and emits elsewhere set it.
-fn wait_on_latch(timeout: Duration) {
+pub(crate) fn wait_on_latch(timeout: Duration) {
     unsafe {
         pg_sys::WaitLatch(
             pg_sys::MyLatch,
@@ -733,7 +740,7 @@ fn wait_on_latch(timeout: Duration) {
 #[allow(non_camel_case_types)]
 type libc_long = std::ffi::c_long;
 
-fn report_activity(text: &str) {
+pub(crate) fn report_activity(text: &str) {
     if let Ok(text) = CString::new(text) {
         unsafe { pg_sys::pgstat_report_activity(pg_sys::BackendState::STATE_RUNNING, text.as_ptr()) };
     }
@@ -749,7 +756,7 @@ fn warm_plans(owner: &str, backend_start: Option<TimestampWithTimeZone>) {
     if !spi::take_plans_stale() {
         return;
     }
-    claim::claim(owner, backend_start, 0, 0, Vec::new(), None);
+    claim::claim(owner, backend_start, 0, 0, Vec::new(), None, &Vec::new);
     let none: [DatumWithOid; 8] = [
         Vec::<pgrx::Uuid>::new().into(),
         Vec::<pgrx::Uuid>::new().into(),

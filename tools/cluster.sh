@@ -28,6 +28,7 @@ start)
       echo "flow.database_name = 'postgres'"
     fi
     echo "max_connections = 100"
+    echo "max_worker_processes = 24"
     echo "fsync = on"
     for line in "$@"; do echo "$line"; done
   } >> "$DIR/pgdata/postgresql.conf"

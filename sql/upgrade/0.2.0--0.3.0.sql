@@ -32,3 +32,11 @@ DROP FUNCTION flow._args_misfit(regtype, jsonb);
 -- sql/schema.sql, which the script replaces before this part.)
 -- (set_queue keeps what it is not given: src/api.rs, _left_out)
 DROP FUNCTION flow._set_queue(oid, text, integer, boolean);
+-- (recovery reads the workers' attempt records: src/recovery.rs)
+DROP FUNCTION flow._recover();
+DROP FUNCTION flow._stopped_in(integer, timestamptz);
+-- (a leased command's run is locked at its settlement, not before it runs)
+DROP FUNCTION flow._begin_batch(uuid[], uuid[]);
+
+-- Runs past their deadline end as a whole (flow._expire_runs).
+CREATE INDEX _commands_deadline ON flow._commands (deadline) WHERE finished_at IS NULL AND deadline IS NOT NULL;
