@@ -247,9 +247,10 @@ BEGIN
             RAISE EXCEPTION 'flow: this transaction holds commands for worker %, not %', flow._holding_worker(), worker
                 USING ERRCODE = '22023';
         END IF;
-        IF current_setting('flow.workers')::integer = 0 OR current_database() <> current_setting('flow.database_name') THEN
-            RAISE EXCEPTION 'flow: a claim with hold => true needs flow''s workers (flow.workers >= 1) in this database (flow.database_name)'
-                USING ERRCODE = '55000', DETAIL = 'Worker 0 counts the attempts of transactions that end unsettled.';
+        IF current_database() <> current_setting('flow.database_name') THEN
+            RAISE EXCEPTION 'flow: a claim with hold => true needs flow''s maintenance worker in this database (flow.database_name)'
+                USING ERRCODE = '55000',
+                      DETAIL = 'The maintenance worker counts the attempts of transactions that end unsettled.';
         END IF;
     END IF;
     SELECT s.queue, s.due_at, s.id INTO after_queue, after_at, after_id FROM flow._external_claim_start(alone) s;
@@ -599,7 +600,7 @@ BEGIN
                    '_prepare_external_claim', '_complete_many', '_recover', '_prune', '_retire_events',
                    '_lock_runs', '_lock_runs_of', '_try_lock_run_of', '_close_open_commands', '_conclude_record',
                    '_expire_runs', '_conclude_expired_lease', '_gone_workers',
-                   '_release', '_settle_batch', '_settle_failure', '_lock_run_and_commands',
+                   '_release', '_void_held', '_settle_batch', '_settle_failure', '_lock_run_and_commands',
                    '_promote_if_satisfied']) LOOP
         EXECUTE format('ALTER FUNCTION %s SET enable_seqscan = off SET enable_bitmapscan = off'
                        ' SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off', f);

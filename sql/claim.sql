@@ -185,7 +185,10 @@ BEGIN
         -- so no other claim reads it.) A slot with less than its share leaves
         -- the claim short: an external claim then claims the rest (flow.claim),
         -- a worker claims again at once (Worker::claim).
-        -- (A full limited lane takes no share.)
+        -- (A full limited lane takes no share.) An in-database worker may
+        -- leave out rows of handlers that may be slow (it keeps one: see
+        -- src/claim.rs, keep_what_starts_now); its commit then says they are
+        -- due from where they are, so no claim skips them for long.
         SELECT l.*, least(l.room, max_count / l.slots + (l.slot < max_count % l.slots)::integer) AS take
         FROM (SELECT l.*, s.claimant,
                      (row_number() OVER (ORDER BY l.lane_order, s.claimant) - 1)::integer AS slot,

@@ -73,7 +73,13 @@ DROP FUNCTION flow._begin_batch(uuid[], uuid[]);
 -- Runs past their deadline end as a whole (flow._expire_runs).
 CREATE INDEX _commands_deadline ON flow._commands (deadline) WHERE finished_at IS NULL AND deadline IS NOT NULL;
 
--- src/lib.rs:55
+-- Attempts the engine voided are counted, not charged (flow._release).
+ALTER TABLE flow._attempts DROP CONSTRAINT _attempts_outcome_check,
+    ADD CONSTRAINT _attempts_outcome_check CHECK (outcome IN ('succeeded', 'permanent', 'retry_after', 'timeout',
+        'interrupted', 'lease_lost', 'crash', 'retryable', 'cancelled', 'expired', 'voided'));
+DROP FUNCTION flow._release(uuid[], uuid[]);
+
+-- src/lib.rs:56
 -- requires:
 --   schema
 
@@ -228,7 +234,7 @@ BEGIN
     ON CONFLICT (id) DO NOTHING;
 END $$;
 
--- src/lib.rs:56
+-- src/lib.rs:57
 -- requires:
 --   common
 
@@ -695,7 +701,7 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
         OR EXISTS (SELECT 1 FROM flow._run_rows r WHERE r.owner = role AND r.status = 'running')
 $$;
 
--- src/lib.rs:57
+-- src/lib.rs:58
 -- requires:
 --   definitions
 
@@ -862,7 +868,7 @@ BEGIN
     RETURN ids;
 END $$;
 
--- src/lib.rs:58
+-- src/lib.rs:59
 -- requires:
 --   enqueue
 
@@ -1053,7 +1059,10 @@ BEGIN
         -- so no other claim reads it.) A slot with less than its share leaves
         -- the claim short: an external claim then claims the rest (flow.claim),
         -- a worker claims again at once (Worker::claim).
-        -- (A full limited lane takes no share.)
+        -- (A full limited lane takes no share.) An in-database worker may
+        -- leave out rows of handlers that may be slow (it keeps one: see
+        -- src/claim.rs, keep_what_starts_now); its commit then says they are
+        -- due from where they are, so no claim skips them for long.
         SELECT l.*, least(l.room, max_count / l.slots + (l.slot < max_count % l.slots)::integer) AS take
         FROM (SELECT l.*, s.claimant,
                      (row_number() OVER (ORDER BY l.lane_order, s.claimant) - 1)::integer AS slot,
@@ -1220,7 +1229,7 @@ BEGIN
                                WHERE r.queue = q.name AND r.status = 'running')));
 END $$;
 
--- src/lib.rs:59
+-- src/lib.rs:60
 -- requires:
 --   claim
 
@@ -1307,8 +1316,16 @@ BEGIN
         SELECT c.id, c.attempts AS attempt, c.lease_token, c.lease_owner AS owner, c.attempt_started_at AS started_at
         FROM flow._commands_of(_close_open_commands.run_id) c WHERE c.status::text = 'running'   -- (sql/common.sql)
         UNION ALL
-        SELECT h.command_id, h.attempt, gen_random_uuid(), h.owner, h.started_at
-        FROM flow._held_attempts h JOIN flow._commands_of(_close_open_commands.run_id) c ON c.id = h.command_id
+        -- held: by a live worker (its shared memory), or named by the record
+        -- of a worker that stopped in it and is not concluded yet
+        (SELECT DISTINCT ON (h.command_id) h.command_id, h.attempt, gen_random_uuid(), h.owner, h.started_at
+         FROM (SELECT h.command_id, h.attempt, h.owner, h.started_at, 0 AS pick FROM flow._held_attempts h
+               UNION ALL
+               SELECT r.command_id, r.attempt, 'a stopped worker', clock_timestamp(), 1
+               FROM flow._recorded_attempts() r) h
+         JOIN flow._commands_of(_close_open_commands.run_id) c ON c.id = h.command_id
+         WHERE c.status::text IN ('pending', 'waiting') AND c.attempts = h.attempt - 1
+         ORDER BY h.command_id, h.pick)   -- (a live worker's entry first)
     ), counted AS (
         INSERT INTO flow._attempts (command_id, attempt, lease_token, owner, started_at, finished_at,
             outcome, error_code, error_message)
@@ -1327,36 +1344,89 @@ BEGIN
         WHERE c.id = ANY (ARRAY(SELECT k.id FROM flow._commands_of(_close_open_commands.run_id) k)) AND c.finished_at IS NULL
     )
     SELECT count(*) INTO interrupted FROM counted;
-    PERFORM flow._observe('attempts_cancelled', interrupted);
+    PERFORM flow._observe(CASE WHEN reason = 'deadline' THEN 'attempts_expired' ELSE 'attempts_cancelled' END,
+                          interrupted);
 END $$;
 
--- Hand claimed commands back to their queue, giving back the attempt the
--- claim counted: nothing of their attempt was kept (their chunk failed
--- outside their handlers, a cancel stopped them, or their run was locked
--- elsewhere). Takes no run lock and skips a command row locked elsewhere;
--- returns those still held, so the worker tries again later.
-CREATE OR REPLACE FUNCTION flow._release(command_ids uuid[], lease_tokens uuid[]) RETURNS SETOF uuid
+-- Hand claimed commands back to their queue. One whose attempt never
+-- started (a claim its worker did not reach in time, a chunk that failed
+-- before it, a dead worker's lease its record does not name) gives back the
+-- attempt the claim counted. One whose attempt started and that the engine
+-- voided (`voided[i]`, the reason: 'demoted', a fast attempt cut at its
+-- budget; 'engine_error', its chunk failed outside its handler; 'late_cancel',
+-- a cancel signal meant for an attempt before it) keeps it, recorded as
+-- 'voided': every attempt that started is counted (rule 3), and a voided one
+-- is not charged against max_attempts (flow._settle_failure). Takes no run
+-- lock and skips a command row locked elsewhere; returns those still held,
+-- so the worker tries again later.
+CREATE OR REPLACE FUNCTION flow._release(command_ids uuid[], lease_tokens uuid[], voided text[] DEFAULT NULL)
+RETURNS SETOF uuid
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     released uuid[];
 BEGIN
     WITH mine AS (
-        SELECT c.id FROM flow._commands c JOIN unnest(command_ids, lease_tokens) AS t(id, token) ON c.id = ANY (ARRAY[t.id])
+        SELECT c.id, t.void FROM flow._commands c
+        JOIN unnest(command_ids, lease_tokens, voided) AS t(id, token, void) ON c.id = ANY (ARRAY[t.id])
         WHERE c.status::text = 'running' AND c.lease_token = t.token   -- by id (sql/common.sql)
         FOR UPDATE OF c SKIP LOCKED
+    ), counted AS (
+        INSERT INTO flow._attempts (command_id, attempt, lease_token, owner, started_at, finished_at,
+            outcome, error_code, error_message)
+        SELECT c.id, c.attempts, c.lease_token, c.lease_owner, c.attempt_started_at, clock_timestamp(),
+               'voided', m.void, flow._voided_message(m.void)
+        FROM mine m JOIN flow._commands c ON c.id = ANY (ARRAY[m.id])
+        WHERE m.void IS NOT NULL
     ), done AS (
-        UPDATE flow._commands c SET status = 'pending', attempts = c.attempts - 1,
+        UPDATE flow._commands c SET status = 'pending',
+            attempts = CASE WHEN mine.void IS NULL THEN c.attempts - 1 ELSE c.attempts END,
             lease_token = NULL, lease_owner = NULL, lease_pid = NULL, lease_backend_start = NULL,
             lease_expires_at = NULL, lease_interval = NULL, attempt_started_at = NULL, attempt_deadline = NULL
         FROM mine WHERE c.id = ANY (ARRAY[mine.id])
         RETURNING c.id
     )
     SELECT coalesce(array_agg(done.id), '{}') INTO released FROM done;
-    PERFORM flow._observe('handed_back', cardinality(released));
+    PERFORM flow._observe('handed_back', cardinality(released)),
+            flow._observe('attempts_voided', (SELECT count(*) FROM unnest(command_ids, voided) AS x(id, void)
+                                               WHERE x.void IS NOT NULL AND x.id = ANY (released)));
     PERFORM flow._wake();
     RETURN QUERY
         SELECT c.id FROM flow._commands c JOIN unnest(command_ids, lease_tokens) AS t(id, token) ON c.id = ANY (ARRAY[t.id])
         WHERE c.status::text = 'running' AND c.lease_token = t.token AND c.id <> ALL (released);
+END $$;
+
+-- Why the engine voided an attempt (flow._release, flow._void_held).
+CREATE OR REPLACE FUNCTION flow._voided_message(code text) RETURNS text
+LANGUAGE sql IMMUTABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT CASE code
+        WHEN 'demoted' THEN 'the attempt ran past the 100 ms budget of a fast handler: run again alone, not charged'
+        WHEN 'engine_error' THEN 'the engine failed outside this attempt''s handler: run again, not charged'
+        WHEN 'late_cancel' THEN 'a cancel meant for an earlier attempt stopped it: run again, not charged'
+        ELSE code END
+$$;
+
+-- Void a held attempt that started (its command only locked, nothing
+-- written): the attempt `attempt` is counted, recorded as 'voided' with the
+-- reason `code` (see flow._release), and not charged. Changes nothing if the
+-- command has moved on. Returns whether it voided it.
+CREATE OR REPLACE FUNCTION flow._void_held(command_id uuid, attempt integer, lease_token uuid, owner_name text,
+    started timestamptz, code text)
+RETURNS boolean
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    UPDATE flow._commands c SET attempts = attempt,
+        budget_started_at = flow._budget_start(c.status, c.attempts, c.next_run_at, c.budget_started_at),
+        wait_timed_out = flow._wait_timed_out(c.status, c.wait_timed_out)
+    WHERE c.id = _void_held.command_id AND c.status::text IN ('pending', 'waiting') AND c.attempts = attempt - 1;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    INSERT INTO flow._attempts (command_id, attempt, lease_token, owner, started_at, finished_at,
+        outcome, error_code, error_message)
+    VALUES (command_id, attempt, lease_token, owner_name, least(started, clock_timestamp()), clock_timestamp(),
+            'voided', code, flow._voided_message(code));
+    PERFORM flow._observe('attempts_voided', 1);
+    RETURN true;
 END $$;
 
 -- Settle successful attempts in three set-based statements: a worker chunk's,
@@ -1563,7 +1633,9 @@ BEGIN
 
     IF outcome = 'permanent' THEN
         stop := 'permanent';
-    ELSIF c.attempts >= d.max_attempts THEN
+    -- (attempts the engine voided are not charged: flow._release)
+    ELSIF c.attempts - (SELECT count(*) FROM flow._attempts a
+                        WHERE a.command_id = c.id AND a.outcome = 'voided') >= d.max_attempts THEN
         stop := 'attempt_limit';
     ELSE
         next_at := clock_timestamp() + CASE WHEN outcome = 'retry_after' AND retry_delay > interval '0' THEN retry_delay
@@ -1606,7 +1678,7 @@ BEGIN
     RETURN CASE WHEN stop IS NULL THEN 'retry' ELSE 'failed' END;
 END $$;
 
--- src/lib.rs:60
+-- src/lib.rs:61
 -- requires:
 --   settle
 
@@ -1751,7 +1823,7 @@ BEGIN
     RETURN ended;
 END $$;
 
--- src/lib.rs:61
+-- src/lib.rs:62
 -- requires:
 --   recover
 
@@ -1910,7 +1982,7 @@ BEGIN
     RETURN retired;
 END $$;
 
--- src/lib.rs:62
+-- src/lib.rs:63
 -- requires:
 --   retention
 
@@ -2296,7 +2368,7 @@ BEGIN
     RETURN format(E'flowchart LR\n%s\n', array_to_string(lines, E'\n'));
 END $$;
 
--- src/lib.rs:63
+-- src/lib.rs:64
 -- requires:
 --   workflows
 
@@ -2965,6 +3037,16 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_observe_wrapper';
 
+-- src/attempt_record.rs:181
+-- flow::attempt_record::_recorded_attempts
+CREATE OR REPLACE FUNCTION "_recorded_attempts"() RETURNS TABLE (
+	"command_id" uuid,  /* pgrx :: Uuid */
+	"attempt" INT  /* i32 */
+)
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', '_recorded_attempts_wrapper';
+
 -- src/api.rs:87
 -- flow::api::_redeem
 CREATE OR REPLACE FUNCTION "_redeem"(
@@ -3052,7 +3134,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', 'run_sql_wrapper';
 
--- src/lib.rs:64
+-- src/lib.rs:65
 -- finalize
 -- flow's public SQL surface (names and named parameters are the API, see
 -- DESIGN.md) and the views a person reads.
@@ -3303,9 +3385,10 @@ BEGIN
             RAISE EXCEPTION 'flow: this transaction holds commands for worker %, not %', flow._holding_worker(), worker
                 USING ERRCODE = '22023';
         END IF;
-        IF current_setting('flow.workers')::integer = 0 OR current_database() <> current_setting('flow.database_name') THEN
-            RAISE EXCEPTION 'flow: a claim with hold => true needs flow''s workers (flow.workers >= 1) in this database (flow.database_name)'
-                USING ERRCODE = '55000', DETAIL = 'Worker 0 counts the attempts of transactions that end unsettled.';
+        IF current_database() <> current_setting('flow.database_name') THEN
+            RAISE EXCEPTION 'flow: a claim with hold => true needs flow''s maintenance worker in this database (flow.database_name)'
+                USING ERRCODE = '55000',
+                      DETAIL = 'The maintenance worker counts the attempts of transactions that end unsettled.';
         END IF;
     END IF;
     SELECT s.queue, s.due_at, s.id INTO after_queue, after_at, after_id FROM flow._external_claim_start(alone) s;
@@ -3655,7 +3738,7 @@ BEGIN
                    '_prepare_external_claim', '_complete_many', '_recover', '_prune', '_retire_events',
                    '_lock_runs', '_lock_runs_of', '_try_lock_run_of', '_close_open_commands', '_conclude_record',
                    '_expire_runs', '_conclude_expired_lease', '_gone_workers',
-                   '_release', '_settle_batch', '_settle_failure', '_lock_run_and_commands',
+                   '_release', '_void_held', '_settle_batch', '_settle_failure', '_lock_run_and_commands',
                    '_promote_if_satisfied']) LOOP
         EXECUTE format('ALTER FUNCTION %s SET enable_seqscan = off SET enable_bitmapscan = off'
                        ' SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off', f);

@@ -278,7 +278,7 @@ CREATE TABLE flow._attempts (
     started_at   timestamptz NOT NULL,
     finished_at  timestamptz NOT NULL,
     outcome      text NOT NULL CHECK (outcome IN ('succeeded', 'permanent', 'retry_after', 'timeout',
-                     'interrupted', 'lease_lost', 'crash', 'retryable', 'cancelled', 'expired')),
+                     'interrupted', 'lease_lost', 'crash', 'retryable', 'cancelled', 'expired', 'voided')),
     error_code   text,
     error_message text CHECK (octet_length(error_message) <= 1024),
     PRIMARY KEY (command_id, attempt),

@@ -81,8 +81,16 @@ BEGIN
         SELECT c.id, c.attempts AS attempt, c.lease_token, c.lease_owner AS owner, c.attempt_started_at AS started_at
         FROM flow._commands_of(_close_open_commands.run_id) c WHERE c.status::text = 'running'   -- (sql/common.sql)
         UNION ALL
-        SELECT h.command_id, h.attempt, gen_random_uuid(), h.owner, h.started_at
-        FROM flow._held_attempts h JOIN flow._commands_of(_close_open_commands.run_id) c ON c.id = h.command_id
+        -- held: by a live worker (its shared memory), or named by the record
+        -- of a worker that stopped in it and is not concluded yet
+        (SELECT DISTINCT ON (h.command_id) h.command_id, h.attempt, gen_random_uuid(), h.owner, h.started_at
+         FROM (SELECT h.command_id, h.attempt, h.owner, h.started_at, 0 AS pick FROM flow._held_attempts h
+               UNION ALL
+               SELECT r.command_id, r.attempt, 'a stopped worker', clock_timestamp(), 1
+               FROM flow._recorded_attempts() r) h
+         JOIN flow._commands_of(_close_open_commands.run_id) c ON c.id = h.command_id
+         WHERE c.status::text IN ('pending', 'waiting') AND c.attempts = h.attempt - 1
+         ORDER BY h.command_id, h.pick)   -- (a live worker's entry first)
     ), counted AS (
         INSERT INTO flow._attempts (command_id, attempt, lease_token, owner, started_at, finished_at,
             outcome, error_code, error_message)
@@ -101,36 +109,89 @@ BEGIN
         WHERE c.id = ANY (ARRAY(SELECT k.id FROM flow._commands_of(_close_open_commands.run_id) k)) AND c.finished_at IS NULL
     )
     SELECT count(*) INTO interrupted FROM counted;
-    PERFORM flow._observe('attempts_cancelled', interrupted);
+    PERFORM flow._observe(CASE WHEN reason = 'deadline' THEN 'attempts_expired' ELSE 'attempts_cancelled' END,
+                          interrupted);
 END $$;
 
--- Hand claimed commands back to their queue, giving back the attempt the
--- claim counted: nothing of their attempt was kept (their chunk failed
--- outside their handlers, a cancel stopped them, or their run was locked
--- elsewhere). Takes no run lock and skips a command row locked elsewhere;
--- returns those still held, so the worker tries again later.
-CREATE FUNCTION flow._release(command_ids uuid[], lease_tokens uuid[]) RETURNS SETOF uuid
+-- Hand claimed commands back to their queue. One whose attempt never
+-- started (a claim its worker did not reach in time, a chunk that failed
+-- before it, a dead worker's lease its record does not name) gives back the
+-- attempt the claim counted. One whose attempt started and that the engine
+-- voided (`voided[i]`, the reason: 'demoted', a fast attempt cut at its
+-- budget; 'engine_error', its chunk failed outside its handler; 'late_cancel',
+-- a cancel signal meant for an attempt before it) keeps it, recorded as
+-- 'voided': every attempt that started is counted (rule 3), and a voided one
+-- is not charged against max_attempts (flow._settle_failure). Takes no run
+-- lock and skips a command row locked elsewhere; returns those still held,
+-- so the worker tries again later.
+CREATE FUNCTION flow._release(command_ids uuid[], lease_tokens uuid[], voided text[] DEFAULT NULL)
+RETURNS SETOF uuid
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     released uuid[];
 BEGIN
     WITH mine AS (
-        SELECT c.id FROM flow._commands c JOIN unnest(command_ids, lease_tokens) AS t(id, token) ON c.id = ANY (ARRAY[t.id])
+        SELECT c.id, t.void FROM flow._commands c
+        JOIN unnest(command_ids, lease_tokens, voided) AS t(id, token, void) ON c.id = ANY (ARRAY[t.id])
         WHERE c.status::text = 'running' AND c.lease_token = t.token   -- by id (sql/common.sql)
         FOR UPDATE OF c SKIP LOCKED
+    ), counted AS (
+        INSERT INTO flow._attempts (command_id, attempt, lease_token, owner, started_at, finished_at,
+            outcome, error_code, error_message)
+        SELECT c.id, c.attempts, c.lease_token, c.lease_owner, c.attempt_started_at, clock_timestamp(),
+               'voided', m.void, flow._voided_message(m.void)
+        FROM mine m JOIN flow._commands c ON c.id = ANY (ARRAY[m.id])
+        WHERE m.void IS NOT NULL
     ), done AS (
-        UPDATE flow._commands c SET status = 'pending', attempts = c.attempts - 1,
+        UPDATE flow._commands c SET status = 'pending',
+            attempts = CASE WHEN mine.void IS NULL THEN c.attempts - 1 ELSE c.attempts END,
             lease_token = NULL, lease_owner = NULL, lease_pid = NULL, lease_backend_start = NULL,
             lease_expires_at = NULL, lease_interval = NULL, attempt_started_at = NULL, attempt_deadline = NULL
         FROM mine WHERE c.id = ANY (ARRAY[mine.id])
         RETURNING c.id
     )
     SELECT coalesce(array_agg(done.id), '{}') INTO released FROM done;
-    PERFORM flow._observe('handed_back', cardinality(released));
+    PERFORM flow._observe('handed_back', cardinality(released)),
+            flow._observe('attempts_voided', (SELECT count(*) FROM unnest(command_ids, voided) AS x(id, void)
+                                               WHERE x.void IS NOT NULL AND x.id = ANY (released)));
     PERFORM flow._wake();
     RETURN QUERY
         SELECT c.id FROM flow._commands c JOIN unnest(command_ids, lease_tokens) AS t(id, token) ON c.id = ANY (ARRAY[t.id])
         WHERE c.status::text = 'running' AND c.lease_token = t.token AND c.id <> ALL (released);
+END $$;
+
+-- Why the engine voided an attempt (flow._release, flow._void_held).
+CREATE FUNCTION flow._voided_message(code text) RETURNS text
+LANGUAGE sql IMMUTABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT CASE code
+        WHEN 'demoted' THEN 'the attempt ran past the 100 ms budget of a fast handler: run again alone, not charged'
+        WHEN 'engine_error' THEN 'the engine failed outside this attempt''s handler: run again, not charged'
+        WHEN 'late_cancel' THEN 'a cancel meant for an earlier attempt stopped it: run again, not charged'
+        ELSE code END
+$$;
+
+-- Void a held attempt that started (its command only locked, nothing
+-- written): the attempt `attempt` is counted, recorded as 'voided' with the
+-- reason `code` (see flow._release), and not charged. Changes nothing if the
+-- command has moved on. Returns whether it voided it.
+CREATE FUNCTION flow._void_held(command_id uuid, attempt integer, lease_token uuid, owner_name text,
+    started timestamptz, code text)
+RETURNS boolean
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    UPDATE flow._commands c SET attempts = attempt,
+        budget_started_at = flow._budget_start(c.status, c.attempts, c.next_run_at, c.budget_started_at),
+        wait_timed_out = flow._wait_timed_out(c.status, c.wait_timed_out)
+    WHERE c.id = _void_held.command_id AND c.status::text IN ('pending', 'waiting') AND c.attempts = attempt - 1;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    INSERT INTO flow._attempts (command_id, attempt, lease_token, owner, started_at, finished_at,
+        outcome, error_code, error_message)
+    VALUES (command_id, attempt, lease_token, owner_name, least(started, clock_timestamp()), clock_timestamp(),
+            'voided', code, flow._voided_message(code));
+    PERFORM flow._observe('attempts_voided', 1);
+    RETURN true;
 END $$;
 
 -- Settle successful attempts in three set-based statements: a worker chunk's,
@@ -337,7 +398,9 @@ BEGIN
 
     IF outcome = 'permanent' THEN
         stop := 'permanent';
-    ELSIF c.attempts >= d.max_attempts THEN
+    -- (attempts the engine voided are not charged: flow._release)
+    ELSIF c.attempts - (SELECT count(*) FROM flow._attempts a
+                        WHERE a.command_id = c.id AND a.outcome = 'voided') >= d.max_attempts THEN
         stop := 'attempt_limit';
     ELSE
         next_at := clock_timestamp() + CASE WHEN outcome = 'retry_after' AND retry_delay > interval '0' THEN retry_delay

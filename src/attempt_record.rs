@@ -173,3 +173,14 @@ pub fn named_elsewhere(slot: usize) -> Vec<pgrx::Uuid> {
 pub fn remove(writer: &Writer) {
     let _ = std::fs::remove_file(writer.path());
 }
+
+/// Every attempt a record names, of live workers and of gone ones not
+/// concluded yet: what a cancel or a run's end counts of held attempts whose
+/// worker is gone (flow._close_open_commands), which nothing else in the
+/// database says started.
+#[pgrx::pg_extern(volatile, parallel_unsafe)]
+fn _recorded_attempts() -> pgrx::iter::TableIterator<'static, (pgrx::name!(command_id, pgrx::Uuid), pgrx::name!(attempt, i32))> {
+    let named: Vec<(pgrx::Uuid, i32)> =
+        all().into_iter().filter_map(|(_, r)| r).map(|r| (pgrx::Uuid::from_bytes(r.command), r.attempt)).collect();
+    pgrx::iter::TableIterator::new(named)
+}

@@ -17,7 +17,7 @@
 use crate::claim::{self, Claimed};
 use crate::outcome::{self, Class, Failure};
 use crate::payload::Jsonb;
-use crate::settle::{self, Settled};
+use crate::settle::{self, HandBack, Settled};
 use crate::spi::{self, in_subtransaction, Subtransaction};
 use crate::{gateway, gucs, handler_call, shmem, spans};
 use pgrx::pg_sys;
@@ -142,19 +142,20 @@ fn _decide(class: &str, code: &str, message: &str, delay_us: Option<i64>) -> boo
 /// What a finished chunk leaves to its worker (`Chunk::finish`).
 pub struct Finished {
     /// Commands to hand back to their queue uncharged: (id, lease token).
-    pub handed_back: Vec<(pgrx::Uuid, pgrx::Uuid)>,
+    pub handed_back: Vec<HandBack>,
     /// Held commands left to a cancel.
     pub left: Vec<pgrx::Uuid>,
     /// Leased commands to hand back at once (an attempt cut at its budget).
-    pub released_now: Vec<(pgrx::Uuid, pgrx::Uuid)>,
+    pub released_now: Vec<HandBack>,
 }
 
-/// Claimed commands executed in one transaction: `begin` locks their runs and
-/// tells which still hold their lease (flow._begin_batch); successes are
-/// settled together by `finish` (flow._settle_batch), failures one by one as
-/// they happen, after the successes before them. Commands whose run is locked
-/// elsewhere (a cancel, an external client's open transaction) or that a
-/// cancel stopped are handed back to their queue, never waited for.
+/// Claimed commands executed in one transaction, one owner's: held ones
+/// (`held`, locked by the claim with their runs), their successes settled
+/// together by `finish` (flow._settle_batch) and failures one by one as they
+/// happen, after the successes before them; or leased ones (`leased`), each
+/// settled right after its handler (`run_leased`). Commands a cancel stopped
+/// are left to it; attempts cut at their budget are voided (counted, not
+/// charged) and run again alone.
 pub struct Chunk<'a> {
     /// The worker's name: the owner of held attempts.
     worker: &'a str,
@@ -164,14 +165,14 @@ pub struct Chunk<'a> {
     /// (command, result, when its handler started)
     successes: Vec<(&'a Claimed, Option<Jsonb>, Option<TimestampWithTimeZone>)>,
     /// Commands to hand back uncharged (see `finish`).
-    handed_back: Vec<(pgrx::Uuid, pgrx::Uuid)>,
+    handed_back: Vec<HandBack>,
     /// Held commands left to a cancel: nothing of them was written, so they
     /// are due again at once (see `finish`).
     left: Vec<pgrx::Uuid>,
     /// An attempt overran FAST_BUDGET_US: the chunk ends (see `demoted`).
     demoted: bool,
     /// Leased commands whose attempt was cut so: back to their queue at once.
-    released_now: Vec<(pgrx::Uuid, pgrx::Uuid)>,
+    released_now: Vec<HandBack>,
     /// The open group of held attempts sharing a subtransaction, if any.
     group: Option<Group<'a>>,
 }
@@ -243,7 +244,7 @@ impl<'a> Chunk<'a> {
         // has the run's lock: a leased one is handed back a moment later, a
         // held one simply stays unsettled.
         if shmem::cancel_requested(index, &run) {
-            self.leave(command);
+            self.leave(command, false);
             return;
         }
         crate::attempt_record::write(command.command_id.as_bytes(), command.attempt);
@@ -292,11 +293,21 @@ impl<'a> Chunk<'a> {
         }
         match outcome {
             Attempted::Succeeded(_) => unreachable!(),
-            Attempted::Failed(failure) if failure.class == Class::Cancelled => self.leave(command),
-            // (nothing of it is written: due again once this chunk commits)
+            Attempted::Failed(failure) if failure.class == Class::Cancelled => {
+                if shmem::cancel_requested(index, &run) {
+                    self.leave(command, true);
+                } else {
+                    // (a cancel signal meant for the attempt before it)
+                    settle::void_held(&command.id(), started, self.worker, "late_cancel");
+                }
+            }
+            // (counted, not charged: due again once this chunk commits, when
+            // the claims start from before it again)
             Attempted::Failed(failure) if failure.class == Class::Demoted => {
                 self.demoted = true;
                 shmem::observe("demoted", 1);
+                settle::void_held(&command.id(), started, self.worker, "demoted");
+                shmem::wake_at_commit(command.due_at.into_inner() - 1);
             }
             Attempted::Failed(failure) | Attempted::FailedKeepingWrites(failure) => {
                 // Successes before this failure settle first: they happened first.
@@ -334,14 +345,18 @@ impl<'a> Chunk<'a> {
             }
             Attempted::Failed(failure) if failure.class == Class::Cancelled => {
                 whole.end(true);
-                self.leave(command);
+                self.leave(command, true);
                 return;
             }
             Attempted::Failed(failure) if failure.class == Class::Demoted => {
                 whole.end(false);
                 self.demoted = true;
                 shmem::observe("demoted", 1);
-                self.released_now.push((command.command_id, command.lease_token));
+                self.released_now.push(HandBack {
+                    id: command.command_id,
+                    token: command.lease_token,
+                    voided: Some("demoted"),
+                });
                 return;
             }
             Attempted::Failed(failure) | Attempted::FailedKeepingWrites(failure) => {
@@ -358,10 +373,17 @@ impl<'a> Chunk<'a> {
         whole.end(settled);
     }
 
-    /// Leave a cancelled command to the cancel (see `run`).
-    fn leave(&mut self, command: &Claimed) {
+    /// Leave a cancelled command to the cancel (see `run`). `started`: its
+    /// attempt had started; a leased one handed back after the cancel's
+    /// moment is then voided (counted, not charged): the cancel concluded
+    /// it first, unless it was meant for an earlier attempt.
+    fn leave(&mut self, command: &Claimed, started: bool) {
         match command.held_attempt {
-            None => self.handed_back.push((command.command_id, command.lease_token)),
+            None => self.handed_back.push(HandBack {
+                id: command.command_id,
+                token: command.lease_token,
+                voided: started.then_some("late_cancel"),
+            }),
             Some(_) => self.left.push(command.command_id),
         }
     }

@@ -3,19 +3,20 @@
 //! One module per stage of a command's path, as `sql/` has one file per
 //! service (docs/DESIGN.md has the rules each one keeps):
 //! - `worker`: the background worker loop, top to bottom: claim, execute,
-//!   settle, upkeep, sleep until the next due time;
-//! - `claim`: claimed rows (`Claimed`), the claim cursor, round-robin order,
-//!   leases, which handlers are held;
+//!   settle, hand back, sleep until the next due time;
+//! - `maintenance`: the maintenance worker (recovery, run deadlines, retention);
+//! - `claim`: claimed rows (`Claimed`), what a claim keeps, the claim cursor,
+//!   round-robin order, leases, which handlers are fast;
 //! - `execute`: the chunk, the attempt, its deadline; `handler_call`: how a
 //!   handler is called; `outcome`: failure classes and classification;
 //! - `settle`: settlements, failures, conclusions, releases;
-//! - `recovery`, `retention`: the workers' upkeep;
+//! - `recovery`, `retention`: the maintenance worker's upkeep;
 //! - `external`: external workers' claims, held claims and their shared tables;
 //! - `gateway`: every call of user code (as its owner, with its owner's
 //!   search_path, leaving nothing behind); `hooks`: the utility hook; `roles`:
 //!   ownership and the role commands;
 //! - `spi`: the engine's statements, plans and transactions; `shmem`: the
-//!   worker table, counters, wake-ups, cancels; `attempt_record`: the held
+//!   worker table, counters, wake-ups, cancels; `attempt_record`: the
 //!   attempt a worker is in (rule 3);
 //! - `api`: internal SQL functions the public SQL API stands on; `ids`: ids
 //!   and lease tokens; `spans`: durations and times; `payload`: args and

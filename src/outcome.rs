@@ -25,8 +25,9 @@ pub enum Class {
     Retryable,
     /// flow.cancel stopped it: not settled as a failure, left to the cancel.
     Cancelled,
-    /// A held attempt cut at the end of its budget (src/execute.rs,
-    /// HELD_BUDGET_US): never settled, its command due again uncharged.
+    /// An attempt of a fast handler cut at the end of its budget
+    /// (src/execute.rs, FAST_BUDGET_US): voided (counted, not charged), its
+    /// command run again alone.
     Demoted,
 }
 
@@ -73,7 +74,7 @@ impl Failure {
     }
 
     pub fn demoted() -> Failure {
-        Failure::new(Class::Demoted, "demoted", "a held attempt ran past its budget: run again, leased")
+        Failure::new(Class::Demoted, "demoted", "a fast handler's attempt ran past its budget: run again alone")
     }
 
     pub fn cancelled() -> Failure {

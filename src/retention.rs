@@ -18,7 +18,7 @@ const PRUNE_INTERVAL: Duration = Duration::from_secs(1);
 const PRUNE_BATCH: i32 = 5000;
 const PRUNE_BUDGET: Duration = Duration::from_millis(25);
 
-/// Worker 0's pruning: when it last ran, and where its next window starts.
+/// The maintenance worker's pruning: when it last ran, and where its next window starts.
 #[derive(Default)]
 pub struct Pruning {
     last_prune: Option<Instant>,

@@ -11,7 +11,7 @@ use crate::payload::Jsonb;
 use crate::outcome::{Class, Failure};
 use crate::spi::{
     self, engine_query, in_subtransaction, BOOL, INT4, INT4_ARRAY, INT8, JSONB_ARRAY, TEXT, TID_ARRAY, TIMESTAMPTZ,
-    TIMESTAMPTZ_ARRAY, UUID, UUID_ARRAY,
+    TEXT_ARRAY, TIMESTAMPTZ_ARRAY, UUID, UUID_ARRAY,
 };
 use crate::{gucs, ids};
 use pgrx::datum::DatumWithOid;
@@ -196,15 +196,49 @@ pub fn conclude_held(command: [u8; 16], attempt: i32, worker: &str, abandoned: O
     }
 }
 
-/// Hand claimed commands back to their queue with the attempt the claim
-/// counted given back (flow._release): nothing of their attempt was kept.
-/// Returns those whose row was locked elsewhere: try them again later.
-pub fn release(ids: Vec<pgrx::Uuid>, tokens: Vec<pgrx::Uuid>) -> Vec<(pgrx::Uuid, pgrx::Uuid)> {
-    if ids.is_empty() {
+/// A leased command to give back to its queue (flow._release): its attempt
+/// never started (`voided` None), or started and the engine voided it (why:
+/// 'demoted', 'engine_error', 'late_cancel'): counted, not charged.
+#[derive(Clone, Copy, Debug)]
+pub struct HandBack {
+    pub id: pgrx::Uuid,
+    pub token: pgrx::Uuid,
+    pub voided: Option<&'static str>,
+}
+
+/// Hand leased commands back to their queue (flow._release). Returns those
+/// whose row was locked elsewhere: try them again later.
+pub fn release(commands: &[HandBack]) -> Vec<HandBack> {
+    if commands.is_empty() {
         return Vec::new();
     }
-    let pairs: HashMap<pgrx::Uuid, pgrx::Uuid> = ids.iter().copied().zip(tokens.iter().copied()).collect();
-    engine_query("SELECT flow._release($1, $2)", &[UUID_ARRAY, UUID_ARRAY], &[ids.into(), tokens.into()], |rows| {
-        rows.filter_map(|row| row.get::<pgrx::Uuid>(1).ok().flatten()).map(|id| (id, pairs[&id])).collect()
-    })
+    let ids: Vec<pgrx::Uuid> = commands.iter().map(|c| c.id).collect();
+    let tokens: Vec<pgrx::Uuid> = commands.iter().map(|c| c.token).collect();
+    let voided: Vec<Option<&str>> = commands.iter().map(|c| c.voided).collect();
+    let by_id: HashMap<pgrx::Uuid, HandBack> = commands.iter().map(|c| (c.id, *c)).collect();
+    engine_query(
+        "SELECT flow._release($1, $2, $3)",
+        &[UUID_ARRAY, UUID_ARRAY, TEXT_ARRAY],
+        &[ids.into(), tokens.into(), voided.into()],
+        |rows| rows.filter_map(|row| row.get::<pgrx::Uuid>(1).ok().flatten()).map(|id| by_id[&id]).collect(),
+    )
+}
+
+/// Void a held attempt that started (flow._void_held): counted, not charged,
+/// `code` saying why (see HandBack). Returns whether it was voided.
+pub fn void_held(command: &AttemptId, started: Option<TimestampWithTimeZone>, worker: &str, code: &str) -> bool {
+    let Some(attempt) = command.held_attempt else { return false };
+    engine_query(
+        "SELECT flow._void_held($1, $2, $3, $4, $5, $6)",
+        &[UUID, INT4, UUID, TEXT, TIMESTAMPTZ, TEXT],
+        &[
+            command.command_id.into(),
+            attempt.into(),
+            command.lease_token.into(),
+            worker.into(),
+            started.into(),
+            code.into(),
+        ],
+        |rows| rows.first().get_one::<bool>().ok().flatten().unwrap_or(false),
+    )
 }

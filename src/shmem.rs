@@ -85,7 +85,7 @@ pub struct WorkerSlot {
     pub procno: i32,
     pub pid: i32,
     /// Waiting on its latch right now (an idle worker is awake between its
-    /// waits, for upkeep: pruning, recovery, the next due time).
+    /// waits: releasing what it hands back, the next due time).
     pub sleeping: bool,
     /// Runs flow.cancel asked this worker to stop working on (see
     /// `interrupt_run`): a ring, so concurrent cancels never overwrite each
@@ -143,6 +143,8 @@ pub const METRICS: &[&str] = &[
     "attempts_crash",
     "attempts_retryable",
     "attempts_cancelled",
+    "attempts_expired",
+    "attempts_voided",
     "stops_permanent",
     "stops_attempt_limit",
     "stops_elapsed_limit",
@@ -414,6 +416,12 @@ unsafe extern "C-unwind" fn on_subxact_event(
 pub fn wake_at_commit(due_from: i64) {
     WAKE_AT_COMMIT.with(|w| w.set(true));
     DUE_FLOOR.with(|f| f.set(f.get().min(due_from)));
+}
+
+/// The earliest due time made due by the commits since worker `index` last
+/// took it (see DueFloors), left for its next claim to take.
+pub fn peek_due_floor(index: usize) -> i64 {
+    DUE_FLOORS.get().values[index].load(Ordering::Acquire)
 }
 
 /// The earliest due time made due by the commits since worker `index` last

@@ -19,6 +19,7 @@
 //! claimed and has not started within CLAIM_TARGET goes back to its queue.
 
 use crate::claim::{self, AttemptId, ClaimCursor, Claimed};
+use crate::settle::HandBack;
 use crate::spi::{self, engine_query, transaction, try_transaction};
 use crate::{attempt_record, execute, gateway, gucs, maintenance, settle, shmem, spans};
 use pgrx::bgworkers::{BackgroundWorker, BackgroundWorkerBuilder, SignalWakeFlags};
@@ -57,11 +58,9 @@ const ISOLATION_PERIOD: Duration = Duration::from_secs(10);
 const HAND_BACK_DELAY: Duration = Duration::from_millis(1000);
 
 /// How long a worker waits before claiming again when work is due that its
-/// last claim did not get (see Worker::turn); after a claim that got nothing
-/// of it (its runs or queues locked elsewhere), EMPTY_CLAIM_PAUSE: about ten
-/// empty claims a second, not 160, while a long transaction holds a run.
-/// A commit that makes work due wakes the worker sooner either way.
-const DUE_AGAIN_PAUSE: Duration = Duration::from_millis(10);
+/// last claim got nothing of (its runs or queues locked elsewhere): about ten
+/// empty claims a second (0.2.0 made 160, 10 ms apart), while a long
+/// transaction holds a run. A commit that makes work due wakes it sooner.
 const EMPTY_CLAIM_PAUSE: Duration = Duration::from_millis(100);
 /// The smallest chunk window (see Worker::chunk_window).
 const MIN_CHUNK_WINDOW: usize = 8;
@@ -205,7 +204,7 @@ struct Worker {
     /// Claimed commands to hand back to their queue (flow._release), with
     /// when they were put aside: released HAND_BACK_DELAY later, and tried
     /// again each turn while their row is locked elsewhere.
-    unreleased: Vec<(pgrx::Uuid, pgrx::Uuid, Instant)>,
+    unreleased: Vec<(HandBack, Instant)>,
     /// Held commands left to a cancel, and when: not claimed again for
     /// HAND_BACK_DELAY (see execute::Chunk::finish).
     left_to_cancels: RefCell<Vec<(pgrx::Uuid, Instant)>>,
@@ -249,7 +248,6 @@ impl Worker {
         // since was committed with a wake-up (this worker's latch is set if
         // no other worker was idle), so the turn right after it skips the claim.
         let skip_claim = self.took_all_due.replace(false);
-        let mut claimed_nothing = false;
         if !skip_claim {
             let claimed_at = Instant::now();
             let Some((claimed, leased)) = self.claim_and_run_held() else { return self.failed_turn() };
@@ -259,18 +257,24 @@ impl Worker {
             if claimed > 0 {
                 return Duration::ZERO;
             }
-            claimed_nothing = true;
         }
-        // (from where the claims take up, while they may: see claim)
-        let cursor = self.cursor.borrow().as_ref().filter(|(since, _)| !cursor_time_left(*since).is_zero()).cloned();
+        // (from where the claims take up, while they may: see claim; a commit
+        // that made a command due behind the cursor, as it may while the claim
+        // is skipped, sends the look to the queues' heads)
+        let floor = shmem::peek_due_floor(self.index);
+        let cursor = self
+            .cursor
+            .borrow()
+            .as_ref()
+            .filter(|(since, c)| !cursor_time_left(*since).is_zero() && c.earliest().is_some_and(|at| at <= floor))
+            .cloned();
         let sleep = match transaction(|| next_due_ms(cursor.as_ref().map(|(_, at)| at))) {
             Some(Some(ms)) if ms > 0 => idle.min(Duration::from_millis(ms as u64)),
             // Due now in a queue with room: it came due after the claim (or the
             // claim was skipped), so claim again, after a breath in case what
             // holds it back is a lock (a run or a limited queue locked elsewhere).
             Some(Some(_)) if skip_claim => Duration::ZERO,
-            Some(Some(_)) if claimed_nothing => EMPTY_CLAIM_PAUSE,
-            Some(Some(_)) => DUE_AGAIN_PAUSE,
+            Some(Some(_)) => EMPTY_CLAIM_PAUSE,
             Some(None) => idle,
             None => return self.failed_turn(),
         };
@@ -295,17 +299,29 @@ impl Worker {
     /// Release the handed-back commands put aside at least HAND_BACK_DELAY ago.
     fn release_handed_back(&mut self) {
         let (due, waiting): (Vec<_>, Vec<_>) =
-            std::mem::take(&mut self.unreleased).into_iter().partition(|(_, _, at)| at.elapsed() >= HAND_BACK_DELAY);
+            std::mem::take(&mut self.unreleased).into_iter().partition(|(_, at)| at.elapsed() >= HAND_BACK_DELAY);
         self.unreleased = waiting;
-        if due.is_empty() {
+        let due: Vec<HandBack> = due.into_iter().map(|(c, _)| c).collect();
+        self.release_now(&due);
+    }
+
+    /// Give these leased commands back to their queues now (flow._release,
+    /// which wakes the workers); those whose row is locked elsewhere are
+    /// tried again next turn.
+    fn release_now(&mut self, commands: &[HandBack]) {
+        if commands.is_empty() {
             return;
         }
         self.forget_cursor(); // what goes back to its queue is behind it
-        let (ids, tokens): (Vec<_>, Vec<_>) = due.iter().map(|(id, token, _)| (*id, *token)).unzip();
-        let still_locked = transaction(|| settle::release(ids, tokens))
-            .unwrap_or_else(|| due.iter().map(|(id, token, _)| (*id, *token)).collect());
-        let at = Instant::now() - HAND_BACK_DELAY; // locked elsewhere: try again next turn
-        self.unreleased.extend(still_locked.into_iter().map(|(id, token)| (id, token, at)));
+        let still_locked = transaction(|| settle::release(commands)).unwrap_or_else(|| commands.to_vec());
+        self.release_later(still_locked, true);
+    }
+
+    /// Put commands aside to release HAND_BACK_DELAY from now, or (`now`) at
+    /// the start of the next turn.
+    fn release_later(&mut self, commands: Vec<HandBack>, now: bool) {
+        let at = if now { Instant::now() - HAND_BACK_DELAY } else { Instant::now() };
+        self.unreleased.extend(commands.into_iter().map(|c| (c, at)));
     }
 
     fn isolating(&self) -> bool {
@@ -319,7 +335,7 @@ impl Worker {
     /// the transaction failed.
     fn claim_and_run_held(&mut self) -> Option<(usize, Vec<Claimed>)> {
         let isolating = self.isolating();
-        let entered = Cell::new(None);
+        let entered = RefCell::new(Vec::new());
         let outcome = try_transaction(|| {
             let claimed = self.claim();
             let count = claimed.len();
@@ -372,12 +388,12 @@ impl Worker {
                 Some((claimed, leased))
             }
             // The claim itself failed (the extension is being changed, ...).
-            Err(_) if entered.get().is_none() => None,
+            Err(_) if entered.borrow().is_empty() => None,
             Err((message, sqlstate)) => {
                 // A held handler's chunk failed outside the handler. Everything
                 // the transaction did rolled back: the held commands and the
                 // leased claims alike are due again, uncharged.
-                self.contain(entered.get(), &message, &sqlstate, &[]);
+                self.contain(&entered.borrow(), &message, &sqlstate, &[]);
                 Some((1, Vec::new()))
             }
         }
@@ -390,7 +406,7 @@ impl Worker {
         &self,
         chunk: &mut execute::Chunk<'a>,
         window: &'a [Claimed],
-        entered: &Cell<Option<AttemptId>>,
+        entered: &RefCell<Vec<AttemptId>>,
         isolating: bool,
     ) -> ChunkRun {
         let chunk_started = Instant::now();
@@ -402,7 +418,7 @@ impl Worker {
             // Order matters: a cancel sets its flag before it signals, so
             // either the chunk sees the flag or its SIGINT reaches the handler.
             unsafe { pg_sys::QueryCancelPending = 0 };
-            entered.set(Some(command.id()));
+            entered.borrow_mut().push(command.id());
             chunk.execute(self.index, command);
             ran += 1;
             if isolating
@@ -426,34 +442,43 @@ impl Worker {
     }
 
     /// A chunk failed outside its handlers (the engine's SQL for one of its
-    /// commands) and everything in it rolled back, so for its commands nothing
-    /// happened. Contain it: they and the leased rest of the batch (`batch`)
-    /// go back to their queues uncharged, and commands run one per chunk for
-    /// a while. A one-command chunk that fails is the culprit: it alone is
-    /// settled, with the real error, and retried by its policy.
-    fn contain(&mut self, entered: Option<AttemptId>, message: &str, sqlstate: &str, batch: &[AttemptId]) {
+    /// commands) and everything in it rolled back. Contain it: the attempts
+    /// it had started (`entered`) are voided (counted, not charged) and the
+    /// leased rest of the batch (`batch`) goes back to its queues uncharged,
+    /// and commands run one per chunk for a while. A one-command chunk that
+    /// fails is the culprit: it alone is settled, with the real error, and
+    /// retried by its policy.
+    fn contain(&mut self, entered: &[AttemptId], message: &str, sqlstate: &str, batch: &[AttemptId]) {
         self.forget_cursor(); // what goes back to its queue is behind it
-        let culprit = if self.isolating() { entered } else { None };
+        let culprit = if self.isolating() { entered.last().copied() } else { None };
         self.isolate_until = Some(Instant::now() + ISOLATION_PERIOD);
         let name = self.name.clone();
+        let is_culprit = |c: &AttemptId| culprit.is_some_and(|k| k.command_id == c.command_id);
+        let started = |c: &AttemptId| entered.iter().any(|e| e.command_id == c.command_id);
         let contained = try_transaction(|| {
             culprit.iter().all(|c| settle::settle_engine_error(c, message, sqlstate, &name)).then(|| {
-                let others: Vec<_> = batch
+                let now = spans::timestamp_from_pg(unsafe { pg_sys::GetCurrentTimestamp() });
+                for held in entered.iter().filter(|c| c.held_attempt.is_some() && !is_culprit(c)) {
+                    settle::void_held(held, now, &name, "engine_error");
+                }
+                let leased: Vec<HandBack> = entered
                     .iter()
-                    .filter(|o| o.held_attempt.is_none() && culprit.is_none_or(|k| k.command_id != o.command_id))
+                    .chain(batch.iter().filter(|c| !started(c)))
+                    .filter(|c| c.held_attempt.is_none() && !is_culprit(c))
+                    .map(|c| HandBack {
+                        id: c.command_id,
+                        token: c.lease_token,
+                        voided: started(c).then_some("engine_error"),
+                    })
                     .collect();
-                settle::release(
-                    others.iter().map(|c| c.command_id).collect(),
-                    others.iter().map(|c| c.lease_token).collect(),
-                )
+                settle::release(&leased)
             })
         });
         if let Ok(Some(locked_elsewhere)) = contained {
-            let at = Instant::now() - HAND_BACK_DELAY;
-            self.unreleased.extend(locked_elsewhere.into_iter().map(|(id, token)| (id, token, at)));
+            self.release_later(locked_elsewhere, true);
         } else {
-            // Not even that could be written: exit, and recovery (in the
-            // restarted worker) concludes these attempts as interrupted.
+            // Not even that could be written: exit, and the maintenance
+            // worker concludes what this worker's record names.
             pgrx::warning!("flow: a batch failed outside its handlers and could not be settled; restarting the worker");
             unsafe { pg_sys::proc_exit(1) };
         }
@@ -509,7 +534,7 @@ impl Worker {
             let owner = rest[0].owner;
             let same_owner = rest.iter().take_while(|c| c.owner == owner).count();
             let window = &rest[..same_owner.min(self.chunk_window)];
-            let entered = Cell::new(None);
+            let entered = RefCell::new(Vec::new());
             let this = &*self;
             let ran = try_transaction(|| {
                 gateway::begin_owner(owner);
@@ -523,11 +548,8 @@ impl Worker {
             match ran {
                 Ok((run, handed_back, released_now)) => {
                     self.next_window(run);
-                    let at = Instant::now();
-                    self.unreleased.extend(handed_back.into_iter().map(|(id, token)| (id, token, at)));
-                    // (released at the start of the next turn)
-                    let now = at - HAND_BACK_DELAY;
-                    self.unreleased.extend(released_now.into_iter().map(|(id, token)| (id, token, now)));
+                    self.release_later(handed_back, false);
+                    self.release_later(released_now, true);
                     let runs: Vec<[u8; 16]> = rest[..run.ran].iter().map(|c| *c.run_id.as_bytes()).collect();
                     shmem::clear_cancels(self.index, &runs);
                     rest = &rest[run.ran..];
@@ -535,7 +557,7 @@ impl Worker {
                 }
                 Err((message, sqlstate)) => {
                     let batch: Vec<AttemptId> = rest.iter().map(|c| c.id()).collect();
-                    self.contain(entered.get(), &message, &sqlstate, &batch);
+                    self.contain(&entered.borrow(), &message, &sqlstate, &batch);
                     break;
                 }
             }
@@ -545,16 +567,11 @@ impl Worker {
         self.note_time_per_command(ran_in_all);
     }
 
-    /// Give leased commands that did not start back to their queues now
-    /// (flow._release, which wakes the workers); those whose row is locked
-    /// elsewhere are tried again next turn.
+    /// Give leased commands that did not start back to their queues now.
     fn hand_back(&mut self, commands: &[Claimed]) {
-        self.forget_cursor(); // what goes back to its queue is behind it
-        let (ids, tokens): (Vec<_>, Vec<_>) = commands.iter().map(|c| (c.command_id, c.lease_token)).unzip();
-        let still_locked = transaction(|| settle::release(ids, tokens))
-            .unwrap_or_else(|| commands.iter().map(|c| (c.command_id, c.lease_token)).collect());
-        let at = Instant::now() - HAND_BACK_DELAY; // locked elsewhere: try again next turn
-        self.unreleased.extend(still_locked.into_iter().map(|(id, token)| (id, token, at)));
+        let commands: Vec<HandBack> =
+            commands.iter().map(|c| HandBack { id: c.command_id, token: c.lease_token, voided: None }).collect();
+        self.release_now(&commands);
     }
 
     /// How many commands to claim: `flow.batch_size` for fast handlers, fewer

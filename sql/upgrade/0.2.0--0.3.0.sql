@@ -40,3 +40,9 @@ DROP FUNCTION flow._begin_batch(uuid[], uuid[]);
 
 -- Runs past their deadline end as a whole (flow._expire_runs).
 CREATE INDEX _commands_deadline ON flow._commands (deadline) WHERE finished_at IS NULL AND deadline IS NOT NULL;
+
+-- Attempts the engine voided are counted, not charged (flow._release).
+ALTER TABLE flow._attempts DROP CONSTRAINT _attempts_outcome_check,
+    ADD CONSTRAINT _attempts_outcome_check CHECK (outcome IN ('succeeded', 'permanent', 'retry_after', 'timeout',
+        'interrupted', 'lease_lost', 'crash', 'retryable', 'cancelled', 'expired', 'voided'));
+DROP FUNCTION flow._release(uuid[], uuid[]);
