@@ -103,7 +103,7 @@ def fan_out(pg):
         c.execute("CHECKPOINT")
         time.sleep(1.0)
         t0 = time.perf_counter()
-        run = c.execute("SELECT flow.enqueue('fan', jsonb_build_object('n', %s, 'child', %s))",
+        run = c.execute("SELECT flow.enqueue('fan', jsonb_build_object('n', %s::int, 'child', %s::text))",
                         (FAN_N, name)).fetchone()[0]
         status = c.execute("SELECT status FROM flow.await(%s, '120 s')", (run,)).fetchone()[0]
         elapsed = time.perf_counter() - t0

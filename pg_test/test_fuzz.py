@@ -57,6 +57,7 @@ SIGNATURES = [
                            ("start_after", "interval", "1 hour"), ("run_at", "timestamptz", None),
                            ("deadline", "interval", None)]),
     ("flow.cancel", [("run_id", "uuid", "@victim")]),
+    ("flow.retry", [("run_id", "uuid", "@victim")]),
     ("flow.await", [("run_id", "uuid", "@victim"), ("timeout", "interval", "0")]),
     ("flow.emit", [("name", "text", "fz_event"), ("key", "text", "k"), ("payload", "jsonb", "{}")]),
     ("flow.wait", [("name", "text", "e"), ("key", "text", "k")]),

@@ -245,6 +245,54 @@ def test_a_run_ends_at_its_deadline_whatever_it_waits_for(pg):
     assert pg.one("SELECT status FROM flow.commands WHERE run_id = %s", unclaimed) == "expired"
 
 
+def test_a_run_held_by_an_idle_client_past_its_deadline_holds_up_no_other_expiry(pg):
+    """A client holds a keyed run's root (a held external claim) in an idle
+    transaction past the run's deadline: the maintenance worker leaves that
+    run for a later round and still ends another run at its deadline; once
+    the client lets go, the held run ends too (before: it waited for the
+    client's row without limit, and every expiry, recovery and pruning
+    behind it)."""
+    ext = external(pg)
+    held_run = enqueue(pg, ext, key=f"'{unique('idle')}'", deadline="'1 s'")
+    nap = define(pg, "app.nap(jsonb, flow.context)")
+    pg.all(f"CREATE OR REPLACE FUNCTION app.later_child2(args jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$"
+           f" BEGIN PERFORM flow.spawn('{nap}', '{{\"seconds\": 0}}', key => 'late', start_after => '1 hour');"
+           f" RETURN NULL; END $$")
+    with pg.connect(autocommit=False) as client:
+        assert len(client.execute("SELECT * FROM flow.claim(%s, 'idle', 1, hold => true)", ([ext],)).fetchall()) == 1
+        other = enqueue(pg, define(pg, "app.later_child2"), deadline="'1.5 s'")
+        status, _, error = pg.await_run(other, "10s")
+        assert status == "failed" and error["stop_reason"] == "deadline", error
+        assert pg.one("SELECT status FROM flow.runs WHERE id = %s", held_run) == "running"
+        client.rollback()
+    # (its abandoned attempt is counted first, and no retry fits before the deadline)
+    status, _, error = pg.await_run(held_run, "10s")
+    assert status == "failed" and error["stop_reason"] in ("deadline", "deadline_before_next_attempt"), error
+
+
+def test_a_leased_settlement_whose_run_an_idle_client_holds_does_not_stall_its_worker(pg):
+    """A client's idle transaction holds a run while a worker settles a slow
+    child of it: the settlement waits 200 ms at most, then voids the attempt
+    (counted, not charged) and hands the command back; the worker serves
+    other work meanwhile, and the child runs again once the client lets go
+    (before: the worker waited for the client without limit)."""
+    nap = define(pg, "app.nap(jsonb, flow.context)")
+    run = enqueue(pg, nap, '{"seconds": 0.3}', key=f"'{unique('heldrun')}'")   # (keyed: a run row of its own)
+    pg.wait_for("SELECT status = 'running' FROM flow.commands WHERE run_id = %s", run)
+    with pg.connect(autocommit=False) as client:
+        client.execute("SELECT 1 FROM flow._runs WHERE id = %s FOR UPDATE", (run,))
+        time.sleep(0.5)   # (time itself: the handler ends and its settlement meets the lock)
+        started = time.time()
+        drain(pg, define(pg, "app.quick"), 50)
+        assert time.time() - started < 3.0
+        assert pg.one("SELECT status FROM flow.runs WHERE id = %s", run) == "running"
+        client.rollback()
+    assert pg.await_run(run, "20s")[0] == "succeeded"
+    outcomes = pg.all("SELECT outcome, error_code FROM flow.attempts WHERE run_id = %s ORDER BY attempt", run)
+    assert ("voided", "run_locked") in outcomes and outcomes[-1][0] == "succeeded", outcomes
+    assert all(o == ("voided", "run_locked") for o in outcomes[:-1]), outcomes
+
+
 def test_an_external_lease_ends_at_the_attempts_deadline(pg):
     """An external lease never outlasts the attempt's deadline (the
     definition's timeout, the run's deadline): a 30 s lease of a command with

@@ -113,6 +113,15 @@ BEGIN
     RETURN flow._cancel(flow._redeem(caller_ticket), run_id);
 END $$;
 
+-- Re-drive a failed or cancelled run: its failed and cancelled commands run
+-- again with a fresh attempt budget; false if the run is not failed or cancelled.
+CREATE FUNCTION flow.retry(run_id uuid, caller_ticket bigint DEFAULT flow._ticket())
+RETURNS boolean
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    RETURN flow._retry(flow._redeem(caller_ticket), run_id);
+END $$;
+
 -- Wait until a run is terminal (or the timeout passes) and return its outcome.
 CREATE FUNCTION flow.await(run_id uuid, timeout interval DEFAULT '30 seconds',
     caller_ticket bigint DEFAULT flow._ticket())
@@ -598,7 +607,7 @@ BEGIN
              WHERE p.pronamespace = 'flow'::regnamespace
                AND p.proname = ANY (ARRAY['_claim', '_lease', '_next_due_ms', '_run_row_needed', '_leased',
                    '_prepare_external_claim', '_complete_many', '_recover', '_prune', '_retire_events',
-                   '_lock_runs', '_lock_runs_of', '_try_lock_run_of', '_close_open_commands', '_conclude_record',
+                   '_lock_runs', '_lock_runs_of', '_lock_run_of_briefly', '_try_lock_run_of', '_close_open_commands', '_conclude_record',
                    '_expire_runs', '_conclude_expired_lease', '_gone_workers',
                    '_release', '_void_held', '_settle_batch', '_settle_failure', '_lock_run_and_commands',
                    '_promote_if_satisfied']) LOOP

@@ -73,6 +73,9 @@ DROP FUNCTION flow._begin_batch(uuid[], uuid[]);
 -- Runs past their deadline end as a whole (flow._expire_runs).
 CREATE INDEX _commands_deadline ON flow._commands (deadline) WHERE finished_at IS NULL AND deadline IS NOT NULL;
 
+-- A re-drive (flow.retry) gives a command a fresh attempt budget from here.
+ALTER TABLE flow._commands ADD COLUMN attempt_base integer NOT NULL DEFAULT 0;
+
 -- Attempts the engine voided are counted, not charged (flow._release).
 ALTER TABLE flow._attempts DROP CONSTRAINT _attempts_outcome_check,
     ADD CONSTRAINT _attempts_outcome_check CHECK (outcome IN ('succeeded', 'permanent', 'retry_after', 'timeout',
@@ -1291,6 +1294,30 @@ BEGIN
     PERFORM flow._lock_runs(ARRAY(SELECT DISTINCT c.run_id FROM flow._commands c WHERE c.id = ANY (command_ids)), true);
 END $$;
 
+-- Lock the run of a command, waiting 200 ms at most: a worker's leased
+-- settlement (src/settle.rs), whose chunk may hold other runs' locks
+-- already. false: the run is locked elsewhere longer (a client idle in its
+-- transaction, another chunk settling the same runs in the other order); the
+-- worker then voids the attempt and ends its chunk, which lets its other
+-- locks go, instead of waiting without limit. Tried without waiting, then
+-- every 2 ms (not lock_timeout: the engine's statements hold query cancels
+-- off, src/spi.rs). (200 ms: well past a sibling's settlement and commit,
+-- about a millisecond, and under deadlock_timeout.)
+CREATE OR REPLACE FUNCTION flow._lock_run_of_briefly(command_id uuid) RETURNS boolean
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    give_up timestamptz := clock_timestamp() + interval '200 ms';
+BEGIN
+    LOOP
+        IF flow._try_lock_run_of(command_id) THEN
+            RETURN true;
+        END IF;
+        EXIT WHEN clock_timestamp() >= give_up;
+        PERFORM pg_sleep(0.002);
+    END LOOP;
+    RETURN false;
+END $$;
+
 -- Lock the run of a command unless another transaction holds it (then
 -- false): for work that can wait for a later round, such as concluding an
 -- attempt whose owner is gone.
@@ -1402,6 +1429,8 @@ LANGUAGE sql IMMUTABLE SET search_path = pg_catalog, pg_temp AS $$
         WHEN 'demoted' THEN 'the attempt ran past the 100 ms budget of a fast handler: run again alone, not charged'
         WHEN 'engine_error' THEN 'the engine failed outside this attempt''s handler: run again, not charged'
         WHEN 'late_cancel' THEN 'a cancel meant for an earlier attempt stopped it: run again, not charged'
+        WHEN 'cancelled' THEN 'its run was cancelled while it ran: counted, not charged'
+        WHEN 'run_locked' THEN 'its run stayed locked elsewhere at its settlement: run again, not charged'
         ELSE code END
 $$;
 
@@ -1633,13 +1662,15 @@ BEGIN
 
     IF outcome = 'permanent' THEN
         stop := 'permanent';
-    -- (attempts the engine voided are not charged: flow._release)
-    ELSIF c.attempts - (SELECT count(*) FROM flow._attempts a
-                        WHERE a.command_id = c.id AND a.outcome = 'voided') >= d.max_attempts THEN
+    -- (attempts the engine voided are not charged: flow._release; nor those
+    -- before the command's last re-drive: flow._retry)
+    ELSIF c.attempts - c.attempt_base - (SELECT count(*) FROM flow._attempts a
+                        WHERE a.command_id = c.id AND a.attempt > c.attempt_base
+                          AND a.outcome = 'voided') >= d.max_attempts THEN
         stop := 'attempt_limit';
     ELSE
         next_at := clock_timestamp() + CASE WHEN outcome = 'retry_after' AND retry_delay > interval '0' THEN retry_delay
-                                ELSE flow._backoff(d.backoff, d.backoff_max, c.attempts) END;
+                                ELSE flow._backoff(d.backoff, d.backoff_max, c.attempts - c.attempt_base) END;
         IF next_at > flow._deadline(c.budget_started_at, d.max_elapsed) THEN
             stop := 'elapsed_limit';
         ELSIF c.deadline IS NOT NULL AND next_at >= c.deadline THEN
@@ -1683,7 +1714,13 @@ END $$;
 --   settle
 
 -- Recover: concluding attempts whose owner is gone (rule 8), run by the
--- maintenance worker (src/recovery.rs). Nothing here waits for a lock.
+-- maintenance worker (src/recovery.rs). Nothing here waits for a lock: a
+-- run or row locked elsewhere (a client idle in its transaction, a chunk
+-- that holds a root) is tried without waiting (SKIP LOCKED, NOWAIT) and left,
+-- in a subtransaction rolled back, for the next round. A wait without limit
+-- here would stop every recovery, expiry and pruning behind one idle client.
+-- (Not lock_timeout: the engine's statements run with query cancels held off,
+-- src/spi.rs, and a lock timeout is one.)
 
 -- Which of these worker processes (pid, backend start) are gone.
 CREATE OR REPLACE FUNCTION flow._gone_workers(pids integer[], started timestamptz[]) RETURNS boolean[]
@@ -1718,6 +1755,8 @@ BEGIN
                                     wait_for_run => false);
     END IF;
     RETURN 'expired';
+EXCEPTION WHEN lock_not_available THEN
+    RETURN 'locked';
 END $$;
 
 -- One round of recovery. The writers of attempt records (pids[i], started[i]),
@@ -1769,20 +1808,25 @@ BEGIN
             -- (named by its worker's record: concluded above, or on a later round)
             CONTINUE WHEN lost.id = ANY (recorded_commands) OR lost.writer_gone IS false;
             IF lost.writer_gone THEN
+                -- (a row locked elsewhere is released on a later round)
                 PERFORM flow._release(ARRAY[lost.id], ARRAY[lost.lease_token]);
                 CONTINUE;
             END IF;
         END IF;
-        -- a run locked elsewhere (an external client idle in its transaction, a
-        -- long chunk) is concluded on a later round, never waited for
-        CONTINUE WHEN NOT flow._try_lock_run_of(lost.id);
-        IF lost.external THEN
-            outcome := flow._conclude_expired_lease(lost.id, lost.lease_token, lost.timed_out);
-        ELSE
-            outcome := flow._settle_failure(lost.id, lost.lease_token, 'interrupted', 'owner_died',
-                                            'the worker running this attempt exited before settling it');
-        END IF;
-        concluded := concluded + (outcome <> 'expired')::integer;
+        BEGIN
+            -- a run locked elsewhere (an external client idle in its transaction, a
+            -- long chunk) is concluded on a later round, never waited for
+            CONTINUE WHEN NOT flow._try_lock_run_of(lost.id);
+            IF lost.external THEN
+                outcome := flow._conclude_expired_lease(lost.id, lost.lease_token, lost.timed_out);
+            ELSE
+                outcome := flow._settle_failure(lost.id, lost.lease_token, 'interrupted', 'owner_died',
+                                                'the worker running this attempt exited before settling it');
+            END IF;
+            concluded := concluded + (outcome <> 'expired')::integer;
+        EXCEPTION WHEN lock_not_available THEN
+            NULL;   -- (its row, or a run the lock found taken meanwhile: next round)
+        END;
     END LOOP;
 END $$;
 
@@ -1792,7 +1836,11 @@ END $$;
 -- it is cut off by its own deadline, which is never later than the run's).
 -- Without this a run whose child is due after the deadline, or whose
 -- external command nobody claims, would stay running. A run locked
--- elsewhere is left for the next round. Returns how many runs ended.
+-- elsewhere, or one of its commands (a held root's chunk, a client's held
+-- claim), is left for the next round: their locks are tried without waiting,
+-- in a subtransaction rolled back if one is taken (a held root that
+-- succeeds meanwhile then ends its run as it should).
+-- Earliest deadlines first. Returns how many runs ended.
 CREATE OR REPLACE FUNCTION flow._expire_runs() RETURNS integer
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
@@ -1800,24 +1848,33 @@ DECLARE
     ended integer := 0;
 BEGIN
     FOR late IN
-        SELECT DISTINCT c.run_id FROM flow._commands c              -- index _commands_deadline
+        SELECT c.run_id FROM flow._commands c                       -- index _commands_deadline
         WHERE c.finished_at IS NULL AND c.deadline IS NOT NULL AND c.deadline <= now()
+        ORDER BY c.deadline
         LIMIT 1000
     LOOP
-        CONTINUE WHEN NOT flow._try_lock_run_of(late);
-        -- (under the run's lock: still past its deadline with something unfinished)
-        CONTINUE WHEN NOT EXISTS (SELECT 1 FROM flow._commands_of(late) c
-                                  WHERE c.finished_at IS NULL AND c.deadline <= now());
-        PERFORM flow._run_row_needed(late);
-        UPDATE flow._runs r SET status = 'failed', finished_at = clock_timestamp(),
-            error = jsonb_build_object('code', 'deadline', 'message', 'the run''s deadline passed',
-                                       'stop_reason', 'deadline', 'deadline', r.deadline)
-        WHERE r.id = late AND r.status = 'running';
-        IF FOUND THEN
-            ended := ended + 1;
-        END IF;
-        PERFORM flow._close_open_commands(late, 'deadline');
-        PERFORM flow._interrupt_run(late);
+        BEGIN
+            CONTINUE WHEN NOT flow._try_lock_run_of(late);
+            -- (its commands first, as a cancel takes them, then the check under the
+            -- locks: still past its deadline with something unfinished)
+            PERFORM 1 FROM flow._commands c
+            WHERE c.id = ANY (ARRAY(SELECT k.id FROM flow._commands_of(late) k WHERE k.finished_at IS NULL))
+            ORDER BY c.id FOR UPDATE OF c NOWAIT;
+            CONTINUE WHEN NOT EXISTS (SELECT 1 FROM flow._commands_of(late) c
+                                      WHERE c.finished_at IS NULL AND c.deadline <= now());
+            PERFORM flow._run_row_needed(late);
+            UPDATE flow._runs r SET status = 'failed', finished_at = clock_timestamp(),
+                error = jsonb_build_object('code', 'deadline', 'message', 'the run''s deadline passed',
+                                           'stop_reason', 'deadline', 'deadline', r.deadline)
+            WHERE r.id = late AND r.status = 'running';
+            IF FOUND THEN
+                ended := ended + 1;
+            END IF;
+            PERFORM flow._close_open_commands(late, 'deadline');
+            PERFORM flow._interrupt_run(late);
+        EXCEPTION WHEN lock_not_available THEN
+            NULL;   -- (next round)
+        END;
     END LOOP;
     PERFORM flow._observe('runs_failed', ended), flow._observe('stops_deadline', ended);
     RETURN ended;
@@ -2053,6 +2110,57 @@ BEGIN
     PERFORM flow._close_open_commands(run_id, 'cancelled');
     PERFORM flow._observe('runs_cancelled', 1);
     PERFORM flow._wake();   -- a limited queue may have room now
+    RETURN true;
+END $$;
+
+-- Re-drive (flow.retry): the failed and cancelled commands of a failed or
+-- cancelled run become due again, each with a fresh attempt budget (its
+-- attempts so far become its attempt_base: max_attempts, the backoff and
+-- max_elapsed count from now; attempt numbers and their history go on), and
+-- the run is running again. A command that never ran and still waits for an
+-- event waits again, for its `within` from now. Expired commands are not
+-- re-driven: a run past its deadline cannot run again (FL007). The caller
+-- needs the rights flow.cancel needs. No handler of an ended run runs, so
+-- its locks are taken in cancel's order without waiting on a handler.
+CREATE OR REPLACE FUNCTION flow._retry(caller oid, run_id uuid) RETURNS boolean
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    r flow._runs;
+    redriven integer;
+BEGIN
+    SELECT * INTO r FROM flow._run_rows x WHERE x.id = run_id;
+    PERFORM flow._require_member(caller, r.owner, 'run', run_id);
+    PERFORM flow._lock_run_and_commands(run_id);
+    PERFORM 1 FROM flow._runs x WHERE x.id = run_id FOR UPDATE;
+    -- (as it stands now that it is locked: a concurrent re-drive, or retention)
+    SELECT * INTO r FROM flow._run_rows x WHERE x.id = run_id;
+    IF NOT FOUND OR r.status NOT IN ('failed', 'cancelled') THEN
+        RETURN false;
+    END IF;
+    IF r.deadline IS NOT NULL AND r.deadline <= now() THEN
+        RAISE EXCEPTION 'flow: run % passed its deadline at %; it cannot run again', run_id, r.deadline
+            USING ERRCODE = 'FL007';
+    END IF;
+    UPDATE flow._commands c SET
+        status = CASE WHEN c.attempts = 0 AND EXISTS (SELECT 1 FROM flow._waits w
+                                                      WHERE w.command_id = c.id AND w.event_position IS NULL)
+                      THEN 'waiting' ELSE 'pending' END::flow.command_status,
+        next_run_at = CASE WHEN c.attempts = 0 AND EXISTS (SELECT 1 FROM flow._waits w
+                                                           WHERE w.command_id = c.id AND w.event_position IS NULL)
+                           THEN least(coalesce(now() + (c.declaration->>'within')::interval, 'infinity'),
+                                      coalesce(c.deadline, 'infinity'))
+                           ELSE greatest(c.not_before, now()) END,
+        budget_started_at = greatest(c.not_before, now()),
+        attempt_base = c.attempts,
+        stop_reason = NULL, finished_at = NULL
+    WHERE c.id = ANY (ARRAY(SELECT k.id FROM flow._commands_of(_retry.run_id) k))
+      AND c.status IN ('failed', 'cancelled');
+    GET DIAGNOSTICS redriven = ROW_COUNT;
+    UPDATE flow._runs x SET status = 'running', finished_at = NULL, error = NULL, result = NULL
+    WHERE x.id = run_id;
+    PERFORM flow._observe('runs_retried', 1);
+    PERFORM flow._observe('commands_retried', redriven);
+    PERFORM flow._wake_due_from(now());
     RETURN true;
 END $$;
 
@@ -3251,6 +3359,15 @@ BEGIN
     RETURN flow._cancel(flow._redeem(caller_ticket), run_id);
 END $$;
 
+-- Re-drive a failed or cancelled run: its failed and cancelled commands run
+-- again with a fresh attempt budget; false if the run is not failed or cancelled.
+CREATE OR REPLACE FUNCTION flow.retry(run_id uuid, caller_ticket bigint DEFAULT flow._ticket())
+RETURNS boolean
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    RETURN flow._retry(flow._redeem(caller_ticket), run_id);
+END $$;
+
 -- Wait until a run is terminal (or the timeout passes) and return its outcome.
 CREATE OR REPLACE FUNCTION flow.await(run_id uuid, timeout interval DEFAULT '30 seconds',
     caller_ticket bigint DEFAULT flow._ticket())
@@ -3736,7 +3853,7 @@ BEGIN
              WHERE p.pronamespace = 'flow'::regnamespace
                AND p.proname = ANY (ARRAY['_claim', '_lease', '_next_due_ms', '_run_row_needed', '_leased',
                    '_prepare_external_claim', '_complete_many', '_recover', '_prune', '_retire_events',
-                   '_lock_runs', '_lock_runs_of', '_try_lock_run_of', '_close_open_commands', '_conclude_record',
+                   '_lock_runs', '_lock_runs_of', '_lock_run_of_briefly', '_try_lock_run_of', '_close_open_commands', '_conclude_record',
                    '_expire_runs', '_conclude_expired_lease', '_gone_workers',
                    '_release', '_void_held', '_settle_batch', '_settle_failure', '_lock_run_and_commands',
                    '_promote_if_satisfied']) LOOP

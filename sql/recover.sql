@@ -1,5 +1,11 @@
 -- Recover: concluding attempts whose owner is gone (rule 8), run by the
--- maintenance worker (src/recovery.rs). Nothing here waits for a lock.
+-- maintenance worker (src/recovery.rs). Nothing here waits for a lock: a
+-- run or row locked elsewhere (a client idle in its transaction, a chunk
+-- that holds a root) is tried without waiting (SKIP LOCKED, NOWAIT) and left,
+-- in a subtransaction rolled back, for the next round. A wait without limit
+-- here would stop every recovery, expiry and pruning behind one idle client.
+-- (Not lock_timeout: the engine's statements run with query cancels held off,
+-- src/spi.rs, and a lock timeout is one.)
 
 -- Which of these worker processes (pid, backend start) are gone.
 CREATE FUNCTION flow._gone_workers(pids integer[], started timestamptz[]) RETURNS boolean[]
@@ -34,6 +40,8 @@ BEGIN
                                     wait_for_run => false);
     END IF;
     RETURN 'expired';
+EXCEPTION WHEN lock_not_available THEN
+    RETURN 'locked';
 END $$;
 
 -- One round of recovery. The writers of attempt records (pids[i], started[i]),
@@ -85,20 +93,25 @@ BEGIN
             -- (named by its worker's record: concluded above, or on a later round)
             CONTINUE WHEN lost.id = ANY (recorded_commands) OR lost.writer_gone IS false;
             IF lost.writer_gone THEN
+                -- (a row locked elsewhere is released on a later round)
                 PERFORM flow._release(ARRAY[lost.id], ARRAY[lost.lease_token]);
                 CONTINUE;
             END IF;
         END IF;
-        -- a run locked elsewhere (an external client idle in its transaction, a
-        -- long chunk) is concluded on a later round, never waited for
-        CONTINUE WHEN NOT flow._try_lock_run_of(lost.id);
-        IF lost.external THEN
-            outcome := flow._conclude_expired_lease(lost.id, lost.lease_token, lost.timed_out);
-        ELSE
-            outcome := flow._settle_failure(lost.id, lost.lease_token, 'interrupted', 'owner_died',
-                                            'the worker running this attempt exited before settling it');
-        END IF;
-        concluded := concluded + (outcome <> 'expired')::integer;
+        BEGIN
+            -- a run locked elsewhere (an external client idle in its transaction, a
+            -- long chunk) is concluded on a later round, never waited for
+            CONTINUE WHEN NOT flow._try_lock_run_of(lost.id);
+            IF lost.external THEN
+                outcome := flow._conclude_expired_lease(lost.id, lost.lease_token, lost.timed_out);
+            ELSE
+                outcome := flow._settle_failure(lost.id, lost.lease_token, 'interrupted', 'owner_died',
+                                                'the worker running this attempt exited before settling it');
+            END IF;
+            concluded := concluded + (outcome <> 'expired')::integer;
+        EXCEPTION WHEN lock_not_available THEN
+            NULL;   -- (its row, or a run the lock found taken meanwhile: next round)
+        END;
     END LOOP;
 END $$;
 
@@ -108,7 +121,11 @@ END $$;
 -- it is cut off by its own deadline, which is never later than the run's).
 -- Without this a run whose child is due after the deadline, or whose
 -- external command nobody claims, would stay running. A run locked
--- elsewhere is left for the next round. Returns how many runs ended.
+-- elsewhere, or one of its commands (a held root's chunk, a client's held
+-- claim), is left for the next round: their locks are tried without waiting,
+-- in a subtransaction rolled back if one is taken (a held root that
+-- succeeds meanwhile then ends its run as it should).
+-- Earliest deadlines first. Returns how many runs ended.
 CREATE FUNCTION flow._expire_runs() RETURNS integer
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
@@ -116,24 +133,33 @@ DECLARE
     ended integer := 0;
 BEGIN
     FOR late IN
-        SELECT DISTINCT c.run_id FROM flow._commands c              -- index _commands_deadline
+        SELECT c.run_id FROM flow._commands c                       -- index _commands_deadline
         WHERE c.finished_at IS NULL AND c.deadline IS NOT NULL AND c.deadline <= now()
+        ORDER BY c.deadline
         LIMIT 1000
     LOOP
-        CONTINUE WHEN NOT flow._try_lock_run_of(late);
-        -- (under the run's lock: still past its deadline with something unfinished)
-        CONTINUE WHEN NOT EXISTS (SELECT 1 FROM flow._commands_of(late) c
-                                  WHERE c.finished_at IS NULL AND c.deadline <= now());
-        PERFORM flow._run_row_needed(late);
-        UPDATE flow._runs r SET status = 'failed', finished_at = clock_timestamp(),
-            error = jsonb_build_object('code', 'deadline', 'message', 'the run''s deadline passed',
-                                       'stop_reason', 'deadline', 'deadline', r.deadline)
-        WHERE r.id = late AND r.status = 'running';
-        IF FOUND THEN
-            ended := ended + 1;
-        END IF;
-        PERFORM flow._close_open_commands(late, 'deadline');
-        PERFORM flow._interrupt_run(late);
+        BEGIN
+            CONTINUE WHEN NOT flow._try_lock_run_of(late);
+            -- (its commands first, as a cancel takes them, then the check under the
+            -- locks: still past its deadline with something unfinished)
+            PERFORM 1 FROM flow._commands c
+            WHERE c.id = ANY (ARRAY(SELECT k.id FROM flow._commands_of(late) k WHERE k.finished_at IS NULL))
+            ORDER BY c.id FOR UPDATE OF c NOWAIT;
+            CONTINUE WHEN NOT EXISTS (SELECT 1 FROM flow._commands_of(late) c
+                                      WHERE c.finished_at IS NULL AND c.deadline <= now());
+            PERFORM flow._run_row_needed(late);
+            UPDATE flow._runs r SET status = 'failed', finished_at = clock_timestamp(),
+                error = jsonb_build_object('code', 'deadline', 'message', 'the run''s deadline passed',
+                                           'stop_reason', 'deadline', 'deadline', r.deadline)
+            WHERE r.id = late AND r.status = 'running';
+            IF FOUND THEN
+                ended := ended + 1;
+            END IF;
+            PERFORM flow._close_open_commands(late, 'deadline');
+            PERFORM flow._interrupt_run(late);
+        EXCEPTION WHEN lock_not_available THEN
+            NULL;   -- (next round)
+        END;
     END LOOP;
     PERFORM flow._observe('runs_failed', ended), flow._observe('stops_deadline', ended);
     RETURN ended;

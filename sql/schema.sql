@@ -222,6 +222,9 @@ CREATE TABLE flow._commands (
     lease_interval    interval,              -- an external lease's length: what a heartbeat extends by
     external          boolean NOT NULL DEFAULT false,  -- its definition has no handler: external workers run it
     owner             regrole NOT NULL,      -- its run's owner (who started the run), for who may see it
+    -- attempts before its last re-drive (flow.retry): max_attempts and the
+    -- backoff count the attempts after it; attempt numbers go on
+    attempt_base      integer NOT NULL DEFAULT 0,
     -- state, lease, attempt and outcome agree (the rules: src/invariants.rs)
     CONSTRAINT _commands_state CHECK (flow._command_row_is_consistent(status::text, attempts, stop_reason,
         finished_at IS NOT NULL, lease_token IS NOT NULL, lease_expires_at IS NOT NULL,

@@ -56,6 +56,30 @@ BEGIN
     PERFORM flow._lock_runs(ARRAY(SELECT DISTINCT c.run_id FROM flow._commands c WHERE c.id = ANY (command_ids)), true);
 END $$;
 
+-- Lock the run of a command, waiting 200 ms at most: a worker's leased
+-- settlement (src/settle.rs), whose chunk may hold other runs' locks
+-- already. false: the run is locked elsewhere longer (a client idle in its
+-- transaction, another chunk settling the same runs in the other order); the
+-- worker then voids the attempt and ends its chunk, which lets its other
+-- locks go, instead of waiting without limit. Tried without waiting, then
+-- every 2 ms (not lock_timeout: the engine's statements hold query cancels
+-- off, src/spi.rs). (200 ms: well past a sibling's settlement and commit,
+-- about a millisecond, and under deadlock_timeout.)
+CREATE FUNCTION flow._lock_run_of_briefly(command_id uuid) RETURNS boolean
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    give_up timestamptz := clock_timestamp() + interval '200 ms';
+BEGIN
+    LOOP
+        IF flow._try_lock_run_of(command_id) THEN
+            RETURN true;
+        END IF;
+        EXIT WHEN clock_timestamp() >= give_up;
+        PERFORM pg_sleep(0.002);
+    END LOOP;
+    RETURN false;
+END $$;
+
 -- Lock the run of a command unless another transaction holds it (then
 -- false): for work that can wait for a later round, such as concluding an
 -- attempt whose owner is gone.
@@ -167,6 +191,8 @@ LANGUAGE sql IMMUTABLE SET search_path = pg_catalog, pg_temp AS $$
         WHEN 'demoted' THEN 'the attempt ran past the 100 ms budget of a fast handler: run again alone, not charged'
         WHEN 'engine_error' THEN 'the engine failed outside this attempt''s handler: run again, not charged'
         WHEN 'late_cancel' THEN 'a cancel meant for an earlier attempt stopped it: run again, not charged'
+        WHEN 'cancelled' THEN 'its run was cancelled while it ran: counted, not charged'
+        WHEN 'run_locked' THEN 'its run stayed locked elsewhere at its settlement: run again, not charged'
         ELSE code END
 $$;
 
@@ -398,13 +424,15 @@ BEGIN
 
     IF outcome = 'permanent' THEN
         stop := 'permanent';
-    -- (attempts the engine voided are not charged: flow._release)
-    ELSIF c.attempts - (SELECT count(*) FROM flow._attempts a
-                        WHERE a.command_id = c.id AND a.outcome = 'voided') >= d.max_attempts THEN
+    -- (attempts the engine voided are not charged: flow._release; nor those
+    -- before the command's last re-drive: flow._retry)
+    ELSIF c.attempts - c.attempt_base - (SELECT count(*) FROM flow._attempts a
+                        WHERE a.command_id = c.id AND a.attempt > c.attempt_base
+                          AND a.outcome = 'voided') >= d.max_attempts THEN
         stop := 'attempt_limit';
     ELSE
         next_at := clock_timestamp() + CASE WHEN outcome = 'retry_after' AND retry_delay > interval '0' THEN retry_delay
-                                ELSE flow._backoff(d.backoff, d.backoff_max, c.attempts) END;
+                                ELSE flow._backoff(d.backoff, d.backoff_max, c.attempts - c.attempt_base) END;
         IF next_at > flow._deadline(c.budget_started_at, d.max_elapsed) THEN
             stop := 'elapsed_limit';
         ELSIF c.deadline IS NOT NULL AND next_at >= c.deadline THEN

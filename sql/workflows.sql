@@ -68,6 +68,57 @@ BEGIN
     RETURN true;
 END $$;
 
+-- Re-drive (flow.retry): the failed and cancelled commands of a failed or
+-- cancelled run become due again, each with a fresh attempt budget (its
+-- attempts so far become its attempt_base: max_attempts, the backoff and
+-- max_elapsed count from now; attempt numbers and their history go on), and
+-- the run is running again. A command that never ran and still waits for an
+-- event waits again, for its `within` from now. Expired commands are not
+-- re-driven: a run past its deadline cannot run again (FL007). The caller
+-- needs the rights flow.cancel needs. No handler of an ended run runs, so
+-- its locks are taken in cancel's order without waiting on a handler.
+CREATE FUNCTION flow._retry(caller oid, run_id uuid) RETURNS boolean
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    r flow._runs;
+    redriven integer;
+BEGIN
+    SELECT * INTO r FROM flow._run_rows x WHERE x.id = run_id;
+    PERFORM flow._require_member(caller, r.owner, 'run', run_id);
+    PERFORM flow._lock_run_and_commands(run_id);
+    PERFORM 1 FROM flow._runs x WHERE x.id = run_id FOR UPDATE;
+    -- (as it stands now that it is locked: a concurrent re-drive, or retention)
+    SELECT * INTO r FROM flow._run_rows x WHERE x.id = run_id;
+    IF NOT FOUND OR r.status NOT IN ('failed', 'cancelled') THEN
+        RETURN false;
+    END IF;
+    IF r.deadline IS NOT NULL AND r.deadline <= now() THEN
+        RAISE EXCEPTION 'flow: run % passed its deadline at %; it cannot run again', run_id, r.deadline
+            USING ERRCODE = 'FL007';
+    END IF;
+    UPDATE flow._commands c SET
+        status = CASE WHEN c.attempts = 0 AND EXISTS (SELECT 1 FROM flow._waits w
+                                                      WHERE w.command_id = c.id AND w.event_position IS NULL)
+                      THEN 'waiting' ELSE 'pending' END::flow.command_status,
+        next_run_at = CASE WHEN c.attempts = 0 AND EXISTS (SELECT 1 FROM flow._waits w
+                                                           WHERE w.command_id = c.id AND w.event_position IS NULL)
+                           THEN least(coalesce(now() + (c.declaration->>'within')::interval, 'infinity'),
+                                      coalesce(c.deadline, 'infinity'))
+                           ELSE greatest(c.not_before, now()) END,
+        budget_started_at = greatest(c.not_before, now()),
+        attempt_base = c.attempts,
+        stop_reason = NULL, finished_at = NULL
+    WHERE c.id = ANY (ARRAY(SELECT k.id FROM flow._commands_of(_retry.run_id) k))
+      AND c.status IN ('failed', 'cancelled');
+    GET DIAGNOSTICS redriven = ROW_COUNT;
+    UPDATE flow._runs x SET status = 'running', finished_at = NULL, error = NULL, result = NULL
+    WHERE x.id = run_id;
+    PERFORM flow._observe('runs_retried', 1);
+    PERFORM flow._observe('commands_retried', redriven);
+    PERFORM flow._wake_due_from(now());
+    RETURN true;
+END $$;
+
 -- Block until the run is terminal or the timeout passes (then status is
 -- 'running'). Polls with a growing pause (1 ms → 50 ms); each poll is a new
 -- snapshot, so call it outside a REPEATABLE READ transaction.

@@ -17,7 +17,7 @@
 use crate::claim::{self, Claimed};
 use crate::outcome::{self, Class, Failure};
 use crate::payload::Jsonb;
-use crate::settle::{self, HandBack, Settled};
+use crate::settle::{self, HandBack, LeasedSettled, RunWait, Settled};
 use crate::spi::{self, in_subtransaction, Subtransaction};
 use crate::{gateway, gucs, handler_call, shmem, spans};
 use pgrx::pg_sys;
@@ -171,6 +171,9 @@ pub struct Chunk<'a> {
     left: Vec<pgrx::Uuid>,
     /// An attempt overran FAST_BUDGET_US: the chunk ends (see `demoted`).
     demoted: bool,
+    /// A leased settlement found its run locked elsewhere: the chunk ends
+    /// (see `run_stayed_locked`).
+    cut_short: bool,
     /// Leased commands whose attempt was cut so: back to their queue at once.
     released_now: Vec<HandBack>,
     /// The open group of held attempts sharing a subtransaction, if any.
@@ -208,6 +211,7 @@ impl<'a> Chunk<'a> {
             handed_back: Vec::new(),
             left: Vec::new(),
             demoted: false,
+            cut_short: false,
             released_now: Vec::new(),
             group: None,
         }
@@ -220,10 +224,11 @@ impl<'a> Chunk<'a> {
         Chunk::with(worker, live)
     }
 
-    /// A held attempt of this chunk overran FAST_BUDGET_US: the chunk must end
-    /// here (its claim's other commands are locked until it commits).
-    pub fn demoted(&self) -> bool {
-        self.demoted
+    /// The chunk must end here: an attempt overran FAST_BUDGET_US (a held
+    /// chunk's other commands are locked until it commits), or a run stayed
+    /// locked at a leased settlement.
+    pub fn must_end(&self) -> bool {
+        self.demoted || self.cut_short
     }
 
     /// Run one command of the chunk for worker `index`; commands of a run
@@ -295,6 +300,10 @@ impl<'a> Chunk<'a> {
             Attempted::Succeeded(_) => unreachable!(),
             Attempted::Failed(failure) if failure.class == Class::Cancelled => {
                 if shmem::cancel_requested(index, &run) {
+                    // Counted now, while this chunk holds the command: the
+                    // cancel gets the run once the chunk commits, when nothing
+                    // (shared memory, the attempt record) names it any more.
+                    settle::void_held(&command.id(), started, self.worker, "cancelled");
                     self.leave(command, true);
                 } else {
                     // (a cancel signal meant for the attempt before it)
@@ -315,7 +324,7 @@ impl<'a> Chunk<'a> {
                 // (this chunk holds the command: it must not wait for the run, see
                 // flow._settle_failure's wait_for_run; a run locked elsewhere leaves
                 // the attempt to whoever holds it, a cancel)
-                let settled = settle::settle_failure(&command.id(), &failure, started, self.worker, false);
+                let settled = settle::settle_failure(&command.id(), &failure, started, self.worker, RunWait::Never);
                 if settled == (Settled::Failed { retry: false }) {
                     self.failed_runs.insert(run);
                 }
@@ -338,10 +347,17 @@ impl<'a> Chunk<'a> {
         let settled = match attempt(index, command, None, now, budget) {
             Attempted::Succeeded(result) => {
                 let spawned = SPAWNED_IN_CHUNK.with(|s| s.get());
-                settle::settle_leased_success(command, result, started, self.worker, spawned)
+                match settle::settle_leased_success(command, result, started, self.worker, spawned) {
+                    LeasedSettled::Settled => true,
                     // (a handler that cancelled its own run: its cancel closed
                     // the command, and commits with its attempt)
-                    || ENDED_OWN_RUN.with(|e| e.replace(false))
+                    LeasedSettled::NotOurs => ENDED_OWN_RUN.with(|e| e.replace(false)),
+                    LeasedSettled::RunLocked => {
+                        whole.end(false);
+                        self.run_stayed_locked(command);
+                        return;
+                    }
+                }
             }
             Attempted::Failed(failure) if failure.class == Class::Cancelled => {
                 whole.end(true);
@@ -360,17 +376,32 @@ impl<'a> Chunk<'a> {
                 return;
             }
             Attempted::Failed(failure) | Attempted::FailedKeepingWrites(failure) => {
-                match settle::settle_failure(&command.id(), &failure, started, self.worker, true) {
+                match settle::settle_failure(&command.id(), &failure, started, self.worker, RunWait::Briefly) {
                     Settled::Failed { retry: false } => {
                         self.failed_runs.insert(*command.run_id.as_bytes());
                         true
                     }
                     Settled::Failed { retry: true } => true,
-                    Settled::Expired | Settled::Locked => false,
+                    Settled::Expired => false,
+                    Settled::Locked => {
+                        whole.end(false);
+                        self.run_stayed_locked(command);
+                        return;
+                    }
                 }
             }
         };
         whole.end(settled);
+    }
+
+    /// A leased attempt whose run stayed locked elsewhere at its settlement
+    /// (settle::LeasedSettled::RunLocked): its writes are rolled back, it is
+    /// voided and handed back a moment later (HAND_BACK_DELAY: whoever holds
+    /// the run, say a client idle in its transaction, is not raced at once),
+    /// and the chunk ends, letting go of the runs it settled so far.
+    fn run_stayed_locked(&mut self, command: &Claimed) {
+        self.handed_back.push(HandBack { id: command.command_id, token: command.lease_token, voided: Some("run_locked") });
+        self.cut_short = true;
     }
 
     /// Leave a cancelled command to the cancel (see `run`). `started`: its

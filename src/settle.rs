@@ -43,17 +43,30 @@ pub fn settle_batch(args: &[DatumWithOid; 8]) -> usize {
     )
 }
 
-/// Settle the success of a leased attempt: lock its run (waiting: the
-/// caller holds no command's row), then settle it if its lease is still
-/// ours. Returns whether it was settled; if not, the caller rolls back the
-/// handler's writes.
+/// How the settlement of a leased attempt's success went.
+#[derive(Debug, PartialEq)]
+pub enum LeasedSettled {
+    Settled,
+    /// The lease is no longer ours (a cancel, the run's failure or deadline):
+    /// nothing written; the caller rolls back the handler's writes.
+    NotOurs,
+    /// Its run stayed locked elsewhere past flow._lock_run_of_briefly's wait:
+    /// nothing written; the caller rolls back the handler's writes, voids the
+    /// attempt and ends its chunk (whose other run locks may be what the
+    /// holder waits for).
+    RunLocked,
+}
+
+/// Settle the success of a leased attempt: lock its run (waiting briefly:
+/// the caller holds no command's row, but may hold other runs' locks), then
+/// settle it if its lease is still ours.
 pub fn settle_leased_success(
     command: &Claimed,
     result: Option<Jsonb>,
     started: Option<TimestampWithTimeZone>,
     worker: &str,
     spawned: bool,
-) -> bool {
+) -> LeasedSettled {
     let args = [
         vec![command.command_id].into(),
         vec![command.lease_token].into(),
@@ -66,8 +79,20 @@ pub fn settle_leased_success(
     ];
     with_settlement_retries(|| {
         gucs::inject_fault("settle_success");
-        engine_query("SELECT flow._lock_runs_of($1)", &[UUID_ARRAY], &[vec![command.command_id].into()], |_| ());
-        settle_batch(&args) == 1
+        if !lock_run_briefly(&command.command_id) {
+            LeasedSettled::RunLocked
+        } else if settle_batch(&args) == 1 {
+            LeasedSettled::Settled
+        } else {
+            LeasedSettled::NotOurs
+        }
+    })
+}
+
+/// Lock a leased command's run, waiting 200 ms at most (flow._lock_run_of_briefly).
+fn lock_run_briefly(command_id: &pgrx::Uuid) -> bool {
+    engine_query("SELECT flow._lock_run_of_briefly($1)", &[UUID], &[(*command_id).into()], |rows| {
+        rows.first().get_one::<bool>().ok().flatten().unwrap_or(false)
     })
 }
 
@@ -99,15 +124,33 @@ fn is_transient(caught: &pg_sys::panic::CaughtError) -> bool {
     )
 }
 
+/// Whether a failure's settlement waits for its run's lock.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum RunWait {
+    /// The caller holds the command's row (a held chunk): a run locked
+    /// elsewhere is left to its holder (Settled::Locked).
+    Never,
+    /// 200 ms at most (flow._lock_run_of_briefly), then Settled::Locked: a
+    /// leased chunk, which may hold other runs' locks; the maintenance worker.
+    Briefly,
+    /// As long as it takes: a transaction that holds nothing else (containment).
+    Always,
+}
+
 pub fn settle_failure(
     command: &AttemptId,
     failure: &Failure,
     started: Option<TimestampWithTimeZone>,
     worker: &str,
-    wait_for_run: bool,
+    wait: RunWait,
 ) -> Settled {
+    let wait_for_run = wait != RunWait::Never;
     let status: Option<String> = with_settlement_retries(|| {
         gucs::inject_fault("settle_failure");
+        // (a worker's leased settlement waits for its run briefly, as a success's)
+        if wait == RunWait::Briefly && !lock_run_briefly(&command.command_id) {
+            return Some("locked".to_string());
+        }
         engine_query(
             "SELECT flow._settle_failure($1, $2, $3, $4, $5,
                     CASE WHEN $6 IS NULL THEN NULL ELSE pg_catalog.make_interval(secs => $6 / 1000000.0) END, $7, $8, $9, $10)",
@@ -146,16 +189,16 @@ pub fn settle_engine_error(command: &AttemptId, message: &str, sqlstate: &str, w
     let invalid = sqlstate.starts_with("FL") || sqlstate.starts_with("22") || sqlstate.starts_with("23");
     if invalid {
         let decision = Failure::new(Class::Permanent, "invalid_decision", message);
-        if in_subtransaction(|| Ok::<_, ()>(settle_failure(command, &decision, None, worker, true)), |_| ()).is_ok() {
+        if in_subtransaction(|| Ok::<_, ()>(settle_failure(command, &decision, None, worker, RunWait::Always)), |_| ()).is_ok() {
             return true;
         }
     }
     let retryable = Failure::new(Class::Retryable, "engine_error", message);
-    if in_subtransaction(|| Ok::<_, ()>(settle_failure(command, &retryable, None, worker, true)), |_| ()).is_ok() {
+    if in_subtransaction(|| Ok::<_, ()>(settle_failure(command, &retryable, None, worker, RunWait::Always)), |_| ()).is_ok() {
         return true;
     }
     let permanent = Failure { class: Class::Permanent, ..retryable };
-    in_subtransaction(|| Ok::<_, ()>(settle_failure(command, &permanent, None, worker, true)), |_| ()).is_ok()
+    in_subtransaction(|| Ok::<_, ()>(settle_failure(command, &permanent, None, worker, RunWait::Always)), |_| ()).is_ok()
 }
 
 /// What concluding a held attempt came to (`conclude_held`).
@@ -175,7 +218,7 @@ pub enum Conclusion {
 /// abandoned (src/external.rs: `abandoned`, the token its client was given,
 /// so that flow.resolve finds the attempt under it). The latter never waits
 /// for a lock (a client's open transaction may hold its run or its row for
-/// as long as it likes): Busy then.
+/// as long as it likes): Busy then; the former waits 200 ms at most.
 pub fn conclude_held(command: [u8; 16], attempt: i32, worker: &str, abandoned: Option<[u8; 16]>) -> Conclusion {
     let held = AttemptId {
         command_id: pgrx::Uuid::from_bytes(command),
@@ -189,7 +232,8 @@ pub fn conclude_held(command: [u8; 16], attempt: i32, worker: &str, abandoned: O
         None => ("owner_died", "the worker running this attempt exited before settling it"),
     };
     let interrupted = Failure::new(Class::Interrupted, code, message);
-    match settle_failure(&held, &interrupted, None, worker, abandoned.is_none()) {
+    let wait = if abandoned.is_none() { RunWait::Briefly } else { RunWait::Never };
+    match settle_failure(&held, &interrupted, None, worker, wait) {
         Settled::Failed { .. } => Conclusion::Counted,
         Settled::Locked => Conclusion::Busy,
         Settled::Expired => Conclusion::MovedOn,

@@ -153,6 +153,8 @@ pub const METRICS: &[&str] = &[
     "runs_succeeded",
     "runs_failed",
     "runs_cancelled",
+    "runs_retried",
+    "commands_retried",
     "events",
     "claims",
     "claims_empty",
@@ -165,7 +167,8 @@ pub const METRICS: &[&str] = &[
     "demoted",
     "pruned_runs",
 ];
-const METRIC_SLOTS: usize = 32;
+const METRIC_SLOTS: usize = 48;
+const _: () = assert!(METRICS.len() <= METRIC_SLOTS);
 
 pub struct Counters {
     values: [AtomicU64; METRIC_SLOTS],

@@ -422,7 +422,7 @@ impl Worker {
             chunk.execute(self.index, command);
             ran += 1;
             if isolating
-                || chunk.demoted()
+                || chunk.must_end()
                 || chunk_started.elapsed() >= CHUNK_BUDGET
                 || execute::subxid_cache_nearly_full()
                 || gateway::constraint_state_changed()

@@ -41,6 +41,9 @@ DROP FUNCTION flow._begin_batch(uuid[], uuid[]);
 -- Runs past their deadline end as a whole (flow._expire_runs).
 CREATE INDEX _commands_deadline ON flow._commands (deadline) WHERE finished_at IS NULL AND deadline IS NOT NULL;
 
+-- A re-drive (flow.retry) gives a command a fresh attempt budget from here.
+ALTER TABLE flow._commands ADD COLUMN attempt_base integer NOT NULL DEFAULT 0;
+
 -- Attempts the engine voided are counted, not charged (flow._release).
 ALTER TABLE flow._attempts DROP CONSTRAINT _attempts_outcome_check,
     ADD CONSTRAINT _attempts_outcome_check CHECK (outcome IN ('succeeded', 'permanent', 'retry_after', 'timeout',
