@@ -6,7 +6,9 @@ attempt's deadline, and the idle claims of a worker whose due work is
 locked elsewhere. Each test fails on release 0.2.0."""
 import os
 import signal
+import struct
 import time
+import uuid
 
 import psycopg
 import pytest
@@ -220,8 +222,37 @@ def test_a_poison_command_in_a_limited_queue_fails_alone(pg):
         ["interrupted"] * 3
     pg.wait_for("SELECT count(*) = 300 FROM flow.runs WHERE id = ANY (%s) AND status = 'succeeded'", others,
                 timeout=60)
-    assert pg.one("SELECT count(*) FROM flow.attempts WHERE run_id = ANY (%s) AND outcome <> 'succeeded'",
-                  others) == 0
+    # none charged: an attempt that ran in the poison's transaction before it
+    # rolled back with it, and is counted, voided (code 'crash')
+    assert pg.all("SELECT DISTINCT outcome, error_code FROM flow.attempts WHERE run_id = ANY (%s)"
+                  " AND outcome <> 'succeeded'", others) in ([], [("voided", "crash")])
+
+
+def test_the_earlier_attempts_of_a_dead_workers_transaction_are_counted(pg):
+    """A worker that dies in an attempt has its record name every attempt of
+    its open transaction (src/attempt_record.rs): the last is charged,
+    interrupted; the earlier ones, whose settlements rolled back with the
+    transaction, are counted and voided (code 'crash'), not lost (before: only
+    the last was named, the others ran again under the same attempt number).
+    A record of a worker that is gone, written as a worker writes it, naming
+    two commands of a paused queue."""
+    queue = unique("recordq")
+    pg.one(f"SELECT flow.set_queue('{queue}', paused => true)")
+    name = define(pg, "app.quick", queue=f"'{queue}'")
+    first, last = pg.one(f"SELECT flow.enqueue_many('{name}', array_fill('{{}}'::jsonb, array[2]))")
+    entries = b"".join(uuid.UUID(str(run)).bytes + struct.pack("<i", 1) for run in (first, last))
+    path = os.path.join(pg.dir, "pgdata", "pg_flow", "attempt.63.999999.12345")
+    with open(path, "wb") as record:
+        record.write(struct.pack("<I", 2) + entries)
+    pg.wait_for("SELECT count(*) = 2 FROM flow._attempts WHERE command_id = ANY (%s)", [first, last])
+    poll(lambda: not os.path.exists(path), what="the record removed once concluded")
+    pg.one(f"SELECT flow.set_queue('{queue}', paused => false)")
+    for run in (first, last):
+        assert pg.await_run(run, "20s")[0] == "succeeded"
+    outcomes = lambda run: pg.all("SELECT attempt, outcome, error_code FROM flow.attempts WHERE run_id = %s"
+                                  " ORDER BY attempt", run)
+    assert outcomes(first) == [(1, "voided", "crash"), (2, "succeeded", None)]
+    assert outcomes(last) == [(1, "interrupted", "owner_died"), (2, "succeeded", None)]
 
 
 # ---------------------------------------------------------------- 6. deadlines, idle claims, prepared transactions

@@ -49,9 +49,12 @@ END $$;
 -- names (recorded_commands[i], recorded_attempts[i]; NULL: no attempt):
 -- * the attempt each gone worker's record names is charged, interrupted
 --   (flow._conclude_record);
+-- * the earlier attempts of a gone worker's open transaction (earlier_*:
+--   writer index, command, attempt) ended, but their settlements rolled
+--   back with that transaction: each is voided, code 'crash' (counted, not
+--   charged; a leased one released, a held one by flow._void_held);
 -- * the other commands a gone worker had leased never started their
---   attempt (or had it rolled back with the worker's chunk): they go back to
---   their queues uncharged (flow._release). A lease of a worker that is gone
+--   attempt: they go back to their queues uncharged (flow._release). A lease of a worker that is gone
 --   and wrote no record (after an OS crash lost the files) is charged, the
 --   conservative side of rule 3; one of a worker that went after the
 --   records were read waits for the next round;
@@ -59,12 +62,15 @@ END $$;
 -- Returns how many attempts it concluded, and for each writer whether its
 -- record is done with (gone, and what it names concluded or moved on).
 CREATE FUNCTION flow._recover(pids integer[], started timestamptz[], gone boolean[],
-    recorded_commands uuid[], recorded_attempts integer[], OUT concluded integer, OUT records_done boolean[])
+    recorded_commands uuid[], recorded_attempts integer[], earlier_writers integer[], earlier_commands uuid[],
+    earlier_attempts integer[], OUT concluded integer, OUT records_done boolean[])
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     w record;
+    e record;
     lost record;
     outcome text;
+    entered flow._commands;
 BEGIN
     concluded := 0;
     records_done := '{}';
@@ -78,11 +84,32 @@ BEGIN
         concluded := concluded + (outcome IN ('retry', 'failed'))::integer;
     END LOOP;
 
+    FOR e IN SELECT * FROM unnest(earlier_writers, earlier_commands, earlier_attempts) AS x(writer, command_id, attempt)
+    LOOP
+        CONTINUE WHEN NOT coalesce(gone[e.writer], false);
+        BEGIN
+            SELECT * INTO entered FROM flow._commands x WHERE x.id = e.command_id FOR UPDATE NOWAIT;
+            IF entered.status::text = 'running' AND entered.lease_pid = pids[e.writer]
+               AND entered.lease_backend_start = started[e.writer] AND entered.attempts = e.attempt THEN
+                IF EXISTS (SELECT FROM flow._release(ARRAY[entered.id], ARRAY[entered.lease_token], ARRAY['crash'])) THEN
+                    records_done[e.writer] := false;
+                END IF;
+            ELSIF entered.status::text IN ('pending', 'waiting') AND entered.attempts = e.attempt - 1 THEN
+                PERFORM flow._void_held(entered.id, e.attempt, flow._new_id(),
+                                        current_database() || ':' || pids[e.writer], clock_timestamp(), 'crash');
+            END IF;
+        EXCEPTION WHEN lock_not_available THEN
+            records_done[e.writer] := false;   -- (next round)
+        END;
+    END LOOP;
+
     FOR lost IN
         SELECT c.id, c.lease_token, c.lease_pid IS NULL AS external,
                coalesce(c.attempt_deadline <= c.lease_expires_at, false) AS timed_out,
                (SELECT bool_or(g.writer_gone) FROM unnest(pids, started, gone) AS g(writer_pid, writer_started, writer_gone)
-                WHERE g.writer_pid = c.lease_pid AND g.writer_started = c.lease_backend_start) AS writer_gone
+                WHERE g.writer_pid = c.lease_pid AND g.writer_started = c.lease_backend_start) AS writer_gone,
+               (SELECT min(g.i) FROM unnest(pids, started) WITH ORDINALITY AS g(writer_pid, writer_started, i)
+                WHERE g.writer_pid = c.lease_pid AND g.writer_started = c.lease_backend_start) AS writer
         FROM flow._commands c                                       -- index _commands_running
         WHERE c.status = 'running'
           AND CASE WHEN c.lease_pid IS NULL THEN c.lease_expires_at < now()
@@ -93,8 +120,12 @@ BEGIN
             -- (named by its worker's record: concluded above, or on a later round)
             CONTINUE WHEN lost.id = ANY (recorded_commands) OR lost.writer_gone IS false;
             IF lost.writer_gone THEN
-                -- (a row locked elsewhere is released on a later round)
-                PERFORM flow._release(ARRAY[lost.id], ARRAY[lost.lease_token]);
+                -- A row locked elsewhere is released on a later round, and
+                -- its writer's record kept until then: without it, that lease
+                -- would be taken for one an OS crash left, and charged.
+                IF EXISTS (SELECT FROM flow._release(ARRAY[lost.id], ARRAY[lost.lease_token])) THEN
+                    records_done[lost.writer] := false;
+                END IF;
                 CONTINUE;
             END IF;
         END IF;

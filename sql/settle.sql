@@ -191,6 +191,7 @@ LANGUAGE sql IMMUTABLE SET search_path = pg_catalog, pg_temp AS $$
         WHEN 'demoted' THEN 'the attempt ran past the 100 ms budget of a fast handler: run again alone, not charged'
         WHEN 'engine_error' THEN 'the engine failed outside this attempt''s handler: run again, not charged'
         WHEN 'late_cancel' THEN 'a cancel meant for an earlier attempt stopped it: run again, not charged'
+        WHEN 'crash' THEN 'its worker stopped later in the same transaction, which rolled it back: run again, not charged'
         WHEN 'cancelled' THEN 'its run was cancelled while it ran: counted, not charged'
         WHEN 'run_locked' THEN 'its run stayed locked elsewhere at its settlement: run again, not charged'
         ELSE code END
@@ -371,6 +372,7 @@ DECLARE
     d flow._definitions;
     next_at timestamptz;
     stop text;
+    charged integer;
     cut text := flow._cut_message(coalesce(message, code));
 BEGIN
     IF wait_for_run THEN
@@ -422,17 +424,19 @@ BEGIN
     END IF;
     SELECT * INTO d FROM flow._definitions x WHERE x.name = c.name AND x.version = c.version;
 
+    -- The attempts charged: not those the engine voided (flow._release),
+    -- nor those before the command's last re-drive (flow._retry). The limit
+    -- and the backoff count these alone.
+    charged := c.attempts - c.attempt_base
+               - (SELECT count(*) FROM flow._attempts a                    -- index _attempts_pkey
+                  WHERE a.command_id = c.id AND a.attempt > c.attempt_base AND a.outcome = 'voided');
     IF outcome = 'permanent' THEN
         stop := 'permanent';
-    -- (attempts the engine voided are not charged: flow._release; nor those
-    -- before the command's last re-drive: flow._retry)
-    ELSIF c.attempts - c.attempt_base - (SELECT count(*) FROM flow._attempts a
-                        WHERE a.command_id = c.id AND a.attempt > c.attempt_base
-                          AND a.outcome = 'voided') >= d.max_attempts THEN
+    ELSIF charged >= d.max_attempts THEN
         stop := 'attempt_limit';
     ELSE
         next_at := clock_timestamp() + CASE WHEN outcome = 'retry_after' AND retry_delay > interval '0' THEN retry_delay
-                                ELSE flow._backoff(d.backoff, d.backoff_max, c.attempts - c.attempt_base) END;
+                                ELSE flow._backoff(d.backoff, d.backoff_max, greatest(charged, 1)) END;
         IF next_at > flow._deadline(c.budget_started_at, d.max_elapsed) THEN
             stop := 'elapsed_limit';
         ELSIF c.deadline IS NOT NULL AND next_at >= c.deadline THEN

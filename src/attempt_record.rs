@@ -1,28 +1,30 @@
 //! The record of the attempt a worker is in (engine rule 3: a crash, a kill
 //! or a restart charges the attempt each worker was in, and nothing else).
 //!
-//! Before each handler starts, held or leased, the worker writes the command
+//! Before each handler starts, held or leased, the worker appends the command
 //! and the number of its attempt to a small file of its own process,
 //! `pg_flow/attempt.<slot>.<pid>.<backend start>` in the data directory, and
-//! clears it once the attempt's transaction has ended. The file is mapped
-//! into the worker's memory, so the record is a store of 20 bytes into the
-//! page cache, not a system call per command (a `pwrite` per held handler
-//! was 3-4 % of a no-op drain's CPU). It survives a backend crash and a
-//! server crash, not an OS crash.
+//! empties it once the transaction of those attempts has ended. So the
+//! record names every attempt of the open transaction, the last one the
+//! attempt the worker is in. The file is mapped into the worker's memory, so
+//! a record is a store of 24 bytes into the page cache, not a system call
+//! per command (a `pwrite` per held handler was 3-4 % of a no-op drain's
+//! CPU). It survives a backend crash and a server crash, not an OS crash.
 //!
-//! A record found set in the file of a process that is gone was left by a
-//! worker that stopped inside that attempt: the maintenance worker
-//! concludes it as interrupted (`flow._conclude_record`, which changes
-//! nothing if the command has moved on since) and removes the file. Until
-//! then every claim leaves that command alone (`named_elsewhere`), so a
-//! poison command is counted each time it takes a worker down; and recovery
-//! gives the other commands a dead worker had leased back uncharged: they
-//! never started an attempt (or had it rolled back with its chunk), and only
-//! a record names one that did. After an OS crash an attempt that was in
-//! progress may go uncounted; its writes were rolled back with its
-//! transaction, and it runs again. (So may one whose worker was killed in
-//! the middle of those 20 bytes: the mixed record names no attempt, and
-//! concluding it changes nothing.)
+//! A record found in the file of a process that is gone was left by a
+//! worker that stopped inside its last attempt: the maintenance worker
+//! concludes that one as interrupted (`flow._conclude_record`, which changes
+//! nothing if the command has moved on since), voids the earlier ones (they
+//! ended, but their settlements rolled back with the worker's transaction:
+//! counted, not charged) and removes the file. Until then every claim leaves
+//! those commands alone (`named_elsewhere`), so a poison command is counted
+//! each time it takes a worker down; and recovery gives the other commands a
+//! dead worker had leased back uncharged: they never started an attempt,
+//! and only a record names one that did. After an OS crash an attempt that
+//! was in progress may go uncounted; its writes were rolled back with its
+//! transaction, and it runs again. (An entry is written before the count
+//! that includes it, so a worker killed in the middle of one leaves it out:
+//! its handler had not started.)
 
 use std::cell::Cell;
 use std::fs::{File, OpenOptions};
@@ -32,8 +34,15 @@ use std::os::unix::io::AsRawFd;
 /// Relative to the data directory (every backend's working directory).
 const DIR: &str = "pg_flow";
 const PREFIX: &str = "attempt.";
-/// A command id (16 bytes) and the attempt's number (4, little-endian).
-const SIZE: usize = 20;
+/// The count of entries (4 bytes, little-endian), then the entries: a command
+/// id (16 bytes) and the attempt's number (4, little-endian) each.
+const COUNT: usize = 4;
+const ENTRY: usize = 20;
+/// Entries kept per transaction: a held chunk runs at most about 100 ms of
+/// work (a no-op's chunk, about 1,000 commands). Past it the last entry is
+/// overwritten: the attempt the worker is in is always named.
+const CAPACITY: usize = 1024;
+const SIZE: usize = COUNT + CAPACITY * ENTRY;
 
 thread_local! {
     /// This worker's record, mapped shared (writes land in the file's pages).
@@ -107,48 +116,76 @@ pub fn open(slot: usize) {
     }
 }
 
-fn write_bytes(bytes: &[u8; SIZE]) {
+fn store(offset: usize, bytes: &[u8]) {
     let at = RECORD.with(|r| r.get());
     assert!(!at.is_null(), "attempt_record::open was called");
+    assert!(offset + bytes.len() <= SIZE);
     for (i, b) in bytes.iter().enumerate() {
         // SAFETY: `at` maps SIZE bytes; volatile, so the stores are made
-        // here, before the handler is called, not moved past it
-        unsafe { at.add(i).write_volatile(*b) };
+        // here, in this order, before the handler is called, not moved past it
+        unsafe { at.add(offset + i).write_volatile(*b) };
     }
 }
 
-/// Record that the attempt `attempt` of `command` starts now.
+fn stored_count() -> usize {
+    let at = RECORD.with(|r| r.get());
+    assert!(!at.is_null(), "attempt_record::open was called");
+    let mut bytes = [0u8; COUNT];
+    for (i, b) in bytes.iter_mut().enumerate() {
+        // SAFETY: as in `store`
+        *b = unsafe { at.add(i).read_volatile() };
+    }
+    (u32::from_le_bytes(bytes) as usize).min(CAPACITY)
+}
+
+/// Record that the attempt `attempt` of `command` starts now, in the open transaction.
 pub fn write(command: &[u8; 16], attempt: i32) {
-    let mut bytes = [0u8; SIZE];
-    bytes[..16].copy_from_slice(command);
-    bytes[16..].copy_from_slice(&attempt.to_le_bytes());
-    write_bytes(&bytes);
-}
-
-/// The attempt is over: settled and committed, or rolled back with its
-/// transaction (an error the worker caught).
-pub fn clear() {
-    write_bytes(&[0u8; SIZE]);
-}
-
-fn parse(bytes: &[u8]) -> Option<Recorded> {
-    if bytes.len() < SIZE || bytes.iter().all(|b| *b == 0) {
-        return None;
+    let count = stored_count();
+    let mut entry = [0u8; ENTRY];
+    entry[..16].copy_from_slice(command);
+    entry[16..].copy_from_slice(&attempt.to_le_bytes());
+    // the entry first, then the count that includes it
+    store(COUNT + count.min(CAPACITY - 1) * ENTRY, &entry);
+    if count < CAPACITY {
+        store(0, &((count + 1) as u32).to_le_bytes());
     }
-    let command: [u8; 16] = bytes[..16].try_into().ok()?;
-    let attempt = i32::from_le_bytes(bytes[16..SIZE].try_into().ok()?);
-    Some(Recorded { command, attempt })
 }
 
-pub fn read(writer: &Writer) -> Option<Recorded> {
-    let mut bytes = [0u8; SIZE];
-    let file = File::open(writer.path()).ok()?;
-    let n = file.read_at(&mut bytes, 0).ok()?;
-    parse(&bytes[..n])
+/// The transaction of the recorded attempts is over: committed, or rolled
+/// back (an error the worker caught).
+pub fn clear() {
+    store(0, &[0u8; COUNT]);
+}
+
+fn parse(bytes: &[u8]) -> Vec<Recorded> {
+    bytes
+        .chunks_exact(ENTRY)
+        .filter(|entry| entry.iter().any(|b| *b != 0))
+        .map(|entry| Recorded {
+            command: entry[..16].try_into().expect("16 bytes"),
+            attempt: i32::from_le_bytes(entry[16..].try_into().expect("4 bytes")),
+        })
+        .collect()
+}
+
+/// What a writer's record names, in the order the attempts started (the
+/// last: the attempt it is or was in).
+pub fn read(writer: &Writer) -> Vec<Recorded> {
+    let Ok(file) = File::open(writer.path()) else { return Vec::new() };
+    let mut count = [0u8; COUNT];
+    if file.read_at(&mut count, 0).ok() != Some(COUNT) {
+        return Vec::new();
+    }
+    let count = (u32::from_le_bytes(count) as usize).min(CAPACITY);
+    let mut entries = vec![0u8; count * ENTRY];
+    match file.read_at(&mut entries, COUNT as u64) {
+        Ok(n) => parse(&entries[..n - n % ENTRY]),
+        Err(_) => Vec::new(),
+    }
 }
 
 /// Every worker process that has a record file, and what its record names.
-pub fn all() -> Vec<(Writer, Option<Recorded>)> {
+pub fn all() -> Vec<(Writer, Vec<Recorded>)> {
     let Ok(entries) = std::fs::read_dir(DIR) else { return Vec::new() };
     entries
         .filter_map(|e| Writer::parse(e.ok()?.file_name().to_str()?))
@@ -164,7 +201,7 @@ pub fn named_elsewhere(slot: usize) -> Vec<pgrx::Uuid> {
     all()
         .into_iter()
         .filter(|(writer, _)| *writer != me)
-        .filter_map(|(_, recorded)| recorded)
+        .flat_map(|(_, recorded)| recorded)
         .map(|r| pgrx::Uuid::from_bytes(r.command))
         .collect()
 }
@@ -181,6 +218,6 @@ pub fn remove(writer: &Writer) {
 #[pgrx::pg_extern(volatile, parallel_unsafe)]
 fn _recorded_attempts() -> pgrx::iter::TableIterator<'static, (pgrx::name!(command_id, pgrx::Uuid), pgrx::name!(attempt, i32))> {
     let named: Vec<(pgrx::Uuid, i32)> =
-        all().into_iter().filter_map(|(_, r)| r).map(|r| (pgrx::Uuid::from_bytes(r.command), r.attempt)).collect();
+        all().into_iter().flat_map(|(_, r)| r).map(|r| (pgrx::Uuid::from_bytes(r.command), r.attempt)).collect();
     pgrx::iter::TableIterator::new(named)
 }

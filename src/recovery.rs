@@ -94,12 +94,12 @@ fn recover_gone_workers() -> Option<i32> {
     let writers: Vec<Writer> = attempt_record::all().into_iter().map(|(writer, _)| writer).collect();
     let gone = transaction(|| gone_writers(&writers))?;
     // (read after they were found gone: what they say now is final)
-    let records: Vec<Option<Recorded>> =
-        writers.iter().zip(&gone).map(|(w, gone)| if *gone { attempt_record::read(w) } else { None }).collect();
+    let records: Vec<Vec<Recorded>> =
+        writers.iter().zip(&gone).map(|(w, gone)| if *gone { attempt_record::read(w) } else { Vec::new() }).collect();
     let (concluded, done) = transaction(|| recover(&writers, &gone, &records))?;
     for ((writer, gone), done) in writers.iter().zip(&gone).zip(&done) {
         if *gone && *done {
-            if let Some(Recorded { command, attempt }) = attempt_record::read(writer) {
+            if let Some(&Recorded { command, attempt }) = attempt_record::read(writer).last() {
                 pgrx::log!(
                     "flow: concluded the attempt {attempt} of command {} as interrupted: its worker stopped in it (pid {})",
                     pgrx::Uuid::from_bytes(command),
@@ -134,15 +134,42 @@ fn gone_writers(writers: &[Writer]) -> Vec<bool> {
 
 /// flow._recover: returns how many attempts it concluded, and for each
 /// writer whether its record is concluded (its file may go).
-fn recover(writers: &[Writer], gone: &[bool], records: &[Option<Recorded>]) -> (i32, Vec<bool>) {
+fn recover(writers: &[Writer], gone: &[bool], records: &[Vec<Recorded>]) -> (i32, Vec<bool>) {
     let (pids, started) = starts(writers);
+    // each writer's last attempt, and the earlier ones of its transaction (with their writer's index, from 1)
     let commands: Vec<Option<pgrx::Uuid>> =
-        records.iter().map(|r| r.map(|r| pgrx::Uuid::from_bytes(r.command))).collect();
-    let attempts: Vec<Option<i32>> = records.iter().map(|r| r.map(|r| r.attempt)).collect();
+        records.iter().map(|r| r.last().map(|r| pgrx::Uuid::from_bytes(r.command))).collect();
+    let attempts: Vec<Option<i32>> = records.iter().map(|r| r.last().map(|r| r.attempt)).collect();
+    let earlier: Vec<(i32, &Recorded)> = records
+        .iter()
+        .enumerate()
+        .flat_map(|(i, r)| r.iter().rev().skip(1).map(move |e| (i as i32 + 1, e)))
+        .collect();
+    let earlier_writers: Vec<i32> = earlier.iter().map(|(i, _)| *i).collect();
+    let earlier_commands: Vec<pgrx::Uuid> = earlier.iter().map(|(_, e)| pgrx::Uuid::from_bytes(e.command)).collect();
+    let earlier_attempts: Vec<i32> = earlier.iter().map(|(_, e)| e.attempt).collect();
     engine_query(
-        "SELECT concluded, records_done FROM flow._recover($1, $2, $3, $4, $5)",
-        &[spi::INT4_ARRAY, spi::TIMESTAMPTZ_ARRAY, spi::BOOL_ARRAY, spi::UUID_ARRAY, spi::INT4_ARRAY],
-        &[pids.into(), started.into(), gone.to_vec().into(), commands.into(), attempts.into()],
+        "SELECT concluded, records_done FROM flow._recover($1, $2, $3, $4, $5, $6, $7, $8)",
+        &[
+            spi::INT4_ARRAY,
+            spi::TIMESTAMPTZ_ARRAY,
+            spi::BOOL_ARRAY,
+            spi::UUID_ARRAY,
+            spi::INT4_ARRAY,
+            spi::INT4_ARRAY,
+            spi::UUID_ARRAY,
+            spi::INT4_ARRAY,
+        ],
+        &[
+            pids.into(),
+            started.into(),
+            gone.to_vec().into(),
+            commands.into(),
+            attempts.into(),
+            earlier_writers.into(),
+            earlier_commands.into(),
+            earlier_attempts.into(),
+        ],
         |rows| {
             let row = rows.first();
             let concluded = row.get::<i32>(1).ok().flatten().unwrap_or(0);
