@@ -3180,7 +3180,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_observe_wrapper';
 
--- src/attempt_record.rs:218
+-- src/attempt_record.rs:237
 -- flow::attempt_record::_recorded_attempts
 CREATE OR REPLACE FUNCTION "_recorded_attempts"() RETURNS TABLE (
 	"command_id" uuid,  /* pgrx :: Uuid */

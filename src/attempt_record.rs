@@ -169,39 +169,58 @@ fn parse(bytes: &[u8]) -> Vec<Recorded> {
 }
 
 /// What a writer's record names, in the order the attempts started (the
-/// last: the attempt it is or was in).
-pub fn read(writer: &Writer) -> Vec<Recorded> {
+/// last: the attempt it is or was in); `last_only`: that one alone.
+fn read_entries(writer: &Writer, last_only: bool) -> Vec<Recorded> {
     let Ok(file) = File::open(writer.path()) else { return Vec::new() };
     let mut count = [0u8; COUNT];
     if file.read_at(&mut count, 0).ok() != Some(COUNT) {
         return Vec::new();
     }
     let count = (u32::from_le_bytes(count) as usize).min(CAPACITY);
-    let mut entries = vec![0u8; count * ENTRY];
-    match file.read_at(&mut entries, COUNT as u64) {
+    let first = if last_only { count.saturating_sub(1) } else { 0 };
+    let mut entries = vec![0u8; (count - first) * ENTRY];
+    match file.read_at(&mut entries, (COUNT + first * ENTRY) as u64) {
         Ok(n) => parse(&entries[..n - n % ENTRY]),
         Err(_) => Vec::new(),
     }
 }
 
+/// Everything a writer's record names (see `read_entries`).
+pub fn read(writer: &Writer) -> Vec<Recorded> {
+    read_entries(writer, false)
+}
+
+fn writers() -> Vec<Writer> {
+    let Ok(entries) = std::fs::read_dir(DIR) else { return Vec::new() };
+    entries.filter_map(|e| Writer::parse(e.ok()?.file_name().to_str()?)).collect()
+}
+
 /// Every worker process that has a record file, and what its record names.
 pub fn all() -> Vec<(Writer, Vec<Recorded>)> {
-    let Ok(entries) = std::fs::read_dir(DIR) else { return Vec::new() };
-    entries
-        .filter_map(|e| Writer::parse(e.ok()?.file_name().to_str()?))
-        .map(|writer| (writer, read(&writer)))
-        .collect()
+    writers().into_iter().map(|writer| (writer, read(&writer))).collect()
+}
+
+/// Whether a writer's process still exists (a pid reused since is taken
+/// for the writer: its record then waits for the maintenance worker).
+fn alive(writer: &Writer) -> bool {
+    // SAFETY: signal 0 only checks that the process exists
+    unsafe { libc::kill(writer.pid, 0) == 0 }
 }
 
 /// The commands other worker processes' records name: in an attempt of a
 /// live worker (locked anyway), or left by one that stopped and not
 /// concluded yet. Claims leave them alone.
+///
+/// Of a live worker only the attempt it is in: the earlier ones of its open
+/// transaction are its own (held: locked; leased: running), and a held
+/// chunk's can be a thousand, which every claim would then carry. Of a gone
+/// one everything, until recovery has concluded or voided it.
 pub fn named_elsewhere(slot: usize) -> Vec<pgrx::Uuid> {
     let me = Writer::me(slot);
-    all()
+    writers()
         .into_iter()
-        .filter(|(writer, _)| *writer != me)
-        .flat_map(|(_, recorded)| recorded)
+        .filter(|writer| *writer != me)
+        .flat_map(|writer| read_entries(&writer, alive(&writer)))
         .map(|r| pgrx::Uuid::from_bytes(r.command))
         .collect()
 }
