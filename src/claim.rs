@@ -383,8 +383,10 @@ fn keep_what_starts_now(
         return to_lease;
     }
     let left = commands.iter().filter(|c| !keep.contains(c.command_id.as_bytes()));
+    // (a microsecond before: cursors that ended at that very time, on the
+    // commands of the same enqueue_many, may have passed these by id)
     if let Some(earliest) = left.map(|c| c.due_at.into_inner()).min() {
-        shmem::wake_at_commit(earliest);
+        shmem::wake_at_commit(earliest - 1);
     }
     commands.retain(|c| keep.contains(c.command_id.as_bytes()));
     let mut kept = ToLease::default();

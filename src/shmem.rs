@@ -421,6 +421,17 @@ pub fn wake_at_commit(due_from: i64) {
     DUE_FLOOR.with(|f| f.set(f.get().min(due_from)));
 }
 
+/// Commands due from `due_from` (TimestampTz µs) on are due again now, behind
+/// where the workers' claims may have ended (held commands a chunk did not
+/// reach, unlocked by its commit): every worker's next claim starts before
+/// them (see DueFloors), and the idle ones are woken.
+pub fn note_due_again(due_from: i64) {
+    for value in &DUE_FLOORS.get().values {
+        value.fetch_min(due_from, Ordering::AcqRel);
+    }
+    wake_workers();
+}
+
 /// The earliest due time made due by the commits since worker `index` last
 /// took it (see DueFloors), left for its next claim to take.
 pub fn peek_due_floor(index: usize) -> i64 {

@@ -373,8 +373,13 @@ impl Worker {
             Ok(HeldTurn { claimed, held, run, runs, leased, not_run }) => {
                 if !not_run.is_empty() {
                     // the held commands not run stay due: the next claim
-                    // starts at them (and the other workers' at the heads)
+                    // starts at them, and so do the other workers', whose
+                    // cursors may have taken up past them from this one's
                     shmem::publish_cursor(self.index, &[], 0);
+                    // (a microsecond before: see claim::keep_what_starts_now)
+                    if let Some(earliest) = not_run.iter().map(|c| c.due_at.into_inner()).min() {
+                        shmem::note_due_again(earliest - 1);
+                    }
                     if let Some((_, cursor)) = self.cursor.borrow_mut().as_mut() {
                         not_run.iter().for_each(|command| cursor.rewind_to(command));
                     }
