@@ -2177,19 +2177,17 @@ BEGIN
             USING ERRCODE = 'FL007';
     END IF;
     UPDATE flow._commands c SET
-        status = CASE WHEN c.attempts = 0 AND EXISTS (SELECT 1 FROM flow._waits w
-                                                      WHERE w.command_id = c.id AND w.event_position IS NULL)
-                      THEN 'waiting' ELSE 'pending' END::flow.command_status,
-        next_run_at = CASE WHEN c.attempts = 0 AND EXISTS (SELECT 1 FROM flow._waits w
-                                                           WHERE w.command_id = c.id AND w.event_position IS NULL)
-                           THEN least(coalesce(now() + (c.declaration->>'within')::interval, 'infinity'),
-                                      coalesce(c.deadline, 'infinity'))
+        status = CASE WHEN redo.waits THEN 'waiting' ELSE 'pending' END::flow.command_status,
+        next_run_at = CASE WHEN redo.waits THEN least(coalesce(now() + (c.declaration->>'within')::interval, 'infinity'),
+                                                   coalesce(c.deadline, 'infinity'))
                            ELSE greatest(c.not_before, now()) END,
         budget_started_at = greatest(c.not_before, now()),
         attempt_base = c.attempts,
         stop_reason = NULL, finished_at = NULL
-    WHERE c.id = ANY (ARRAY(SELECT k.id FROM flow._commands_of(_retry.run_id) k))
-      AND c.status IN ('failed', 'cancelled');
+    FROM (SELECT k.id, k.attempts = 0 AND EXISTS (SELECT 1 FROM flow._waits w
+                                                  WHERE w.command_id = k.id AND w.event_position IS NULL) AS waits
+          FROM flow._commands_of(_retry.run_id) k WHERE k.status IN ('failed', 'cancelled')) redo
+    WHERE c.id = redo.id;
     GET DIAGNOSTICS redriven = ROW_COUNT;
     UPDATE flow._runs x SET status = 'running', finished_at = NULL, error = NULL, result = NULL
     WHERE x.id = run_id;
@@ -3180,7 +3178,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_observe_wrapper';
 
--- src/attempt_record.rs:237
+-- src/attempt_record.rs:238
 -- flow::attempt_record::_recorded_attempts
 CREATE OR REPLACE FUNCTION "_recorded_attempts"() RETURNS TABLE (
 	"command_id" uuid,  /* pgrx :: Uuid */

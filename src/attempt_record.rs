@@ -190,7 +190,8 @@ pub fn read(writer: &Writer) -> Vec<Recorded> {
     read_entries(writer, false)
 }
 
-fn writers() -> Vec<Writer> {
+/// Every worker process that has a record file.
+pub fn writers() -> Vec<Writer> {
     let Ok(entries) = std::fs::read_dir(DIR) else { return Vec::new() };
     entries.filter_map(|e| Writer::parse(e.ok()?.file_name().to_str()?)).collect()
 }

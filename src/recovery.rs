@@ -91,15 +91,15 @@ impl Recovery {
 /// the files of those fully concluded removed. Returns how many attempts
 /// were concluded.
 fn recover_gone_workers() -> Option<i32> {
-    let writers: Vec<Writer> = attempt_record::all().into_iter().map(|(writer, _)| writer).collect();
+    let writers = attempt_record::writers();
     let gone = transaction(|| gone_writers(&writers))?;
     // (read after they were found gone: what they say now is final)
     let records: Vec<Vec<Recorded>> =
         writers.iter().zip(&gone).map(|(w, gone)| if *gone { attempt_record::read(w) } else { Vec::new() }).collect();
     let (concluded, done) = transaction(|| recover(&writers, &gone, &records))?;
-    for ((writer, gone), done) in writers.iter().zip(&gone).zip(&done) {
+    for (((writer, gone), done), record) in writers.iter().zip(&gone).zip(&done).zip(&records) {
         if *gone && *done {
-            if let Some(&Recorded { command, attempt }) = attempt_record::read(writer).last() {
+            if let Some(&Recorded { command, attempt }) = record.last() {
                 pgrx::log!(
                     "flow: concluded the attempt {attempt} of command {} as interrupted: its worker stopped in it (pid {})",
                     pgrx::Uuid::from_bytes(command),

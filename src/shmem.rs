@@ -421,13 +421,16 @@ pub fn wake_at_commit(due_from: i64) {
     DUE_FLOOR.with(|f| f.set(f.get().min(due_from)));
 }
 
-/// Commands due from `due_from` (TimestampTz µs) on are due again now, behind
-/// where the workers' claims may have ended (held commands a chunk did not
-/// reach, unlocked by its commit): every worker's next claim starts before
-/// them (see DueFloors), and the idle ones are woken.
+/// Commands due from `due_from` (TimestampTz µs; i64::MAX: none) on are due
+/// now, maybe behind where the workers' claims ended (a commit that made
+/// them due, held commands a chunk did not reach): every worker's next claim
+/// starts before them (see DueFloors), and the idle ones are woken.
 pub fn note_due_again(due_from: i64) {
-    for value in &DUE_FLOORS.get().values {
-        value.fetch_min(due_from, Ordering::AcqRel);
+    // (before the latches are set: a woken worker's claim sees it)
+    if due_from < i64::MAX {
+        for value in &DUE_FLOORS.get().values {
+            value.fetch_min(due_from, Ordering::AcqRel);
+        }
     }
     wake_workers();
 }
@@ -450,13 +453,7 @@ unsafe extern "C-unwind" fn on_xact_event(event: pg_sys::XactEvent::Type, _arg: 
         pg_sys::XactEvent::XACT_EVENT_COMMIT | pg_sys::XactEvent::XACT_EVENT_PARALLEL_COMMIT => {
             let floor = DUE_FLOOR.with(|f| f.replace(i64::MAX));
             if WAKE_AT_COMMIT.with(|w| w.replace(false)) {
-                // (before the latches are set: a woken worker's claim sees it)
-                if floor < i64::MAX {
-                    for value in &DUE_FLOORS.get().values {
-                        value.fetch_min(floor, Ordering::AcqRel);
-                    }
-                }
-                wake_workers();
+                note_due_again(floor);
             }
             let counters = COUNTERS.get();
             PENDING.with(|p| {
