@@ -103,6 +103,39 @@ BEGIN
                               run_at, deadline);
 END $$;
 
+-- ---------------------------------------------------------------- schedules
+
+-- Create or replace your schedule `name`: each tick of `cron` (5 fields, 6
+-- with seconds first, or @hourly...) in `timezone` starts a run of
+-- `definition` with `args`, keyed schedule:<name>:<tick in UTC>. Returns the
+-- next tick. overlap => false skips a tick while the last one's run is
+-- unfinished; catch_up is how many ticks missed while the server was down
+-- run when it is back (0: none).
+CREATE FUNCTION flow.schedule(name text, cron text, definition text, args jsonb DEFAULT '{}',
+    timezone text DEFAULT 'UTC', queue text DEFAULT NULL, overlap boolean DEFAULT true, catch_up integer DEFAULT 0,
+    caller_ticket bigint DEFAULT flow._ticket())
+RETURNS timestamptz
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    RETURN flow._schedule(flow._redeem(caller_ticket), name, cron, definition, args, timezone, queue, overlap, catch_up);
+END $$;
+
+-- Delete your schedule `name` (its runs go on); false if you have none of that name.
+CREATE FUNCTION flow.unschedule(name text, caller_ticket bigint DEFAULT flow._ticket())
+RETURNS boolean
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    RETURN flow._unschedule(flow._redeem(caller_ticket), name);
+END $$;
+
+-- Pause (or, with false, resume) your schedule `name`; false if you have none of that name.
+CREATE FUNCTION flow.pause_schedule(name text, paused boolean DEFAULT true, caller_ticket bigint DEFAULT flow._ticket())
+RETURNS boolean
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    RETURN flow._pause_schedule(flow._redeem(caller_ticket), name, paused);
+END $$;
+
 -- ---------------------------------------------------------------- run control
 
 -- Cancel every unfinished command of a run; true if the run was still running.
@@ -523,6 +556,13 @@ CREATE VIEW flow.workers AS
 SELECT w.worker, w.pid, w.state, w.command_id, w.since, w.handled
 FROM flow._worker_rows() w;
 
+-- Your schedules (those of roles you are a member of).
+CREATE VIEW flow.schedules WITH (security_barrier) AS
+SELECT s.name, s.cron, s.timezone, s.definition, s.args, s.queue, s.paused, s.next_tick, s.last_tick,
+       s.last_run_id, s.owner::regrole AS owner, s.overlap, s.catch_up
+FROM flow._schedules s
+WHERE pg_has_role(current_user, s.owner, 'MEMBER');
+
 -- Engine counters since the server started (shared memory), plus recent attempts.
 CREATE VIEW flow.stats AS
 SELECT s.name, s.value FROM flow._counters() s;
@@ -543,7 +583,8 @@ lines (family, ord, line) AS (
     UNION ALL SELECT 'flow_' || m.metric, 1, format('# TYPE flow_%s counter', m.metric)
               FROM (VALUES ('events_total'), ('claims_total'), ('claims_empty_total'), ('claimed_total'),
                            ('claim_seconds_total'), ('handler_seconds_total'), ('handed_back_total'),
-                           ('recovered_total'), ('group_reruns_total'), ('pruned_runs_total')) m(metric)
+                           ('recovered_total'), ('group_reruns_total'), ('pruned_runs_total'),
+                           ('ticks_fired_total'), ('ticks_skipped_total')) m(metric)
     UNION ALL SELECT 'flow_' || c.name || CASE WHEN c.name LIKE '%\_us' THEN '' ELSE '_total' END, 2,
               CASE WHEN c.name LIKE '%\_us'
                    THEN format('flow_%s_seconds_total %s', left(c.name, -3), round(c.value / 1e6, 6))
@@ -591,7 +632,7 @@ END $$;
 REVOKE ALL ON FUNCTION flow.run_sql(jsonb) FROM PUBLIC;
 REVOKE ALL ON ALL TABLES IN SCHEMA flow FROM PUBLIC;
 GRANT SELECT ON flow.runs, flow.commands, flow.attempts, flow.definitions, flow.queues, flow.queue_history, flow.events,
-    flow.waits, flow.workers, flow.stats, flow.prometheus, flow.recent_attempts TO PUBLIC;
+    flow.waits, flow.workers, flow.stats, flow.prometheus, flow.recent_attempts, flow.schedules TO PUBLIC;
 
 -- ---------------------------------------------------------------- the hot path
 -- The functions of the claim, settlement, recovery and retention paths (the
@@ -610,7 +651,7 @@ BEGIN
                    '_lock_runs', '_lock_runs_of', '_lock_run_of_briefly', '_try_lock_run_of', '_close_open_commands', '_conclude_record',
                    '_expire_runs', '_conclude_expired_lease', '_gone_workers',
                    '_release', '_void_held', '_settle_batch', '_settle_failure', '_lock_run_and_commands',
-                   '_promote_if_satisfied']) LOOP
+                   '_promote_if_satisfied', '_fire_schedules', '_next_tick_ms']) LOOP
         EXECUTE format('ALTER FUNCTION %s SET enable_seqscan = off SET enable_bitmapscan = off'
                        ' SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off', f);
     END LOOP;

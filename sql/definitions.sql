@@ -414,6 +414,7 @@ BEGIN
     UPDATE flow._definition_names n SET owner = new_role WHERE n.owner = ANY (old_roles);
     UPDATE flow._definitions d SET owner = new_role WHERE d.owner = ANY (old_roles);
     UPDATE flow._queues q SET owner = new_role WHERE q.owner = ANY (old_roles);
+    UPDATE flow._schedules s SET owner = new_role WHERE s.owner = ANY (old_roles);
     UPDATE flow._runs r SET owner = new_role WHERE r.owner = ANY (old_roles);
     UPDATE flow._commands c SET owner = new_role WHERE c.owner = ANY (old_roles);
     -- (the journal lets an entry change its owner only so: sql/schema.sql)
@@ -451,12 +452,13 @@ BEGIN
 END $$;
 
 -- What keeps DROP ROLE from leaving flow objects with a dangling owner: the
--- role still owns definitions, queues or unfinished runs here.
+-- role still owns definitions, queues, schedules or unfinished runs here.
 -- (Runs are not indexed by owner, see sql/schema.sql: this reads the runs
 -- table, kept small by flow.retention; DROP ROLE and flow.drop_queue are rare.)
 CREATE FUNCTION flow._owns_anything(role oid) RETURNS boolean
 LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
     SELECT EXISTS (SELECT 1 FROM flow._definition_names n WHERE n.owner = role)
         OR EXISTS (SELECT 1 FROM flow._queues q WHERE q.owner = role)
+        OR EXISTS (SELECT 1 FROM flow._schedules s WHERE s.owner = role)
         OR EXISTS (SELECT 1 FROM flow._run_rows r WHERE r.owner = role AND r.status = 'running')
 $$;

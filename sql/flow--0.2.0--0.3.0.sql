@@ -82,7 +82,33 @@ ALTER TABLE flow._attempts DROP CONSTRAINT _attempts_outcome_check,
         'interrupted', 'lease_lost', 'crash', 'retryable', 'cancelled', 'expired', 'voided'));
 DROP FUNCTION flow._release(uuid[], uuid[]);
 
--- src/lib.rs:56
+
+-- Schedules (sql/schedules.sql): each of its owner's, by name. The
+-- maintenance worker fires a schedule's ticks from next_tick on, each as a
+-- run keyed schedule:<name>:<tick in UTC>, and moves next_tick past them in
+-- the same transaction, so a tick runs once.
+CREATE TABLE flow._schedules (
+    owner        regrole NOT NULL,
+    name         text NOT NULL CHECK (name <> ''),
+    cron         text NOT NULL,
+    timezone     text NOT NULL,
+    definition   text NOT NULL,
+    args         jsonb NOT NULL,
+    queue        text,                   -- NULL: the definition's own
+    overlap      boolean NOT NULL,       -- false: a tick is skipped while the last tick's run is unfinished
+    catch_up     integer NOT NULL CHECK (catch_up >= 0),
+    paused       boolean NOT NULL DEFAULT false,
+    next_tick    timestamptz,            -- the first unfired tick (NULL: the expression names no more)
+    last_tick    timestamptz,
+    last_run_id  uuid,
+    created_at   timestamptz NOT NULL DEFAULT now(),
+    updated_at   timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (owner, name)
+);
+CREATE INDEX _schedules_due ON flow._schedules (next_tick) WHERE NOT paused;
+SELECT pg_catalog.pg_extension_config_dump('flow._schedules', '');
+
+-- src/lib.rs:58
 -- requires:
 --   schema
 
@@ -237,7 +263,7 @@ BEGIN
     ON CONFLICT (id) DO NOTHING;
 END $$;
 
--- src/lib.rs:57
+-- src/lib.rs:59
 -- requires:
 --   common
 
@@ -657,6 +683,7 @@ BEGIN
     UPDATE flow._definition_names n SET owner = new_role WHERE n.owner = ANY (old_roles);
     UPDATE flow._definitions d SET owner = new_role WHERE d.owner = ANY (old_roles);
     UPDATE flow._queues q SET owner = new_role WHERE q.owner = ANY (old_roles);
+    UPDATE flow._schedules s SET owner = new_role WHERE s.owner = ANY (old_roles);
     UPDATE flow._runs r SET owner = new_role WHERE r.owner = ANY (old_roles);
     UPDATE flow._commands c SET owner = new_role WHERE c.owner = ANY (old_roles);
     -- (the journal lets an entry change its owner only so: sql/schema.sql)
@@ -694,17 +721,18 @@ BEGIN
 END $$;
 
 -- What keeps DROP ROLE from leaving flow objects with a dangling owner: the
--- role still owns definitions, queues or unfinished runs here.
+-- role still owns definitions, queues, schedules or unfinished runs here.
 -- (Runs are not indexed by owner, see sql/schema.sql: this reads the runs
 -- table, kept small by flow.retention; DROP ROLE and flow.drop_queue are rare.)
 CREATE OR REPLACE FUNCTION flow._owns_anything(role oid) RETURNS boolean
 LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
     SELECT EXISTS (SELECT 1 FROM flow._definition_names n WHERE n.owner = role)
         OR EXISTS (SELECT 1 FROM flow._queues q WHERE q.owner = role)
+        OR EXISTS (SELECT 1 FROM flow._schedules s WHERE s.owner = role)
         OR EXISTS (SELECT 1 FROM flow._run_rows r WHERE r.owner = role AND r.status = 'running')
 $$;
 
--- src/lib.rs:58
+-- src/lib.rs:60
 -- requires:
 --   definitions
 
@@ -871,7 +899,7 @@ BEGIN
     RETURN ids;
 END $$;
 
--- src/lib.rs:59
+-- src/lib.rs:61
 -- requires:
 --   enqueue
 
@@ -1232,7 +1260,7 @@ BEGIN
                                WHERE r.queue = q.name AND r.status = 'running')));
 END $$;
 
--- src/lib.rs:60
+-- src/lib.rs:62
 -- requires:
 --   claim
 
@@ -1713,7 +1741,7 @@ BEGIN
     RETURN CASE WHEN stop IS NULL THEN 'retry' ELSE 'failed' END;
 END $$;
 
--- src/lib.rs:61
+-- src/lib.rs:63
 -- requires:
 --   settle
 
@@ -1915,7 +1943,7 @@ BEGIN
     RETURN ended;
 END $$;
 
--- src/lib.rs:62
+-- src/lib.rs:64
 -- requires:
 --   recover
 
@@ -2074,7 +2102,7 @@ BEGIN
     RETURN retired;
 END $$;
 
--- src/lib.rs:63
+-- src/lib.rs:65
 -- requires:
 --   retention
 
@@ -2509,7 +2537,7 @@ BEGIN
     RETURN format(E'flowchart LR\n%s\n', array_to_string(lines, E'\n'));
 END $$;
 
--- src/lib.rs:64
+-- src/lib.rs:66
 -- requires:
 --   workflows
 
@@ -2927,6 +2955,173 @@ BEGIN
     RETURN outcome;
 END $$;
 
+-- src/lib.rs:67
+-- requires:
+--   external
+
+-- Schedules: runs started by the clock. A schedule belongs to the role that
+-- made it, names a cron expression in a time zone (src/schedules.rs) and a
+-- definition with its args; the maintenance worker fires each tick as an
+-- enqueue by the schedule's owner (src/maintenance.rs, flow._fire_schedules).
+
+-- Create or replace the caller's schedule `name`; returns its next tick.
+-- Everything an enqueue would check is checked now (the definition, the
+-- queue, the args), and again at each tick, as the owner then is.
+CREATE OR REPLACE FUNCTION flow._schedule(caller oid, name text, cron text, definition text, args jsonb, timezone text,
+    queue text, overlap boolean, catch_up integer)
+RETURNS timestamptz
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+#variable_conflict use_column
+-- (the ON CONFLICT below names columns owner and name, which cannot be qualified)
+DECLARE
+    problem text := flow._schedule_problem(cron, timezone);
+    plan record;
+    next_at timestamptz;
+BEGIN
+    PERFORM flow._require_name('name', name);
+    -- (its runs' keys, schedule:<name>:<tick>, are at most 1 KiB too)
+    IF octet_length(name) > 990 THEN
+        RAISE EXCEPTION 'flow: a schedule name is at most 990 bytes, got %', octet_length(name) USING ERRCODE = 'FL002';
+    END IF;
+    IF problem LIKE 'cron:%' THEN
+        RAISE EXCEPTION 'flow: invalid cron expression %: %', coalesce(quote_literal(cron), 'NULL'), substr(problem, 7)
+            USING ERRCODE = 'FL022',
+                  HINT = 'Give 5 fields (minute hour day-of-month month day-of-week), 6 with a leading seconds field, or @yearly, @monthly, @weekly, @daily, @hourly.';
+    ELSIF problem IS NOT NULL THEN
+        RAISE EXCEPTION 'flow: %', substr(problem, 11) USING ERRCODE = 'FL023';
+    END IF;
+    IF overlap IS NULL THEN
+        RAISE EXCEPTION 'flow: overlap must not be NULL' USING ERRCODE = '22004';
+    END IF;
+    IF catch_up IS NULL OR catch_up < 0 OR catch_up > 1000 THEN
+        RAISE EXCEPTION 'flow: catch_up must be from 0 to 1000, got %', coalesce(catch_up::text, 'NULL')
+            USING ERRCODE = '22023';
+    END IF;
+    plan := flow._plan_enqueue(caller, definition, NULL, queue, NULL, NULL, NULL);
+    PERFORM flow._require_payload('args', args);
+    PERFORM flow._require_args_fit(definition, plan.def_owner, plan.def_args_type, args);
+    next_at := flow._cron_next(cron, timezone, now());
+    INSERT INTO flow._schedules AS s (owner, name, cron, timezone, definition, args, queue, overlap, catch_up, next_tick)
+    VALUES (caller, name, cron, timezone, definition, args, queue, overlap, catch_up, next_at)
+    ON CONFLICT (owner, name) DO UPDATE SET
+        cron = excluded.cron, timezone = excluded.timezone, definition = excluded.definition, args = excluded.args,
+        queue = excluded.queue, overlap = excluded.overlap, catch_up = excluded.catch_up,
+        next_tick = excluded.next_tick, updated_at = now();   -- (a paused schedule stays paused)
+    PERFORM flow._mark_owner(caller);
+    PERFORM flow._wake_maintenance();
+    RETURN next_at;
+END $$;
+
+-- Delete the caller's schedule `name`; false if it has none of that name.
+-- (Runs it started go on.)
+CREATE OR REPLACE FUNCTION flow._unschedule(caller oid, name text) RETURNS boolean
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    DELETE FROM flow._schedules s WHERE s.owner = caller AND s.name = _unschedule.name;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    IF NOT flow._owns_anything(caller) THEN
+        PERFORM flow._unmark_owner(caller);
+    END IF;
+    RETURN true;
+END $$;
+
+-- Pause (or resume) the caller's schedule `name`; false if it has none of
+-- that name. A paused schedule fires nothing; resumed, it fires from its
+-- next tick after now (the ticks it was paused for are not caught up).
+CREATE OR REPLACE FUNCTION flow._pause_schedule(caller oid, name text, paused boolean) RETURNS boolean
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF paused IS NULL THEN
+        RAISE EXCEPTION 'flow: paused must not be NULL' USING ERRCODE = '22004';
+    END IF;
+    UPDATE flow._schedules s SET
+        next_tick = CASE WHEN s.paused AND NOT _pause_schedule.paused THEN flow._cron_next(s.cron, s.timezone, now())
+                         ELSE s.next_tick END,
+        paused = _pause_schedule.paused, updated_at = now()
+    WHERE s.owner = caller AND s.name = _pause_schedule.name;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    PERFORM flow._wake_maintenance();
+    RETURN true;
+END $$;
+
+-- Fire the due ticks of up to max_count schedules (the maintenance worker,
+-- src/maintenance.rs, one short transaction at a time; a schedule another
+-- transaction holds waits for the next round). Each tick is enqueued as the
+-- schedule's owner, keyed schedule:<name>:<tick in UTC>: that key is the
+-- owner's, so a tick fired again (a restore, a failover, a round whose
+-- commit was lost) finds its run instead of starting another. A tick whose
+-- enqueue fails (the definition's owner revoked the schedule owner's right
+-- to start it, args that no longer fit) is skipped with a WARNING.
+-- `started`: when the maintenance worker started; ticks that passed before
+-- are missed (see src/schedules.rs, _schedule_due). Returns how many
+-- schedules it fired (max_count: more may be due).
+CREATE OR REPLACE FUNCTION flow._fire_schedules(started timestamptz, max_count integer) RETURNS integer
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    -- how late a tick may be fired: later than this, it was missed (a dump
+    -- restored long after it was made; the worker's own lag never nears it)
+    grace_s constant bigint := 60;
+    now_at timestamptz := clock_timestamp();
+    s flow._schedules;
+    fire timestamptz[];
+    next_at timestamptz;
+    tick timestamptz;
+    skipped bigint;
+    run uuid;
+    seen integer := 0;
+    fired integer := 0;
+    skipped_all bigint := 0;
+BEGIN
+    FOR s IN SELECT * FROM flow._schedules x                            -- index _schedules_due
+             WHERE NOT x.paused AND x.next_tick <= now_at
+             ORDER BY x.next_tick LIMIT max_count FOR UPDATE SKIP LOCKED LOOP
+        seen := seen + 1;
+        SELECT d.fire, d.skipped, d.next_tick INTO fire, skipped, next_at
+        FROM flow._schedule_due(s.cron, s.timezone, s.next_tick, started, now_at, grace_s, s.catch_up) d;
+        IF NOT s.overlap AND cardinality(fire) > 0 THEN
+            -- one run at a time: the latest due tick, and none while the last one's run is unfinished
+            skipped := skipped + cardinality(fire) - 1;
+            fire := fire[cardinality(fire):];
+            IF EXISTS (SELECT 1 FROM flow._run_rows r WHERE r.id = s.last_run_id AND r.status = 'running') THEN
+                skipped := skipped + 1;
+                fire := '{}';
+            END IF;
+        END IF;
+        FOREACH tick IN ARRAY fire LOOP
+            BEGIN
+                run := flow._enqueue(s.owner, s.definition, s.args,
+                    'schedule:' || s.name || ':' || to_char(tick AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"'),
+                    NULL, s.queue, NULL, NULL, NULL);
+                fired := fired + 1;
+                s.last_tick := tick;
+                s.last_run_id := run;
+            EXCEPTION WHEN OTHERS THEN
+                skipped := skipped + 1;
+                RAISE WARNING 'flow: schedule % of role % skipped its tick at %: %', s.name, s.owner, tick, SQLERRM;
+            END;
+        END LOOP;
+        skipped_all := skipped_all + skipped;
+        UPDATE flow._schedules x SET next_tick = next_at, last_tick = s.last_tick, last_run_id = s.last_run_id
+        WHERE x.owner = s.owner AND x.name = s.name;
+    END LOOP;
+    PERFORM flow._observe('ticks_fired', fired);
+    PERFORM flow._observe('ticks_skipped', skipped_all);
+    RETURN seen;
+END $$;
+
+-- Milliseconds until the next tick of any schedule (NULL: none), for the
+-- maintenance worker's sleep.
+CREATE OR REPLACE FUNCTION flow._next_tick_ms() RETURNS bigint
+LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    RETURN (SELECT ceil(extract(epoch FROM min(x.next_tick) - clock_timestamp()) * 1000)::bigint
+            FROM flow._schedules x WHERE NOT x.paused);           -- index _schedules_due
+END $$;
+
 -- src/gateway.rs:358
 -- flow::gateway::_args_misfit_as
 CREATE OR REPLACE FUNCTION "_args_misfit_as"(
@@ -2949,7 +3144,7 @@ AS 'MODULE_PATHNAME', '_claim_excluded_wrapper';
 -- flow::invariants::_command_row_is_consistent
 -- Skipped due to `#[pgrx(sql = false)]`
 
--- src/api.rs:183
+-- src/api.rs:190
 -- flow::api::_counters
 CREATE OR REPLACE FUNCTION "_counters"() RETURNS TABLE (
 	"name" TEXT,  /* String */
@@ -2959,7 +3154,18 @@ STRICT VOLATILE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_counters_wrapper';
 
--- src/api.rs:143
+-- src/schedules.rs:77
+-- flow::schedules::_cron_next
+CREATE OR REPLACE FUNCTION "_cron_next"(
+	"cron" TEXT, /* & str */
+	"timezone" TEXT, /* & str */
+	"after" timestamp with time zone /* TimestampWithTimeZone */
+) RETURNS timestamp with time zone /* Option < TimestampWithTimeZone > */
+IMMUTABLE STRICT PARALLEL SAFE 
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', 'next_tick_wrapper';
+
+-- src/api.rs:150
 -- flow::api::_current_command
 CREATE OR REPLACE FUNCTION "_current_command"() RETURNS uuid /* Option < pgrx :: Uuid > */
 STRICT VOLATILE PARALLEL UNSAFE
@@ -3057,7 +3263,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_in_transaction_block_wrapper';
 
--- src/api.rs:118
+-- src/api.rs:125
 -- flow::api::_interrupt_run
 CREATE OR REPLACE FUNCTION "_interrupt_run"(
 	"run" uuid /* pgrx :: Uuid */
@@ -3066,7 +3272,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_interrupt_run_wrapper';
 
--- src/api.rs:137
+-- src/api.rs:144
 -- flow::api::_lease_duration_s
 CREATE OR REPLACE FUNCTION "_lease_duration_s"() RETURNS INT /* i32 */
 STRICT STABLE PARALLEL SAFE
@@ -3132,7 +3338,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_lock_queue_name_wrapper';
 
--- src/api.rs:131
+-- src/api.rs:138
 -- flow::api::_max_payload_bytes
 CREATE OR REPLACE FUNCTION "_max_payload_bytes"() RETURNS INT /* i32 */
 STRICT STABLE PARALLEL SAFE
@@ -3168,7 +3374,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_note_spawn_wrapper';
 
--- src/api.rs:189
+-- src/api.rs:196
 -- flow::api::_observe
 CREATE OR REPLACE FUNCTION "_observe"(
 	"metric" TEXT, /* & str */
@@ -3197,11 +3403,40 @@ VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_redeem_wrapper';
 
+-- src/schedules.rs:90
+-- flow::schedules::_schedule_due
+CREATE OR REPLACE FUNCTION "_schedule_due"(
+	"cron" TEXT, /* & str */
+	"timezone" TEXT, /* & str */
+	"next_tick" timestamp with time zone, /* TimestampWithTimeZone */
+	"started" timestamp with time zone, /* TimestampWithTimeZone */
+	"now" timestamp with time zone, /* TimestampWithTimeZone */
+	"grace_s" bigint, /* i64 */
+	"catch_up" INT /* i32 */
+) RETURNS TABLE (
+	"fire" timestamp with time zone[],  /* Vec < TimestampWithTimeZone > */
+	"skipped" bigint,  /* i64 */
+	"next_tick" timestamp with time zone  /* Option < TimestampWithTimeZone > */
+)
+IMMUTABLE STRICT PARALLEL SAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', '_schedule_due_wrapper';
+
+-- src/schedules.rs:57
+-- flow::schedules::_schedule_problem
+CREATE OR REPLACE FUNCTION "_schedule_problem"(
+	"cron" TEXT, /* Option < & str > */
+	"timezone" TEXT /* Option < & str > */
+) RETURNS TEXT /* Option < String > */
+STABLE PARALLEL SAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', '_schedule_problem_wrapper';
+
 -- src/spans.rs:29
 -- flow::spans::_span_ok
 -- Skipped due to `#[pgrx(sql = false)]`
 
--- src/api.rs:125
+-- src/api.rs:132
 -- flow::api::_stop_workers_of
 CREATE OR REPLACE FUNCTION "_stop_workers_of"(
 	"run" uuid /* pgrx :: Uuid */
@@ -3242,7 +3477,14 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_wake_due_from_wrapper';
 
--- src/api.rs:151
+-- src/api.rs:118
+-- flow::api::_wake_maintenance
+CREATE OR REPLACE FUNCTION "_wake_maintenance"() RETURNS void
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', '_wake_maintenance_wrapper';
+
+-- src/api.rs:158
 -- flow::api::_worker_states
 CREATE OR REPLACE FUNCTION "_worker_states"() RETURNS TABLE (
 	"worker" INT,  /* i32 */
@@ -3275,7 +3517,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', 'run_sql_wrapper';
 
--- src/lib.rs:65
+-- src/lib.rs:68
 -- finalize
 -- flow's public SQL surface (names and named parameters are the API, see
 -- DESIGN.md) and the views a person reads.
@@ -3380,6 +3622,39 @@ LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     RETURN flow._enqueue_many(flow._redeem(caller_ticket), name, args_array, version, queue, start_after,
                               run_at, deadline);
+END $$;
+
+-- ---------------------------------------------------------------- schedules
+
+-- Create or replace your schedule `name`: each tick of `cron` (5 fields, 6
+-- with seconds first, or @hourly...) in `timezone` starts a run of
+-- `definition` with `args`, keyed schedule:<name>:<tick in UTC>. Returns the
+-- next tick. overlap => false skips a tick while the last one's run is
+-- unfinished; catch_up is how many ticks missed while the server was down
+-- run when it is back (0: none).
+CREATE OR REPLACE FUNCTION flow.schedule(name text, cron text, definition text, args jsonb DEFAULT '{}',
+    timezone text DEFAULT 'UTC', queue text DEFAULT NULL, overlap boolean DEFAULT true, catch_up integer DEFAULT 0,
+    caller_ticket bigint DEFAULT flow._ticket())
+RETURNS timestamptz
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    RETURN flow._schedule(flow._redeem(caller_ticket), name, cron, definition, args, timezone, queue, overlap, catch_up);
+END $$;
+
+-- Delete your schedule `name` (its runs go on); false if you have none of that name.
+CREATE OR REPLACE FUNCTION flow.unschedule(name text, caller_ticket bigint DEFAULT flow._ticket())
+RETURNS boolean
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    RETURN flow._unschedule(flow._redeem(caller_ticket), name);
+END $$;
+
+-- Pause (or, with false, resume) your schedule `name`; false if you have none of that name.
+CREATE OR REPLACE FUNCTION flow.pause_schedule(name text, paused boolean DEFAULT true, caller_ticket bigint DEFAULT flow._ticket())
+RETURNS boolean
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    RETURN flow._pause_schedule(flow._redeem(caller_ticket), name, paused);
 END $$;
 
 -- ---------------------------------------------------------------- run control
@@ -3802,6 +4077,13 @@ CREATE OR REPLACE VIEW flow.workers AS
 SELECT w.worker, w.pid, w.state, w.command_id, w.since, w.handled
 FROM flow._worker_rows() w;
 
+-- Your schedules (those of roles you are a member of).
+CREATE OR REPLACE VIEW flow.schedules WITH (security_barrier) AS
+SELECT s.name, s.cron, s.timezone, s.definition, s.args, s.queue, s.paused, s.next_tick, s.last_tick,
+       s.last_run_id, s.owner::regrole AS owner, s.overlap, s.catch_up
+FROM flow._schedules s
+WHERE pg_has_role(current_user, s.owner, 'MEMBER');
+
 -- Engine counters since the server started (shared memory), plus recent attempts.
 CREATE OR REPLACE VIEW flow.stats AS
 SELECT s.name, s.value FROM flow._counters() s;
@@ -3822,7 +4104,8 @@ lines (family, ord, line) AS (
     UNION ALL SELECT 'flow_' || m.metric, 1, format('# TYPE flow_%s counter', m.metric)
               FROM (VALUES ('events_total'), ('claims_total'), ('claims_empty_total'), ('claimed_total'),
                            ('claim_seconds_total'), ('handler_seconds_total'), ('handed_back_total'),
-                           ('recovered_total'), ('group_reruns_total'), ('pruned_runs_total')) m(metric)
+                           ('recovered_total'), ('group_reruns_total'), ('pruned_runs_total'),
+                           ('ticks_fired_total'), ('ticks_skipped_total')) m(metric)
     UNION ALL SELECT 'flow_' || c.name || CASE WHEN c.name LIKE '%\_us' THEN '' ELSE '_total' END, 2,
               CASE WHEN c.name LIKE '%\_us'
                    THEN format('flow_%s_seconds_total %s', left(c.name, -3), round(c.value / 1e6, 6))
@@ -3870,7 +4153,7 @@ END $$;
 REVOKE ALL ON FUNCTION flow.run_sql(jsonb) FROM PUBLIC;
 REVOKE ALL ON ALL TABLES IN SCHEMA flow FROM PUBLIC;
 GRANT SELECT ON flow.runs, flow.commands, flow.attempts, flow.definitions, flow.queues, flow.queue_history, flow.events,
-    flow.waits, flow.workers, flow.stats, flow.prometheus, flow.recent_attempts TO PUBLIC;
+    flow.waits, flow.workers, flow.stats, flow.prometheus, flow.recent_attempts, flow.schedules TO PUBLIC;
 
 -- ---------------------------------------------------------------- the hot path
 -- The functions of the claim, settlement, recovery and retention paths (the
@@ -3889,7 +4172,7 @@ BEGIN
                    '_lock_runs', '_lock_runs_of', '_lock_run_of_briefly', '_try_lock_run_of', '_close_open_commands', '_conclude_record',
                    '_expire_runs', '_conclude_expired_lease', '_gone_workers',
                    '_release', '_void_held', '_settle_batch', '_settle_failure', '_lock_run_and_commands',
-                   '_promote_if_satisfied']) LOOP
+                   '_promote_if_satisfied', '_fire_schedules', '_next_tick_ms']) LOOP
         EXECUTE format('ALTER FUNCTION %s SET enable_seqscan = off SET enable_bitmapscan = off'
                        ' SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off', f);
     END LOOP;

@@ -18,6 +18,7 @@
 --   FL017 settled already under this lease (double completion)
 --   FL018 the role owns flow.max_queues_per_role queues already
 --   FL019 args do not fit the definition's args_type
+--   FL022 invalid cron expression             FL023 unknown time zone
 
 -- ---------------------------------------------------------------- types
 
@@ -318,6 +319,30 @@ CREATE INDEX _waits_open ON flow._waits (name, key) WHERE event_position IS NULL
 -- 153 s for 5,000 events beside 300,000 waits).
 CREATE INDEX _waits_event ON flow._waits (event_position) WHERE event_position IS NOT NULL;
 
+-- Schedules (sql/schedules.sql): each of its owner's, by name. The
+-- maintenance worker fires a schedule's ticks from next_tick on, each as a
+-- run keyed schedule:<name>:<tick in UTC>, and moves next_tick past them in
+-- the same transaction, so a tick runs once.
+CREATE TABLE flow._schedules (
+    owner        regrole NOT NULL,
+    name         text NOT NULL CHECK (name <> ''),
+    cron         text NOT NULL,
+    timezone     text NOT NULL,
+    definition   text NOT NULL,
+    args         jsonb NOT NULL,
+    queue        text,                   -- NULL: the definition's own
+    overlap      boolean NOT NULL,       -- false: a tick is skipped while the last tick's run is unfinished
+    catch_up     integer NOT NULL CHECK (catch_up >= 0),
+    paused       boolean NOT NULL DEFAULT false,
+    next_tick    timestamptz,            -- the first unfired tick (NULL: the expression names no more)
+    last_tick    timestamptz,
+    last_run_id  uuid,
+    created_at   timestamptz NOT NULL DEFAULT now(),
+    updated_at   timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (owner, name)
+);
+CREATE INDEX _schedules_due ON flow._schedules (next_tick) WHERE NOT paused;
+
 -- Every command leaves dead row versions behind (claim, settlement, pruning):
 -- autovacuum visits the busy tables after 2 % of their rows changed, not 20 %,
 -- and unthrottled, so their sizes level off under a steady flow of work.
@@ -368,3 +393,4 @@ SELECT pg_catalog.pg_extension_config_dump('flow._attempts', '');
 SELECT pg_catalog.pg_extension_config_dump('flow._events', '');
 SELECT pg_catalog.pg_extension_config_dump('flow._events_position_seq', '');
 SELECT pg_catalog.pg_extension_config_dump('flow._waits', '');
+SELECT pg_catalog.pg_extension_config_dump('flow._schedules', '');

@@ -113,6 +113,13 @@ fn _wake_due_from(due: TimestampWithTimeZone) {
     shmem::wake_at_commit(due.into_inner());
 }
 
+/// Wake the maintenance worker when the current transaction commits: a
+/// schedule changed, and its next tick may come before the worker's sleep ends.
+#[pg_extern(volatile, parallel_unsafe)]
+fn _wake_maintenance() {
+    shmem::wake_maintenance_at_commit();
+}
+
 /// Ask the workers to stop running handlers of `run` (flow.cancel calls this
 /// before it waits for the run's lock).
 #[pg_extern(volatile, parallel_unsafe)]

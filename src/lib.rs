@@ -4,7 +4,8 @@
 //! service (docs/DESIGN.md has the rules each one keeps):
 //! - `worker`: the background worker loop, top to bottom: claim, execute,
 //!   settle, hand back, sleep until the next due time;
-//! - `maintenance`: the maintenance worker (recovery, run deadlines, retention);
+//! - `maintenance`: the maintenance worker (schedules' ticks, recovery, run
+//!   deadlines, retention); `schedules`: cron expressions and time zones;
 //! - `claim`: claimed rows (`Claimed`), what a claim keeps, the claim cursor,
 //!   round-robin order, leases, which handlers are fast;
 //! - `execute`: the chunk, the attempt, its deadline; `handler_call`: how a
@@ -44,6 +45,7 @@ mod payload;
 mod recovery;
 mod retention;
 mod roles;
+mod schedules;
 mod settle;
 mod shmem;
 mod spans;
@@ -62,6 +64,7 @@ extension_sql_file!("../sql/recover.sql", name = "recover", requires = ["settle"
 extension_sql_file!("../sql/retention.sql", name = "retention", requires = ["recover"]);
 extension_sql_file!("../sql/workflows.sql", name = "workflows", requires = ["retention"]);
 extension_sql_file!("../sql/external.sql", name = "external", requires = ["workflows"]);
+extension_sql_file!("../sql/schedules.sql", name = "schedules", requires = ["external"]);
 extension_sql_file!("../sql/api.sql", name = "api", finalize);
 
 #[pg_guard]

@@ -1,7 +1,9 @@
 //! The maintenance worker: one background process, `flow maintenance`, that
 //! keeps the engine's upkeep out from behind handlers. It never runs a
-//! handler. Each round (every RECOVERY_INTERVAL, or at once when woken by an
-//! abandoned external attempt): recovery (src/recovery.rs: gone workers'
+//! handler. It fires schedules' ticks on time (flow._fire_schedules: it
+//! sleeps until the next tick, and a change of schedule wakes it). Each round
+//! (every RECOVERY_INTERVAL, or at once when woken by an abandoned external
+//! attempt, a tick or a schedule changed): recovery (src/recovery.rs: gone workers'
 //! attempts and leases, expired external leases, abandoned held attempts),
 //! runs past their deadline (flow._expire_runs), and pruning
 //! (src/retention.rs). Each step is a short transaction of its own that
@@ -10,7 +12,7 @@
 
 use crate::recovery::Recovery;
 use crate::retention::Pruning;
-use crate::spi::{engine_query, transaction};
+use crate::spi::{engine_query, transaction, INT4, TIMESTAMPTZ};
 use crate::{gateway, gucs, shmem, spi, worker};
 use pgrx::bgworkers::{BackgroundWorker, BackgroundWorkerBuilder, SignalWakeFlags};
 use pgrx::prelude::*;
@@ -20,6 +22,15 @@ use std::time::{Duration, Instant};
 /// their deadline: one index scan of running commands, and one of the
 /// unfinished commands with a deadline, each a fraction of a millisecond.
 const RECOVERY_INTERVAL: Duration = Duration::from_secs(1);
+
+/// How many schedules one transaction fires: each tick is an enqueue in a
+/// subtransaction of its own, and a transaction with more than 64 of them
+/// slows every other backend's snapshot checks (the subxid cache overflows).
+const SCHEDULES_PER_TRANSACTION: i32 = 50;
+
+/// How long to wait before firing again when a due schedule is held by
+/// another transaction (flow.schedule in an open transaction).
+const HELD_SCHEDULE_RETRY: Duration = Duration::from_millis(50);
 
 /// Register the maintenance worker; called from `_PG_init` while preloading.
 pub fn register() {
@@ -50,6 +61,8 @@ pub extern "C-unwind" fn flow_maintenance_main(_arg: pg_sys::Datum) {
     let mut recovery = Recovery::default();
     let mut pruning = Pruning::default();
     let mut last_round: Option<Instant> = None;
+    // (ticks that passed before now were missed: see src/schedules.rs)
+    let started = crate::spans::timestamp_from_pg(unsafe { pg_sys::GetCurrentTimestamp() });
     while !BackgroundWorker::sigterm_received() {
         if BackgroundWorker::sighup_received() {
             unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
@@ -58,6 +71,8 @@ pub extern "C-unwind" fn flow_maintenance_main(_arg: pg_sys::Datum) {
         // (each round: the extension may have been dropped or updated since)
         let ready = transaction(worker::extension_installed).unwrap_or(false);
         if ready && gucs::enabled() {
+            worker::report_activity("flow maintenance: firing schedules");
+            sleep = sleep.min(fire_schedules(started));
             worker::report_activity("flow maintenance: recovering");
             // (woken early, by an abandoned attempt: recovery at once, the rest on time)
             let failed = recovery.round(&name).is_none();
@@ -81,6 +96,40 @@ pub extern "C-unwind" fn flow_maintenance_main(_arg: pg_sys::Datum) {
             worker::report_activity("flow maintenance: idle");
             worker::wait_on_latch(sleep);
         }
+    }
+}
+
+/// Fire every due tick (flow._fire_schedules), a few schedules per
+/// transaction; how long until the next one.
+fn fire_schedules(started: Option<pgrx::datum::TimestampWithTimeZone>) -> Duration {
+    loop {
+        let fired = transaction(|| {
+            engine_query(
+                "SELECT flow._fire_schedules($1, $2)",
+                &[TIMESTAMPTZ, INT4],
+                &[started.into(), SCHEDULES_PER_TRANSACTION.into()],
+                |rows| rows.first().get_one::<i32>().ok().flatten(),
+            )
+        })
+        .flatten();
+        match fired {
+            Some(n) if n >= SCHEDULES_PER_TRANSACTION => continue,
+            Some(_) => break,
+            None => {
+                spi::forget_plans();
+                return HELD_SCHEDULE_RETRY;
+            }
+        }
+    }
+    let next_ms = transaction(|| {
+        engine_query("SELECT flow._next_tick_ms()", &[], &[], |rows| rows.first().get_one::<i64>().ok().flatten())
+    })
+    .flatten();
+    match next_ms {
+        None => Duration::MAX,
+        // (due now, yet not fired: held by another transaction)
+        Some(ms) if ms <= 0 => HELD_SCHEDULE_RETRY,
+        Some(ms) => Duration::from_millis(ms as u64),
     }
 }
 

@@ -166,6 +166,8 @@ pub const METRICS: &[&str] = &[
     "group_reruns",
     "demoted",
     "pruned_runs",
+    "ticks_fired",
+    "ticks_skipped",
 ];
 const METRIC_SLOTS: usize = 48;
 const _: () = assert!(METRICS.len() <= METRIC_SLOTS);
@@ -322,6 +324,7 @@ pub fn finish_prepared(gid: &str, committed: bool) {
         let Some(at) = (0..PREPARED_SLOTS).find(|i| table.used[*i] && table.gids[*i] == key) else {
             if committed {
                 wake_at_commit(i64::MIN);
+                wake_maintenance_at_commit();
             }
             return;
         };
@@ -330,6 +333,7 @@ pub fn finish_prepared(gid: &str, committed: bool) {
     };
     if committed {
         wake_at_commit(i64::MIN);
+        wake_maintenance_at_commit();
         let level = unsafe { pg_sys::GetCurrentTransactionNestLevel() };
         PENDING.with(|p| {
             p.borrow_mut().extend(values.iter().enumerate().filter(|(_, n)| **n > 0).map(|(i, n)| (i, level, *n)))
@@ -357,6 +361,7 @@ fn stash_prepared() {
 
 thread_local! {
     static WAKE_AT_COMMIT: Cell<bool> = const { Cell::new(false) };
+    static WAKE_MAINTENANCE_AT_COMMIT: Cell<bool> = const { Cell::new(false) };
     /// The earliest due time of what the open transaction made due (see DueFloors).
     static DUE_FLOOR: Cell<i64> = const { Cell::new(i64::MAX) };
     /// Counter increments of the open transaction: (metric, subtransaction level, n).
@@ -455,6 +460,9 @@ unsafe extern "C-unwind" fn on_xact_event(event: pg_sys::XactEvent::Type, _arg: 
             if WAKE_AT_COMMIT.with(|w| w.replace(false)) {
                 note_due_again(floor);
             }
+            if WAKE_MAINTENANCE_AT_COMMIT.with(|w| w.replace(false)) {
+                wake_maintenance();
+            }
             let counters = COUNTERS.get();
             PENDING.with(|p| {
                 for (index, _, n) in p.borrow_mut().drain(..) {
@@ -464,6 +472,7 @@ unsafe extern "C-unwind" fn on_xact_event(event: pg_sys::XactEvent::Type, _arg: 
         }
         pg_sys::XactEvent::XACT_EVENT_ABORT | pg_sys::XactEvent::XACT_EVENT_PARALLEL_ABORT => {
             WAKE_AT_COMMIT.with(|w| w.set(false));
+            WAKE_MAINTENANCE_AT_COMMIT.with(|w| w.set(false));
             DUE_FLOOR.with(|f| f.set(i64::MAX));
             PENDING.with(|p| p.borrow_mut().clear());
             PREPARING.with(|p| p.take());
@@ -471,6 +480,7 @@ unsafe extern "C-unwind" fn on_xact_event(event: pg_sys::XactEvent::Type, _arg: 
         pg_sys::XactEvent::XACT_EVENT_PREPARE => {
             // (the wake-up comes with COMMIT PREPARED: see finish_prepared)
             WAKE_AT_COMMIT.with(|w| w.set(false));
+            WAKE_MAINTENANCE_AT_COMMIT.with(|w| w.set(false));
             DUE_FLOOR.with(|f| f.set(i64::MAX));
             stash_prepared();
         }
@@ -592,7 +602,12 @@ pub fn register_maintenance(live: bool) {
     WORKERS.exclusive().maintenance_procno = if live { unsafe { (*pg_sys::MyProc).pgprocno } } else { -1 };
 }
 
-/// Wake the maintenance worker (an abandoned attempt to conclude). Raises nothing.
+/// Wake the maintenance worker when the current transaction commits.
+pub fn wake_maintenance_at_commit() {
+    WAKE_MAINTENANCE_AT_COMMIT.with(|w| w.set(true));
+}
+
+/// Wake the maintenance worker (an abandoned attempt to conclude, a schedule changed). Raises nothing.
 pub fn wake_maintenance() {
     let procno = WORKERS.share().maintenance_procno;
     if procno >= 0 {

@@ -49,3 +49,29 @@ ALTER TABLE flow._attempts DROP CONSTRAINT _attempts_outcome_check,
     ADD CONSTRAINT _attempts_outcome_check CHECK (outcome IN ('succeeded', 'permanent', 'retry_after', 'timeout',
         'interrupted', 'lease_lost', 'crash', 'retryable', 'cancelled', 'expired', 'voided'));
 DROP FUNCTION flow._release(uuid[], uuid[]);
+
+
+-- Schedules (sql/schedules.sql): each of its owner's, by name. The
+-- maintenance worker fires a schedule's ticks from next_tick on, each as a
+-- run keyed schedule:<name>:<tick in UTC>, and moves next_tick past them in
+-- the same transaction, so a tick runs once.
+CREATE TABLE flow._schedules (
+    owner        regrole NOT NULL,
+    name         text NOT NULL CHECK (name <> ''),
+    cron         text NOT NULL,
+    timezone     text NOT NULL,
+    definition   text NOT NULL,
+    args         jsonb NOT NULL,
+    queue        text,                   -- NULL: the definition's own
+    overlap      boolean NOT NULL,       -- false: a tick is skipped while the last tick's run is unfinished
+    catch_up     integer NOT NULL CHECK (catch_up >= 0),
+    paused       boolean NOT NULL DEFAULT false,
+    next_tick    timestamptz,            -- the first unfired tick (NULL: the expression names no more)
+    last_tick    timestamptz,
+    last_run_id  uuid,
+    created_at   timestamptz NOT NULL DEFAULT now(),
+    updated_at   timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (owner, name)
+);
+CREATE INDEX _schedules_due ON flow._schedules (next_tick) WHERE NOT paused;
+SELECT pg_catalog.pg_extension_config_dump('flow._schedules', '');
