@@ -48,7 +48,12 @@ def poll(predicate, timeout=30.0, interval=0.05, what="a condition"):
 
 
 class Cluster:
-    def __init__(self, directory="/tmp/flow-it", port=5499):
+    def __init__(self, directory=None, port=None):
+        # (FLOW_TEST_PGDIR / FLOW_TEST_PGPORT: another cluster than the default one, read at each call)
+        if directory is None:
+            directory = os.environ.get("FLOW_TEST_PGDIR", "/tmp/flow-it")
+        if port is None:
+            port = int(os.environ.get("FLOW_TEST_PGPORT", "5499"))
         self.dir = directory
         self.port = port
         self.env = dict(os.environ, FLOW_PGDIR=directory, FLOW_PGPORT=str(port))

@@ -17,12 +17,12 @@
 CREATE FUNCTION flow.define(name text, handler regprocedure, version integer DEFAULT 1,
     queue text DEFAULT NULL, max_attempts integer DEFAULT 5, backoff interval DEFAULT '1 second',
     backoff_max interval DEFAULT '1 hour', max_elapsed interval DEFAULT NULL, timeout interval DEFAULT NULL,
-    args_type regtype DEFAULT NULL, caller_ticket bigint DEFAULT flow._ticket())
+    args_type regtype DEFAULT NULL, priority integer DEFAULT 0, caller_ticket bigint DEFAULT flow._ticket())
 RETURNS void
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     PERFORM flow._define(flow._redeem(caller_ticket), name, handler, version, queue, max_attempts, backoff,
-                         backoff_max, max_elapsed, timeout, args_type);
+                         backoff_max, max_elapsed, timeout, args_type, priority);
 END $$;
 
 -- Set a queue's concurrency limit (NULL: none) and paused flag. An option
@@ -83,24 +83,24 @@ END $$;
 -- Start a run of a definition; returns the run id (the same one again for the same key).
 CREATE FUNCTION flow.enqueue(name text, args jsonb DEFAULT '{}', key text DEFAULT NULL,
     version integer DEFAULT NULL, queue text DEFAULT NULL, start_after interval DEFAULT NULL,
-    run_at timestamptz DEFAULT NULL, deadline interval DEFAULT NULL,
+    run_at timestamptz DEFAULT NULL, deadline interval DEFAULT NULL, priority integer DEFAULT NULL,
     caller_ticket bigint DEFAULT flow._ticket())
 RETURNS uuid
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     RETURN flow._enqueue(flow._redeem(caller_ticket), name, args, key, version, queue, start_after,
-                         run_at, deadline);
+                         run_at, deadline, priority);
 END $$;
 
 -- Start one run per element of args_array in one statement; returns their ids in order.
 CREATE FUNCTION flow.enqueue_many(name text, args_array jsonb[], version integer DEFAULT NULL,
     queue text DEFAULT NULL, start_after interval DEFAULT NULL, run_at timestamptz DEFAULT NULL,
-    deadline interval DEFAULT NULL, caller_ticket bigint DEFAULT flow._ticket())
+    deadline interval DEFAULT NULL, priority integer DEFAULT NULL, caller_ticket bigint DEFAULT flow._ticket())
 RETURNS uuid[]
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     RETURN flow._enqueue_many(flow._redeem(caller_ticket), name, args_array, version, queue, start_after,
-                              run_at, deadline);
+                              run_at, deadline, priority);
 END $$;
 
 -- ---------------------------------------------------------------- schedules
@@ -184,12 +184,13 @@ $$;
 -- Inside a handler: add a child command to the current run.
 CREATE FUNCTION flow.spawn(name text, args jsonb DEFAULT '{}', key text DEFAULT NULL,
     start_after interval DEFAULT NULL, waits flow.wait_spec[] DEFAULT '{}', within interval DEFAULT NULL,
-    version integer DEFAULT NULL, queue text DEFAULT NULL, caller_ticket bigint DEFAULT flow._ticket())
+    version integer DEFAULT NULL, queue text DEFAULT NULL, priority integer DEFAULT NULL,
+    caller_ticket bigint DEFAULT flow._ticket())
 RETURNS uuid
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     RETURN flow._spawn(flow._redeem(caller_ticket), flow._current_command(), name, args, key, start_after, waits,
-                       within, version, queue);
+                       within, version, queue, priority);
 END $$;
 
 -- The run's commands, parent links, waits and events as text to render: 'dot' or 'mermaid'.
@@ -274,6 +275,7 @@ DECLARE
     holding boolean := coalesce(hold, false);
     caller oid := flow._redeem(caller_ticket);
     after_queue text;
+    after_priority smallint;
     after_at timestamptz;
     after_id uuid;
     wanted integer := max;
@@ -295,7 +297,8 @@ BEGIN
                       DETAIL = 'The maintenance worker counts the attempts of transactions that end unsettled.';
         END IF;
     END IF;
-    SELECT s.queue, s.due_at, s.id INTO after_queue, after_at, after_id FROM flow._external_claim_start(alone) s;
+    SELECT s.queue, s.priority, s.due_at, s.id INTO after_queue, after_priority, after_at, after_id
+    FROM flow._external_claim_start(alone) s;
     LOOP
         RETURN QUERY
             WITH locked AS (
@@ -305,12 +308,12 @@ BEGIN
                        CASE WHEN k.held THEN flow._new_id() END AS held_token
                 FROM flow._claim(wanted, names, (random() * 1000)::integer, NULL, flow._claim_excluded(),
                                  CASE WHEN after_queue IS NOT NULL THEN ARRAY[after_queue] END,
-                                 ARRAY[after_at], ARRAY[after_id], holding) k
+                                 ARRAY[after_priority], ARRAY[after_at], ARRAY[after_id], holding) k
             ), picked AS (
                 -- From one queue and for one definition (the common claim),
                 -- what the claim locked, in due order (nothing sorted).
                 SELECT k.command_id, k.run_id, k.name, k.version, k.queue, k.args, k.attempt, k.deadline, k.context,
-                       k.due_at, k.row_at, k.held, k.held_token
+                       k.due_at, k.row_at, k.held, k.held_token, k.priority
                 FROM locked k WHERE k.claim_order IS NULL
                 UNION ALL
                 -- From several (claim_order 0), the queues interleaved
@@ -318,8 +321,8 @@ BEGIN
                 -- limited lane keeps its earliest up to its room (a claim
                 -- naming several definitions locked up to the room for each).
                 (SELECT k.command_id, k.run_id, k.name, k.version, k.queue, k.args, k.attempt, k.deadline, k.context,
-                        k.due_at, k.row_at, k.held, k.held_token
-                 FROM (SELECT k.*, row_number() OVER (PARTITION BY k.lane_order ORDER BY k.due_at, k.command_id) AS rank
+                        k.due_at, k.row_at, k.held, k.held_token, k.priority
+                 FROM (SELECT k.*, row_number() OVER (PARTITION BY k.lane_order ORDER BY k.priority, k.due_at, k.command_id) AS rank
                        FROM locked k WHERE k.claim_order IS NOT NULL) k
                  WHERE k.rank <= k.lane_room
                  ORDER BY k.rank, k.lane_order
@@ -344,8 +347,8 @@ BEGIN
             -- any row is handed on. (From what it locked: a held claim's
             -- commands stay in the due index, locked, until its client's
             -- transaction ends, and the next claims would skip each of them again.)
-            WHERE (SELECT flow._external_claim_ended(alone, wanted, array_agg(k.queue), array_agg(k.due_at),
-                                                     array_agg(k.command_id))
+            WHERE (SELECT flow._external_claim_ended(alone, wanted, array_agg(k.queue), array_agg(k.priority),
+                                                     array_agg(k.due_at), array_agg(k.command_id))
                    FROM picked k)
               -- (each held claim noted for the transaction's end: src/external.rs)
               AND (NOT holding OR flow._note_holding(caller, c.command_id, c.lease_token, c.attempt, c.held,
@@ -456,7 +459,7 @@ SELECT c.id, c.run_id, c.parent_id, c.key, c.name, c.version, c.queue,
        c.next_run_at, c.args, c.result, c.last_error_code, c.last_error_message, c.stop_reason,
        c.wait_timed_out, coalesce(h.owner, c.lease_owner) AS lease_owner, c.lease_expires_at,
        coalesce(h.started_at, c.attempt_started_at) AS attempt_started_at, c.attempt_deadline,
-       c.created_at, c.finished_at
+       c.created_at, c.finished_at, c.priority
 FROM flow._command_rows c
 LEFT JOIN flow._held_attempts h ON h.command_id = c.id
 WHERE pg_has_role(current_user, c.owner, 'MEMBER');
@@ -486,7 +489,7 @@ WHERE pg_has_role(current_user, c.owner, 'MEMBER');
 CREATE VIEW flow.definitions WITH (security_barrier) AS
 SELECT d.name, d.version, d.handler, d.handler IS NULL AS external, d.takes_context, d.owner,
        d.queue, d.max_attempts, d.backoff, d.backoff_max, d.max_elapsed, d.timeout, d.created_at, d.updated_at,
-       n.starters
+       n.starters, d.priority
 FROM flow._definitions d JOIN flow._definition_names n ON n.name = d.name
 WHERE pg_has_role(current_user, d.owner, 'MEMBER');
 

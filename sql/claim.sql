@@ -13,6 +13,17 @@ LANGUAGE sql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
                   * (0.75 + random() * 0.5)))::double precision)
 $$;
 
+-- The priorities a claim of `queue` reads, lowest first: 0, and those its
+-- commands were given (flow._note_priority).
+CREATE FUNCTION flow._priorities_of(queue text) RETURNS TABLE (priority smallint)
+LANGUAGE sql STABLE AS $$
+    SELECT p.priority FROM (SELECT 0::smallint AS priority
+                            UNION ALL
+                            SELECT q.priority FROM flow._queue_priorities q            -- its primary key
+                            WHERE q.queue = _priorities_of.queue) p
+    ORDER BY p.priority
+$$;
+
 -- Claim up to max_count due commands (rule 3): lock them, and say how each
 -- is to be run. A command is claimed in one of two ways:
 -- * leased: its row will say `running`, with the attempt counted and the
@@ -48,8 +59,13 @@ $$;
 -- claimant in it) an equal share of max_count; lane_order is each queue's
 -- place in this claim's round-robin turn (from queue number `turn`), and a
 -- claim from several (claim_order 0) is put in that order by its caller.
+-- Priorities: within a queue, due commands are claimed by (priority, due
+-- time): each of the queue's priorities (flow._priorities_of) is read in
+-- turn, lowest first, each an index range of its own, so a queue whose
+-- commands all have priority 0 reads what it read before priorities.
 -- A worker draining a backlog passes where its last claim ended in each
--- queue (after_queues[i]: after (after_at[i], after_ids[i]) in due order):
+-- queue and priority (after_queues[i], after_priorities[i]: after
+-- (after_at[i], after_ids[i]) in due order):
 -- the claim starts there, not at the queue's head, so it does not walk again
 -- the index entries of the commands claimed and settled before it, which
 -- cannot be cleaned while any snapshot older than their settlement lives
@@ -62,7 +78,8 @@ $$;
 -- that came back short (flow.claim, src/external.rs).
 CREATE FUNCTION flow._claim(max_count integer, names text[], turn integer,
     fast_handlers oid[] DEFAULT NULL, excluded uuid[] DEFAULT NULL,
-    after_queues text[] DEFAULT NULL, after_at timestamptz[] DEFAULT NULL, after_ids uuid[] DEFAULT NULL,
+    after_queues text[] DEFAULT NULL, after_priorities smallint[] DEFAULT NULL,
+    after_at timestamptz[] DEFAULT NULL, after_ids uuid[] DEFAULT NULL,
     hold boolean DEFAULT false)
 RETURNS SETOF flow.claimed_command
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp
@@ -107,16 +124,23 @@ BEGIN
     WITH due AS (
         SELECT q.name AS queue, coalesce(q.owner::oid, 0::oid) AS queue_owner, q.concurrency IS NULL AS unlimited,
                w.claimant
-        FROM flow._queues q LEFT JOIN unnest(after_queues, after_at, after_ids) AS a(queue, at, id) ON a.queue = q.name
+        FROM flow._queues q
         CROSS JOIN unnest(claimants) AS w(claimant) CROSS JOIN LATERAL (
-            SELECT c.next_run_at FROM flow._commands c              -- index _commands_due
-            WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END) = flow._lane(q.name, w.claimant)
-              AND c.queue = q.name AND c.external = (names IS NOT NULL)
-              AND (CASE WHEN c.external THEN c.name ELSE '' END) = w.claimant
-              AND c.status IN ('pending', 'waiting')
-              AND (c.next_run_at, c.id) > (coalesce(a.at, '-infinity'), coalesce(a.id, '00000000-0000-0000-0000-000000000000'::uuid))
-              AND (excluded IS NULL OR c.id <> ALL (excluded))
-            ORDER BY c.next_run_at LIMIT 1) x
+            SELECT min(x.next_run_at) AS next_run_at
+            FROM flow._priorities_of(q.name) p
+            LEFT JOIN LATERAL (
+                SELECT a.at, a.id FROM unnest(after_queues, after_priorities, after_at, after_ids) AS a(queue, priority, at, id)
+                WHERE a.queue = q.name AND a.priority = p.priority LIMIT 1) a ON true
+            CROSS JOIN LATERAL (
+                SELECT c.next_run_at FROM flow._commands c          -- index _commands_due
+                WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END) = flow._lane(q.name, w.claimant)
+                  AND c.priority = p.priority
+                  AND c.queue = q.name AND c.external = (names IS NOT NULL)
+                  AND (CASE WHEN c.external THEN c.name ELSE '' END) = w.claimant
+                  AND c.status IN ('pending', 'waiting')
+                  AND (c.next_run_at, c.id) > (coalesce(a.at, '-infinity'), coalesce(a.id, '00000000-0000-0000-0000-000000000000'::uuid))
+                  AND (excluded IS NULL OR c.id <> ALL (excluded))
+                ORDER BY c.next_run_at LIMIT 1) x) x
         WHERE NOT q.paused AND x.next_run_at <= now()
           AND (q.concurrency IS NULL OR names IS NULL
                OR EXISTS (SELECT 1 FROM flow._definitions d WHERE d.queue = q.name AND d.name = ANY (names)))
@@ -165,9 +189,8 @@ BEGIN
                     ELSE greatest(0, q.concurrency - (
                         SELECT count(*) FROM flow._commands r       -- index _commands_running
                         WHERE r.queue = q.name AND r.status = 'running'))::integer
-               END AS room,
-               coalesce(a.at, '-infinity') AS after_at, coalesce(a.id, '00000000-0000-0000-0000-000000000000'::uuid) AS after_id
-        FROM flow._queues q LEFT JOIN unnest(after_queues, after_at, after_ids) AS a(queue, at, id) ON a.queue = q.name
+               END AS room
+        FROM flow._queues q
         WHERE q.name = ANY (lanes)
     ), share AS (
         -- What each slot (a lane and a claimant with commands due in it:
@@ -234,7 +257,7 @@ BEGIN
            -- claim order 0, so the worker claims again at once)
            CASE WHEN cardinality(slot_queues) <> 1 OR (other_owners_due AND names IS NULL) THEN 0 END,
            h.args_type, h.next_run_at, h.row_at,
-           h.held, h.lane_order, h.room
+           h.held, h.lane_order, h.room, h.priority
     FROM (
         -- (an attempt's deadlines: flow._deadline never raises, whatever one
         -- row holds, so no row can fail the claim for every role: src/spans.rs)
@@ -243,10 +266,18 @@ BEGIN
                coalesce(l.unlimited AND (h.handler = ANY (fast_handlers) OR hold), false) AS held,
                l.lane_order, l.room
         FROM share l CROSS JOIN LATERAL (
+          -- (its priorities in order, each read from where the last claim
+          -- ended in it, until the slot has its share: the LIMIT stops the
+          -- scans, so every row locked is returned)
+          SELECT k.* FROM flow._priorities_of(l.name) p
+          LEFT JOIN LATERAL (
+              SELECT a.at, a.id FROM unnest(after_queues, after_priorities, after_at, after_ids) AS a(queue, priority, at, id)
+              WHERE a.queue = l.name AND a.priority = p.priority LIMIT 1) a ON true
+          CROSS JOIN LATERAL (
             -- (the columns a caller needs, not the whole row: a row carried
             -- as one composite value is built, copied and taken apart again
             -- for every command)
-            SELECT c.id, c.run_id, c.key, c.name, c.version, c.queue, c.args, c.status, c.attempts, c.next_run_at,
+            SELECT c.id, c.priority, c.run_id, c.key, c.name, c.version, c.queue, c.args, c.status, c.attempts, c.next_run_at,
                    c.deadline, c.wait_timed_out, c.created_at, c.ctid AS row_at,
                    d.handler::oid AS handler, d.owner::oid AS owner, d.takes_context,
                    d.timeout, d.max_elapsed, d.args_type,
@@ -254,14 +285,17 @@ BEGIN
             FROM flow._commands c                                   -- index _commands_due
             JOIN flow._definitions d ON d.name = c.name AND d.version = c.version
             WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END) = flow._lane(l.name, l.claimant)
+              AND c.priority = p.priority
               AND c.queue = l.name AND c.external = (names IS NOT NULL)
               AND (CASE WHEN c.external THEN c.name ELSE '' END) = l.claimant
               AND c.status IN ('pending', 'waiting') AND c.next_run_at <= now()
-              AND (c.next_run_at, c.id) > (l.after_at, l.after_id)
+              AND (c.next_run_at, c.id) > (coalesce(a.at, '-infinity'), coalesce(a.id, '00000000-0000-0000-0000-000000000000'::uuid))
               AND (excluded IS NULL OR c.id <> ALL (excluded))
             ORDER BY c.next_run_at, c.id
             LIMIT l.take
             FOR UPDATE OF c SKIP LOCKED
+          ) k
+          LIMIT l.take
         ) h
         WHERE l.take > 0
     ) h
@@ -334,17 +368,22 @@ END $$;
 -- (plpgsql, not sql: its plan is kept for the worker's session; an sql
 -- function with SET clauses is planned again at every call, a quarter of a
 -- millisecond each time a worker goes idle)
-CREATE FUNCTION flow._next_due_ms(after_queues text[], after_at timestamptz[], after_ids uuid[]) RETURNS bigint
+CREATE FUNCTION flow._next_due_ms(after_queues text[], after_priorities smallint[], after_at timestamptz[],
+    after_ids uuid[]) RETURNS bigint
 LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     -- (after where the worker's claims take up, in the queues it names, as
     -- flow._claim's head probe reads it: not through the entries claimed
     -- since the last VACUUM at the queue's head)
     RETURN (SELECT (extract(epoch FROM min(h.next_run_at) - clock_timestamp()) * 1000)::bigint
-    FROM flow._queues q LEFT JOIN unnest(after_queues, after_at, after_ids) AS a(queue, at, id) ON a.queue = q.name
+    FROM flow._queues q CROSS JOIN LATERAL flow._priorities_of(q.name) p
+    LEFT JOIN LATERAL (
+        SELECT a.at, a.id FROM unnest(after_queues, after_priorities, after_at, after_ids) AS a(queue, priority, at, id)
+        WHERE a.queue = q.name AND a.priority = p.priority LIMIT 1) a ON true
     CROSS JOIN LATERAL (
         SELECT c.next_run_at FROM flow._commands c                  -- index _commands_due
         WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END) = flow._lane(q.name, '')
+          AND c.priority = p.priority
           AND c.queue = q.name AND NOT c.external
           AND c.status IN ('pending', 'waiting') AND c.next_run_at < 'infinity'
           AND (c.next_run_at, c.id) > (coalesce(a.at, '-infinity'), coalesce(a.id, '00000000-0000-0000-0000-000000000000'::uuid))

@@ -222,7 +222,7 @@ END $$;
 
 CREATE FUNCTION flow._define(caller oid, name text, handler regprocedure, version integer, queue text,
     max_attempts integer, backoff interval, backoff_max interval, max_elapsed interval, timeout interval,
-    args_type regtype)
+    args_type regtype, priority integer)
 RETURNS void
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
@@ -296,15 +296,20 @@ BEGIN
             USING ERRCODE = '42501';
     END IF;
     PERFORM flow._use_queue(caller, queue);
+    IF priority IS NULL THEN
+        RAISE EXCEPTION 'flow: priority must not be NULL (0 is the default)' USING ERRCODE = '22004';
+    END IF;
+    PERFORM flow._priority(priority, 0::smallint);
     INSERT INTO flow._definitions AS d (name, version, handler, takes_context, owner, queue,
-        max_attempts, backoff, backoff_max, max_elapsed, timeout, args_type)
+        max_attempts, backoff, backoff_max, max_elapsed, timeout, args_type, priority)
     VALUES (name, version, handler, takes_context, named.owner, queue,
-        max_attempts, backoff, backoff_max, max_elapsed, timeout, args_type)
+        max_attempts, backoff, backoff_max, max_elapsed, timeout, args_type, priority)
     ON CONFLICT ON CONSTRAINT _definitions_pkey DO UPDATE SET
         handler = excluded.handler, takes_context = excluded.takes_context, queue = excluded.queue,
         max_attempts = excluded.max_attempts, backoff = excluded.backoff,
         backoff_max = excluded.backoff_max, max_elapsed = excluded.max_elapsed,
-        timeout = excluded.timeout, args_type = excluded.args_type, updated_at = now();
+        timeout = excluded.timeout, args_type = excluded.args_type, priority = excluded.priority,
+        updated_at = now();
     -- A version redefined with or without a handler changes who runs its
     -- commands still to come (rare: a scan of the unfinished commands is fine).
     UPDATE flow._commands c SET external = (handler IS NULL)
@@ -400,6 +405,7 @@ BEGIN
             USING ERRCODE = '2BP01';
     END IF;
     DELETE FROM flow._queues x WHERE x.name = q.name;
+    DELETE FROM flow._queue_priorities p WHERE p.queue = q.name;
     IF q.owner IS NOT NULL AND NOT flow._owns_anything(q.owner) THEN
         PERFORM flow._unmark_owner(q.owner);
     END IF;

@@ -9,14 +9,14 @@
 CREATE FUNCTION flow._plan_enqueue(caller oid, name text, version integer, queue text, start_after interval,
     run_at timestamptz, deadline interval,
     OUT def_version integer, OUT def_owner oid, OUT def_external boolean, OUT def_args_type regtype,
-    OUT lane text, OUT due timestamptz, OUT ends timestamptz)
+    OUT lane text, OUT due timestamptz, OUT ends timestamptz, OUT def_priority smallint)
 LANGUAGE plpgsql AS $$
 DECLARE
     home text;   -- the definition's own queue
 BEGIN
     PERFORM flow._require_name('name', name);
-    SELECT x.version, x.owner, x.handler IS NULL, x.args_type, x.queue
-    INTO def_version, def_owner, def_external, def_args_type, home
+    SELECT x.version, x.owner, x.handler IS NULL, x.args_type, x.queue, x.priority
+    INTO def_version, def_owner, def_external, def_args_type, home, def_priority
     FROM flow._definitions x
     WHERE x.name = _plan_enqueue.name AND (_plan_enqueue.version IS NULL OR x.version = _plan_enqueue.version)
     ORDER BY x.version DESC LIMIT 1;
@@ -59,25 +59,51 @@ BEGIN
     END IF;
 END $$;
 
+-- The priority a new command gets: the one given, else its definition's.
+CREATE FUNCTION flow._priority(given integer, otherwise smallint) RETURNS smallint
+LANGUAGE plpgsql IMMUTABLE AS $$
+BEGIN
+    IF given NOT BETWEEN -32768 AND 32767 THEN
+        RAISE EXCEPTION 'flow: priority must be from -32768 to 32767 (lower runs first), got %', given
+            USING ERRCODE = '22003';
+    END IF;
+    RETURN coalesce(given, otherwise);
+END $$;
+
+-- Note that `queue` has commands of `priority`, for its claims
+-- (flow._priorities_of; 0 is always read). Called for each enqueue and spawn
+-- of a priority other than 0: one index probe once the priority is known.
+CREATE FUNCTION flow._note_priority(queue text, priority smallint) RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM flow._queue_priorities p
+                   WHERE p.queue = _note_priority.queue AND p.priority = _note_priority.priority) THEN
+        INSERT INTO flow._queue_priorities AS p (queue, priority) VALUES (queue, priority) ON CONFLICT DO NOTHING;
+    END IF;
+END $$;
+
 -- The root commands of new runs (run_ids[i] gets args[i]), and the wake-up.
 -- A run is its root until it needs a row of its own (see flow._runs).
 CREATE FUNCTION flow._insert_roots(owner oid, name text, version integer, external boolean, lane text,
-    due timestamptz, ends timestamptz, run_ids uuid[], args jsonb[])
+    due timestamptz, ends timestamptz, run_ids uuid[], args jsonb[], priority smallint)
 RETURNS void
 LANGUAGE plpgsql AS $$
 BEGIN
+    IF priority <> 0 THEN
+        PERFORM flow._note_priority(lane, priority);
+    END IF;
     INSERT INTO flow._commands (id, run_id, key, name, version, queue, args, declaration, status,
-        next_run_at, not_before, budget_started_at, deadline, external, owner)
+        next_run_at, not_before, budget_started_at, deadline, external, owner, priority)
     -- (a root is never spawned again, so it has no declaration to match:
     -- its args are not stored twice; its id is its run's, see _commands_run_key)
     SELECT t.run_id, t.run_id, 'root', _insert_roots.name, _insert_roots.version, lane, t.args, '{}',
-        'pending', due, due, due, ends, _insert_roots.external, _insert_roots.owner
+        'pending', due, due, due, ends, _insert_roots.external, _insert_roots.owner, _insert_roots.priority
     FROM unnest(run_ids, args) AS t(run_id, args);
     PERFORM flow._wake_due_from(due);
 END $$;
 
 CREATE FUNCTION flow._enqueue(caller oid, name text, args jsonb, key text, version integer, queue text,
-    start_after interval, run_at timestamptz, deadline interval)
+    start_after interval, run_at timestamptz, deadline interval, priority integer)
 RETURNS uuid
 LANGUAGE plpgsql AS $$
 #variable_conflict use_column
@@ -116,13 +142,13 @@ BEGIN
         END IF;
     END LOOP;
     PERFORM flow._insert_roots(caller, name, p.def_version, p.def_external, p.lane, p.due, p.ends,
-                               ARRAY[run_id], ARRAY[args]);
+                               ARRAY[run_id], ARRAY[args], flow._priority(priority, p.def_priority));
     RETURN run_id;
 END $$;
 
 -- Many runs in one statement: set-based, no run keys.
 CREATE FUNCTION flow._enqueue_many(caller oid, name text, args_array jsonb[], version integer, queue text,
-    start_after interval, run_at timestamptz, deadline interval)
+    start_after interval, run_at timestamptz, deadline interval, priority integer)
 RETURNS uuid[]
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -157,6 +183,6 @@ BEGIN
     END IF;
     SELECT coalesce(array_agg(flow._new_id()), '{}') INTO ids FROM unnest(args_array);
     PERFORM flow._insert_roots(caller, name, p.def_version, p.def_external, p.lane, p.due, p.ends,
-                               ids, args_array);
+                               ids, args_array, flow._priority(priority, p.def_priority));
     RETURN ids;
 END $$;

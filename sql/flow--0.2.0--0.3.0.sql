@@ -108,6 +108,34 @@ CREATE TABLE flow._schedules (
 CREATE INDEX _schedules_due ON flow._schedules (next_tick) WHERE NOT paused;
 SELECT pg_catalog.pg_extension_config_dump('flow._schedules', '');
 
+-- Priorities (flow._claim): lower runs first within a queue.
+ALTER TABLE flow._definitions ADD COLUMN priority smallint NOT NULL DEFAULT 0;
+ALTER TABLE flow._commands ADD COLUMN priority smallint NOT NULL DEFAULT 0;
+ALTER TYPE flow.claimed_command ADD ATTRIBUTE priority smallint;
+DROP INDEX flow._commands_due;
+CREATE INDEX _commands_due ON flow._commands
+    (flow._lane(queue, CASE WHEN external THEN name ELSE '' END), priority, next_run_at, id)
+    WHERE status IN ('pending', 'waiting');
+CREATE TABLE flow._queue_priorities (
+    queue     text NOT NULL,
+    priority  smallint NOT NULL CHECK (priority <> 0),
+    PRIMARY KEY (queue, priority)
+);
+SELECT pg_catalog.pg_extension_config_dump('flow._queue_priorities', '');
+DROP FUNCTION flow._claim(integer, text[], integer, oid[], uuid[], text[], timestamptz[], uuid[], boolean);
+DROP FUNCTION flow._next_due_ms(text[], timestamptz[], uuid[]);
+-- (enqueue, enqueue_many, spawn and define take a priority)
+DROP FUNCTION flow._plan_enqueue(oid, text, integer, text, interval, timestamptz, interval);
+DROP FUNCTION flow._insert_roots(oid, text, integer, boolean, text, timestamptz, timestamptz, uuid[], jsonb[]);
+DROP FUNCTION flow._enqueue(oid, text, jsonb, text, integer, text, interval, timestamptz, interval);
+DROP FUNCTION flow._enqueue_many(oid, text, jsonb[], integer, text, interval, timestamptz, interval);
+DROP FUNCTION flow._spawn(oid, uuid, text, jsonb, text, interval, flow.wait_spec[], interval, integer, text);
+DROP FUNCTION flow._define(oid, text, regprocedure, integer, text, integer, interval, interval, interval, interval, regtype);
+DROP FUNCTION flow.define(text, regprocedure, integer, text, integer, interval, interval, interval, interval, regtype, bigint);
+DROP FUNCTION flow.enqueue(text, jsonb, text, integer, text, interval, timestamptz, interval, bigint);
+DROP FUNCTION flow.enqueue_many(text, jsonb[], integer, text, interval, timestamptz, interval, bigint);
+DROP FUNCTION flow.spawn(text, jsonb, text, interval, flow.wait_spec[], interval, integer, text, bigint);
+
 -- src/lib.rs:58
 -- requires:
 --   schema
@@ -491,7 +519,7 @@ END $$;
 
 CREATE OR REPLACE FUNCTION flow._define(caller oid, name text, handler regprocedure, version integer, queue text,
     max_attempts integer, backoff interval, backoff_max interval, max_elapsed interval, timeout interval,
-    args_type regtype)
+    args_type regtype, priority integer)
 RETURNS void
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
@@ -565,15 +593,20 @@ BEGIN
             USING ERRCODE = '42501';
     END IF;
     PERFORM flow._use_queue(caller, queue);
+    IF priority IS NULL THEN
+        RAISE EXCEPTION 'flow: priority must not be NULL (0 is the default)' USING ERRCODE = '22004';
+    END IF;
+    PERFORM flow._priority(priority, 0::smallint);
     INSERT INTO flow._definitions AS d (name, version, handler, takes_context, owner, queue,
-        max_attempts, backoff, backoff_max, max_elapsed, timeout, args_type)
+        max_attempts, backoff, backoff_max, max_elapsed, timeout, args_type, priority)
     VALUES (name, version, handler, takes_context, named.owner, queue,
-        max_attempts, backoff, backoff_max, max_elapsed, timeout, args_type)
+        max_attempts, backoff, backoff_max, max_elapsed, timeout, args_type, priority)
     ON CONFLICT ON CONSTRAINT _definitions_pkey DO UPDATE SET
         handler = excluded.handler, takes_context = excluded.takes_context, queue = excluded.queue,
         max_attempts = excluded.max_attempts, backoff = excluded.backoff,
         backoff_max = excluded.backoff_max, max_elapsed = excluded.max_elapsed,
-        timeout = excluded.timeout, args_type = excluded.args_type, updated_at = now();
+        timeout = excluded.timeout, args_type = excluded.args_type, priority = excluded.priority,
+        updated_at = now();
     -- A version redefined with or without a handler changes who runs its
     -- commands still to come (rare: a scan of the unfinished commands is fine).
     UPDATE flow._commands c SET external = (handler IS NULL)
@@ -669,6 +702,7 @@ BEGIN
             USING ERRCODE = '2BP01';
     END IF;
     DELETE FROM flow._queues x WHERE x.name = q.name;
+    DELETE FROM flow._queue_priorities p WHERE p.queue = q.name;
     IF q.owner IS NOT NULL AND NOT flow._owns_anything(q.owner) THEN
         PERFORM flow._unmark_owner(q.owner);
     END IF;
@@ -747,14 +781,14 @@ $$;
 CREATE OR REPLACE FUNCTION flow._plan_enqueue(caller oid, name text, version integer, queue text, start_after interval,
     run_at timestamptz, deadline interval,
     OUT def_version integer, OUT def_owner oid, OUT def_external boolean, OUT def_args_type regtype,
-    OUT lane text, OUT due timestamptz, OUT ends timestamptz)
+    OUT lane text, OUT due timestamptz, OUT ends timestamptz, OUT def_priority smallint)
 LANGUAGE plpgsql AS $$
 DECLARE
     home text;   -- the definition's own queue
 BEGIN
     PERFORM flow._require_name('name', name);
-    SELECT x.version, x.owner, x.handler IS NULL, x.args_type, x.queue
-    INTO def_version, def_owner, def_external, def_args_type, home
+    SELECT x.version, x.owner, x.handler IS NULL, x.args_type, x.queue, x.priority
+    INTO def_version, def_owner, def_external, def_args_type, home, def_priority
     FROM flow._definitions x
     WHERE x.name = _plan_enqueue.name AND (_plan_enqueue.version IS NULL OR x.version = _plan_enqueue.version)
     ORDER BY x.version DESC LIMIT 1;
@@ -797,25 +831,51 @@ BEGIN
     END IF;
 END $$;
 
+-- The priority a new command gets: the one given, else its definition's.
+CREATE OR REPLACE FUNCTION flow._priority(given integer, otherwise smallint) RETURNS smallint
+LANGUAGE plpgsql IMMUTABLE AS $$
+BEGIN
+    IF given NOT BETWEEN -32768 AND 32767 THEN
+        RAISE EXCEPTION 'flow: priority must be from -32768 to 32767 (lower runs first), got %', given
+            USING ERRCODE = '22003';
+    END IF;
+    RETURN coalesce(given, otherwise);
+END $$;
+
+-- Note that `queue` has commands of `priority`, for its claims
+-- (flow._priorities_of; 0 is always read). Called for each enqueue and spawn
+-- of a priority other than 0: one index probe once the priority is known.
+CREATE OR REPLACE FUNCTION flow._note_priority(queue text, priority smallint) RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM flow._queue_priorities p
+                   WHERE p.queue = _note_priority.queue AND p.priority = _note_priority.priority) THEN
+        INSERT INTO flow._queue_priorities AS p (queue, priority) VALUES (queue, priority) ON CONFLICT DO NOTHING;
+    END IF;
+END $$;
+
 -- The root commands of new runs (run_ids[i] gets args[i]), and the wake-up.
 -- A run is its root until it needs a row of its own (see flow._runs).
 CREATE OR REPLACE FUNCTION flow._insert_roots(owner oid, name text, version integer, external boolean, lane text,
-    due timestamptz, ends timestamptz, run_ids uuid[], args jsonb[])
+    due timestamptz, ends timestamptz, run_ids uuid[], args jsonb[], priority smallint)
 RETURNS void
 LANGUAGE plpgsql AS $$
 BEGIN
+    IF priority <> 0 THEN
+        PERFORM flow._note_priority(lane, priority);
+    END IF;
     INSERT INTO flow._commands (id, run_id, key, name, version, queue, args, declaration, status,
-        next_run_at, not_before, budget_started_at, deadline, external, owner)
+        next_run_at, not_before, budget_started_at, deadline, external, owner, priority)
     -- (a root is never spawned again, so it has no declaration to match:
     -- its args are not stored twice; its id is its run's, see _commands_run_key)
     SELECT t.run_id, t.run_id, 'root', _insert_roots.name, _insert_roots.version, lane, t.args, '{}',
-        'pending', due, due, due, ends, _insert_roots.external, _insert_roots.owner
+        'pending', due, due, due, ends, _insert_roots.external, _insert_roots.owner, _insert_roots.priority
     FROM unnest(run_ids, args) AS t(run_id, args);
     PERFORM flow._wake_due_from(due);
 END $$;
 
 CREATE OR REPLACE FUNCTION flow._enqueue(caller oid, name text, args jsonb, key text, version integer, queue text,
-    start_after interval, run_at timestamptz, deadline interval)
+    start_after interval, run_at timestamptz, deadline interval, priority integer)
 RETURNS uuid
 LANGUAGE plpgsql AS $$
 #variable_conflict use_column
@@ -854,13 +914,13 @@ BEGIN
         END IF;
     END LOOP;
     PERFORM flow._insert_roots(caller, name, p.def_version, p.def_external, p.lane, p.due, p.ends,
-                               ARRAY[run_id], ARRAY[args]);
+                               ARRAY[run_id], ARRAY[args], flow._priority(priority, p.def_priority));
     RETURN run_id;
 END $$;
 
 -- Many runs in one statement: set-based, no run keys.
 CREATE OR REPLACE FUNCTION flow._enqueue_many(caller oid, name text, args_array jsonb[], version integer, queue text,
-    start_after interval, run_at timestamptz, deadline interval)
+    start_after interval, run_at timestamptz, deadline interval, priority integer)
 RETURNS uuid[]
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -895,7 +955,7 @@ BEGIN
     END IF;
     SELECT coalesce(array_agg(flow._new_id()), '{}') INTO ids FROM unnest(args_array);
     PERFORM flow._insert_roots(caller, name, p.def_version, p.def_external, p.lane, p.due, p.ends,
-                               ids, args_array);
+                               ids, args_array, flow._priority(priority, p.def_priority));
     RETURN ids;
 END $$;
 
@@ -916,6 +976,17 @@ LANGUAGE sql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
         least(extract(epoch FROM backoff_max) * (0.75 + random() * 0.25),
               extract(epoch FROM backoff) * power(2, least(greatest(attempt - 1, 0), 60))
                   * (0.75 + random() * 0.5)))::double precision)
+$$;
+
+-- The priorities a claim of `queue` reads, lowest first: 0, and those its
+-- commands were given (flow._note_priority).
+CREATE OR REPLACE FUNCTION flow._priorities_of(queue text) RETURNS TABLE (priority smallint)
+LANGUAGE sql STABLE AS $$
+    SELECT p.priority FROM (SELECT 0::smallint AS priority
+                            UNION ALL
+                            SELECT q.priority FROM flow._queue_priorities q            -- its primary key
+                            WHERE q.queue = _priorities_of.queue) p
+    ORDER BY p.priority
 $$;
 
 -- Claim up to max_count due commands (rule 3): lock them, and say how each
@@ -953,8 +1024,13 @@ $$;
 -- claimant in it) an equal share of max_count; lane_order is each queue's
 -- place in this claim's round-robin turn (from queue number `turn`), and a
 -- claim from several (claim_order 0) is put in that order by its caller.
+-- Priorities: within a queue, due commands are claimed by (priority, due
+-- time): each of the queue's priorities (flow._priorities_of) is read in
+-- turn, lowest first, each an index range of its own, so a queue whose
+-- commands all have priority 0 reads what it read before priorities.
 -- A worker draining a backlog passes where its last claim ended in each
--- queue (after_queues[i]: after (after_at[i], after_ids[i]) in due order):
+-- queue and priority (after_queues[i], after_priorities[i]: after
+-- (after_at[i], after_ids[i]) in due order):
 -- the claim starts there, not at the queue's head, so it does not walk again
 -- the index entries of the commands claimed and settled before it, which
 -- cannot be cleaned while any snapshot older than their settlement lives
@@ -967,7 +1043,8 @@ $$;
 -- that came back short (flow.claim, src/external.rs).
 CREATE OR REPLACE FUNCTION flow._claim(max_count integer, names text[], turn integer,
     fast_handlers oid[] DEFAULT NULL, excluded uuid[] DEFAULT NULL,
-    after_queues text[] DEFAULT NULL, after_at timestamptz[] DEFAULT NULL, after_ids uuid[] DEFAULT NULL,
+    after_queues text[] DEFAULT NULL, after_priorities smallint[] DEFAULT NULL,
+    after_at timestamptz[] DEFAULT NULL, after_ids uuid[] DEFAULT NULL,
     hold boolean DEFAULT false)
 RETURNS SETOF flow.claimed_command
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp
@@ -1012,16 +1089,23 @@ BEGIN
     WITH due AS (
         SELECT q.name AS queue, coalesce(q.owner::oid, 0::oid) AS queue_owner, q.concurrency IS NULL AS unlimited,
                w.claimant
-        FROM flow._queues q LEFT JOIN unnest(after_queues, after_at, after_ids) AS a(queue, at, id) ON a.queue = q.name
+        FROM flow._queues q
         CROSS JOIN unnest(claimants) AS w(claimant) CROSS JOIN LATERAL (
-            SELECT c.next_run_at FROM flow._commands c              -- index _commands_due
-            WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END) = flow._lane(q.name, w.claimant)
-              AND c.queue = q.name AND c.external = (names IS NOT NULL)
-              AND (CASE WHEN c.external THEN c.name ELSE '' END) = w.claimant
-              AND c.status IN ('pending', 'waiting')
-              AND (c.next_run_at, c.id) > (coalesce(a.at, '-infinity'), coalesce(a.id, '00000000-0000-0000-0000-000000000000'::uuid))
-              AND (excluded IS NULL OR c.id <> ALL (excluded))
-            ORDER BY c.next_run_at LIMIT 1) x
+            SELECT min(x.next_run_at) AS next_run_at
+            FROM flow._priorities_of(q.name) p
+            LEFT JOIN LATERAL (
+                SELECT a.at, a.id FROM unnest(after_queues, after_priorities, after_at, after_ids) AS a(queue, priority, at, id)
+                WHERE a.queue = q.name AND a.priority = p.priority LIMIT 1) a ON true
+            CROSS JOIN LATERAL (
+                SELECT c.next_run_at FROM flow._commands c          -- index _commands_due
+                WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END) = flow._lane(q.name, w.claimant)
+                  AND c.priority = p.priority
+                  AND c.queue = q.name AND c.external = (names IS NOT NULL)
+                  AND (CASE WHEN c.external THEN c.name ELSE '' END) = w.claimant
+                  AND c.status IN ('pending', 'waiting')
+                  AND (c.next_run_at, c.id) > (coalesce(a.at, '-infinity'), coalesce(a.id, '00000000-0000-0000-0000-000000000000'::uuid))
+                  AND (excluded IS NULL OR c.id <> ALL (excluded))
+                ORDER BY c.next_run_at LIMIT 1) x) x
         WHERE NOT q.paused AND x.next_run_at <= now()
           AND (q.concurrency IS NULL OR names IS NULL
                OR EXISTS (SELECT 1 FROM flow._definitions d WHERE d.queue = q.name AND d.name = ANY (names)))
@@ -1070,9 +1154,8 @@ BEGIN
                     ELSE greatest(0, q.concurrency - (
                         SELECT count(*) FROM flow._commands r       -- index _commands_running
                         WHERE r.queue = q.name AND r.status = 'running'))::integer
-               END AS room,
-               coalesce(a.at, '-infinity') AS after_at, coalesce(a.id, '00000000-0000-0000-0000-000000000000'::uuid) AS after_id
-        FROM flow._queues q LEFT JOIN unnest(after_queues, after_at, after_ids) AS a(queue, at, id) ON a.queue = q.name
+               END AS room
+        FROM flow._queues q
         WHERE q.name = ANY (lanes)
     ), share AS (
         -- What each slot (a lane and a claimant with commands due in it:
@@ -1139,7 +1222,7 @@ BEGIN
            -- claim order 0, so the worker claims again at once)
            CASE WHEN cardinality(slot_queues) <> 1 OR (other_owners_due AND names IS NULL) THEN 0 END,
            h.args_type, h.next_run_at, h.row_at,
-           h.held, h.lane_order, h.room
+           h.held, h.lane_order, h.room, h.priority
     FROM (
         -- (an attempt's deadlines: flow._deadline never raises, whatever one
         -- row holds, so no row can fail the claim for every role: src/spans.rs)
@@ -1148,10 +1231,18 @@ BEGIN
                coalesce(l.unlimited AND (h.handler = ANY (fast_handlers) OR hold), false) AS held,
                l.lane_order, l.room
         FROM share l CROSS JOIN LATERAL (
+          -- (its priorities in order, each read from where the last claim
+          -- ended in it, until the slot has its share: the LIMIT stops the
+          -- scans, so every row locked is returned)
+          SELECT k.* FROM flow._priorities_of(l.name) p
+          LEFT JOIN LATERAL (
+              SELECT a.at, a.id FROM unnest(after_queues, after_priorities, after_at, after_ids) AS a(queue, priority, at, id)
+              WHERE a.queue = l.name AND a.priority = p.priority LIMIT 1) a ON true
+          CROSS JOIN LATERAL (
             -- (the columns a caller needs, not the whole row: a row carried
             -- as one composite value is built, copied and taken apart again
             -- for every command)
-            SELECT c.id, c.run_id, c.key, c.name, c.version, c.queue, c.args, c.status, c.attempts, c.next_run_at,
+            SELECT c.id, c.priority, c.run_id, c.key, c.name, c.version, c.queue, c.args, c.status, c.attempts, c.next_run_at,
                    c.deadline, c.wait_timed_out, c.created_at, c.ctid AS row_at,
                    d.handler::oid AS handler, d.owner::oid AS owner, d.takes_context,
                    d.timeout, d.max_elapsed, d.args_type,
@@ -1159,14 +1250,17 @@ BEGIN
             FROM flow._commands c                                   -- index _commands_due
             JOIN flow._definitions d ON d.name = c.name AND d.version = c.version
             WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END) = flow._lane(l.name, l.claimant)
+              AND c.priority = p.priority
               AND c.queue = l.name AND c.external = (names IS NOT NULL)
               AND (CASE WHEN c.external THEN c.name ELSE '' END) = l.claimant
               AND c.status IN ('pending', 'waiting') AND c.next_run_at <= now()
-              AND (c.next_run_at, c.id) > (l.after_at, l.after_id)
+              AND (c.next_run_at, c.id) > (coalesce(a.at, '-infinity'), coalesce(a.id, '00000000-0000-0000-0000-000000000000'::uuid))
               AND (excluded IS NULL OR c.id <> ALL (excluded))
             ORDER BY c.next_run_at, c.id
             LIMIT l.take
             FOR UPDATE OF c SKIP LOCKED
+          ) k
+          LIMIT l.take
         ) h
         WHERE l.take > 0
     ) h
@@ -1239,17 +1333,22 @@ END $$;
 -- (plpgsql, not sql: its plan is kept for the worker's session; an sql
 -- function with SET clauses is planned again at every call, a quarter of a
 -- millisecond each time a worker goes idle)
-CREATE OR REPLACE FUNCTION flow._next_due_ms(after_queues text[], after_at timestamptz[], after_ids uuid[]) RETURNS bigint
+CREATE OR REPLACE FUNCTION flow._next_due_ms(after_queues text[], after_priorities smallint[], after_at timestamptz[],
+    after_ids uuid[]) RETURNS bigint
 LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     -- (after where the worker's claims take up, in the queues it names, as
     -- flow._claim's head probe reads it: not through the entries claimed
     -- since the last VACUUM at the queue's head)
     RETURN (SELECT (extract(epoch FROM min(h.next_run_at) - clock_timestamp()) * 1000)::bigint
-    FROM flow._queues q LEFT JOIN unnest(after_queues, after_at, after_ids) AS a(queue, at, id) ON a.queue = q.name
+    FROM flow._queues q CROSS JOIN LATERAL flow._priorities_of(q.name) p
+    LEFT JOIN LATERAL (
+        SELECT a.at, a.id FROM unnest(after_queues, after_priorities, after_at, after_ids) AS a(queue, priority, at, id)
+        WHERE a.queue = q.name AND a.priority = p.priority LIMIT 1) a ON true
     CROSS JOIN LATERAL (
         SELECT c.next_run_at FROM flow._commands c                  -- index _commands_due
         WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END) = flow._lane(q.name, '')
+          AND c.priority = p.priority
           AND c.queue = q.name AND NOT c.external
           AND c.status IN ('pending', 'waiting') AND c.next_run_at < 'infinity'
           AND (c.next_run_at, c.id) > (coalesce(a.at, '-infinity'), coalesce(a.id, '00000000-0000-0000-0000-000000000000'::uuid))
@@ -2367,7 +2466,7 @@ END $$;
 
 -- parent_id: the command whose handler (or external worker) spawns; NULL is an error.
 CREATE OR REPLACE FUNCTION flow._spawn(caller oid, parent_id uuid, name text, args jsonb, key text, start_after interval,
-    waits flow.wait_spec[], within interval, version integer, queue text)
+    waits flow.wait_spec[], within interval, version integer, queue text, given_priority integer)
 RETURNS uuid
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 #variable_conflict use_column
@@ -2382,6 +2481,7 @@ DECLARE
     child uuid := flow._new_id();
     existing flow._commands;
     journaled bigint;
+    priority smallint;
 BEGIN
     SELECT * INTO parent FROM flow._commands c WHERE c.id = _spawn.parent_id AND c.finished_at IS NULL;  -- leased (running) or held by this worker
     IF NOT FOUND THEN
@@ -2390,6 +2490,7 @@ BEGIN
     END IF;
     waits := coalesce(waits, '{}');
     p := flow._plan_enqueue(caller, name, version, queue, start_after, NULL, NULL);
+    priority := flow._priority(given_priority, p.def_priority);
     PERFORM flow._require_name('key', key);
     IF key = 'root' THEN
         -- (the root's key, though not in _commands_run_key: spawning it is
@@ -2409,7 +2510,13 @@ BEGIN
     declared := jsonb_build_object('name', _spawn.name, 'version', p.def_version, 'args', args, 'queue', p.lane,
         'start_after', start_after, 'within', within,
         'waits', (SELECT coalesce(jsonb_agg(DISTINCT jsonb_build_object('name', w.name, 'key', w.key)), '[]')
-                  FROM unnest(waits) w));
+                  FROM unnest(waits) w))
+        -- (a priority is declared when it is not 0: children spawned before
+        -- there were priorities declared none, and a re-spawn still matches)
+        || CASE WHEN priority <> 0 THEN jsonb_build_object('priority', priority) ELSE '{}' END;
+    IF priority <> 0 THEN
+        PERFORM flow._note_priority(p.lane, priority);
+    END IF;
     IF NOT EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = parent.run_id) THEN
         -- The run's first child: the run gets its row (see flow._runs), under
         -- its root's lock, which the root's own chunk holds already (an
@@ -2422,14 +2529,14 @@ BEGIN
     -- children: see flow._settle_batch's `alone`)
     PERFORM flow._note_spawn();
     INSERT INTO flow._commands (id, run_id, parent_id, key, name, version, queue, args, declaration, status,
-        next_run_at, not_before, budget_started_at, deadline, external, owner)
+        next_run_at, not_before, budget_started_at, deadline, external, owner, priority)
     VALUES (child, parent.run_id, parent.id, key, _spawn.name, p.def_version, p.lane, args, declared,
         CASE WHEN cardinality(waits) > 0 THEN 'waiting' ELSE 'pending' END::flow.command_status,
         -- a wait ends at `within`, and at the run's deadline at the latest
         CASE WHEN cardinality(waits) = 0 THEN p.due
              ELSE least(CASE WHEN within IS NULL THEN 'infinity' ELSE greatest(now() + within, p.due) END,
                         coalesce(parent.deadline, 'infinity')) END,
-        p.due, p.due, parent.deadline, p.def_external, parent.owner)
+        p.due, p.due, parent.deadline, p.def_external, parent.owner, priority)
     ON CONFLICT (run_id, key) WHERE id <> run_id DO NOTHING;          -- index _commands_run_key
     IF NOT FOUND THEN
         -- Keys are unique within a run: the same declaration again is a no-op
@@ -3095,7 +3202,7 @@ BEGIN
             BEGIN
                 run := flow._enqueue(s.owner, s.definition, s.args,
                     'schedule:' || s.name || ':' || to_char(tick AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"'),
-                    NULL, s.queue, NULL, NULL, NULL);
+                    NULL, s.queue, NULL, NULL, NULL, NULL);
                 fired := fired + 1;
                 s.last_tick := tick;
                 s.last_run_id := run;
@@ -3133,7 +3240,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_args_misfit_as_wrapper';
 
--- src/external.rs:252
+-- src/external.rs:260
 -- flow::external::_claim_excluded
 CREATE OR REPLACE FUNCTION "_claim_excluded"() RETURNS uuid[] /* :: std :: option :: Option < Vec < pgrx :: Uuid > > */
 STRICT VOLATILE PARALLEL UNSAFE
@@ -3194,12 +3301,13 @@ VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_decide_wrapper';
 
--- src/external.rs:37
+-- src/external.rs:40
 -- flow::external::_external_claim_ended
 CREATE OR REPLACE FUNCTION "_external_claim_ended"(
 	"definition" TEXT, /* Option < & str > */
 	"asked" INT, /* i32 */
 	"queues" TEXT[], /* :: std :: option :: Option < Vec < String > > */
+	"priorities" smallint[], /* :: std :: option :: Option < Vec < i16 > > */
 	"due_ats" timestamp with time zone[], /* :: std :: option :: Option < Vec < TimestampWithTimeZone > > */
 	"ids" uuid[] /* :: std :: option :: Option < Vec < pgrx :: Uuid > > */
 ) RETURNS bool /* bool */
@@ -3213,6 +3321,7 @@ CREATE OR REPLACE FUNCTION "_external_claim_start"(
 	"definition" TEXT /* Option < & str > */
 ) RETURNS TABLE (
 	"queue" TEXT,  /* String */
+	"priority" smallint,  /* i16 */
 	"due_at" timestamp with time zone,  /* TimestampWithTimeZone */
 	"id" uuid  /* pgrx :: Uuid */
 )
@@ -3220,7 +3329,7 @@ VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_external_claim_start_wrapper';
 
--- src/external.rs:202
+-- src/external.rs:210
 -- flow::external::_holding_attempts
 CREATE OR REPLACE FUNCTION "_holding_attempts"(
 	"caller" oid, /* pg_sys :: Oid */
@@ -3231,7 +3340,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_holding_attempts_wrapper';
 
--- src/external.rs:224
+-- src/external.rs:232
 -- flow::external::_holding_rows
 CREATE OR REPLACE FUNCTION "_holding_rows"(
 	"command_ids" uuid[] /* Vec < Option < pgrx :: Uuid > > */
@@ -3240,7 +3349,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_holding_rows_wrapper';
 
--- src/external.rs:234
+-- src/external.rs:242
 -- flow::external::_holding_settled
 CREATE OR REPLACE FUNCTION "_holding_settled"(
 	"command_ids" uuid[] /* Vec < Option < pgrx :: Uuid > > */
@@ -3249,14 +3358,14 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_holding_settled_wrapper';
 
--- src/external.rs:133
+-- src/external.rs:141
 -- flow::external::_holding_worker
 CREATE OR REPLACE FUNCTION "_holding_worker"() RETURNS TEXT /* Option < String > */
 STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_holding_worker_wrapper';
 
--- src/external.rs:127
+-- src/external.rs:135
 -- flow::external::_in_transaction_block
 CREATE OR REPLACE FUNCTION "_in_transaction_block"() RETURNS bool /* bool */
 STRICT VOLATILE PARALLEL UNSAFE
@@ -3352,7 +3461,7 @@ STRICT VOLATILE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_new_id_wrapper';
 
--- src/external.rs:140
+-- src/external.rs:148
 -- flow::external::_note_holding
 CREATE OR REPLACE FUNCTION "_note_holding"(
 	"caller" oid, /* pg_sys :: Oid */
@@ -3538,12 +3647,12 @@ AS 'MODULE_PATHNAME', 'run_sql_wrapper';
 CREATE OR REPLACE FUNCTION flow.define(name text, handler regprocedure, version integer DEFAULT 1,
     queue text DEFAULT NULL, max_attempts integer DEFAULT 5, backoff interval DEFAULT '1 second',
     backoff_max interval DEFAULT '1 hour', max_elapsed interval DEFAULT NULL, timeout interval DEFAULT NULL,
-    args_type regtype DEFAULT NULL, caller_ticket bigint DEFAULT flow._ticket())
+    args_type regtype DEFAULT NULL, priority integer DEFAULT 0, caller_ticket bigint DEFAULT flow._ticket())
 RETURNS void
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     PERFORM flow._define(flow._redeem(caller_ticket), name, handler, version, queue, max_attempts, backoff,
-                         backoff_max, max_elapsed, timeout, args_type);
+                         backoff_max, max_elapsed, timeout, args_type, priority);
 END $$;
 
 -- Set a queue's concurrency limit (NULL: none) and paused flag. An option
@@ -3604,24 +3713,24 @@ END $$;
 -- Start a run of a definition; returns the run id (the same one again for the same key).
 CREATE OR REPLACE FUNCTION flow.enqueue(name text, args jsonb DEFAULT '{}', key text DEFAULT NULL,
     version integer DEFAULT NULL, queue text DEFAULT NULL, start_after interval DEFAULT NULL,
-    run_at timestamptz DEFAULT NULL, deadline interval DEFAULT NULL,
+    run_at timestamptz DEFAULT NULL, deadline interval DEFAULT NULL, priority integer DEFAULT NULL,
     caller_ticket bigint DEFAULT flow._ticket())
 RETURNS uuid
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     RETURN flow._enqueue(flow._redeem(caller_ticket), name, args, key, version, queue, start_after,
-                         run_at, deadline);
+                         run_at, deadline, priority);
 END $$;
 
 -- Start one run per element of args_array in one statement; returns their ids in order.
 CREATE OR REPLACE FUNCTION flow.enqueue_many(name text, args_array jsonb[], version integer DEFAULT NULL,
     queue text DEFAULT NULL, start_after interval DEFAULT NULL, run_at timestamptz DEFAULT NULL,
-    deadline interval DEFAULT NULL, caller_ticket bigint DEFAULT flow._ticket())
+    deadline interval DEFAULT NULL, priority integer DEFAULT NULL, caller_ticket bigint DEFAULT flow._ticket())
 RETURNS uuid[]
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     RETURN flow._enqueue_many(flow._redeem(caller_ticket), name, args_array, version, queue, start_after,
-                              run_at, deadline);
+                              run_at, deadline, priority);
 END $$;
 
 -- ---------------------------------------------------------------- schedules
@@ -3705,12 +3814,13 @@ $$;
 -- Inside a handler: add a child command to the current run.
 CREATE OR REPLACE FUNCTION flow.spawn(name text, args jsonb DEFAULT '{}', key text DEFAULT NULL,
     start_after interval DEFAULT NULL, waits flow.wait_spec[] DEFAULT '{}', within interval DEFAULT NULL,
-    version integer DEFAULT NULL, queue text DEFAULT NULL, caller_ticket bigint DEFAULT flow._ticket())
+    version integer DEFAULT NULL, queue text DEFAULT NULL, priority integer DEFAULT NULL,
+    caller_ticket bigint DEFAULT flow._ticket())
 RETURNS uuid
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     RETURN flow._spawn(flow._redeem(caller_ticket), flow._current_command(), name, args, key, start_after, waits,
-                       within, version, queue);
+                       within, version, queue, priority);
 END $$;
 
 -- The run's commands, parent links, waits and events as text to render: 'dot' or 'mermaid'.
@@ -3795,6 +3905,7 @@ DECLARE
     holding boolean := coalesce(hold, false);
     caller oid := flow._redeem(caller_ticket);
     after_queue text;
+    after_priority smallint;
     after_at timestamptz;
     after_id uuid;
     wanted integer := max;
@@ -3816,7 +3927,8 @@ BEGIN
                       DETAIL = 'The maintenance worker counts the attempts of transactions that end unsettled.';
         END IF;
     END IF;
-    SELECT s.queue, s.due_at, s.id INTO after_queue, after_at, after_id FROM flow._external_claim_start(alone) s;
+    SELECT s.queue, s.priority, s.due_at, s.id INTO after_queue, after_priority, after_at, after_id
+    FROM flow._external_claim_start(alone) s;
     LOOP
         RETURN QUERY
             WITH locked AS (
@@ -3826,12 +3938,12 @@ BEGIN
                        CASE WHEN k.held THEN flow._new_id() END AS held_token
                 FROM flow._claim(wanted, names, (random() * 1000)::integer, NULL, flow._claim_excluded(),
                                  CASE WHEN after_queue IS NOT NULL THEN ARRAY[after_queue] END,
-                                 ARRAY[after_at], ARRAY[after_id], holding) k
+                                 ARRAY[after_priority], ARRAY[after_at], ARRAY[after_id], holding) k
             ), picked AS (
                 -- From one queue and for one definition (the common claim),
                 -- what the claim locked, in due order (nothing sorted).
                 SELECT k.command_id, k.run_id, k.name, k.version, k.queue, k.args, k.attempt, k.deadline, k.context,
-                       k.due_at, k.row_at, k.held, k.held_token
+                       k.due_at, k.row_at, k.held, k.held_token, k.priority
                 FROM locked k WHERE k.claim_order IS NULL
                 UNION ALL
                 -- From several (claim_order 0), the queues interleaved
@@ -3839,8 +3951,8 @@ BEGIN
                 -- limited lane keeps its earliest up to its room (a claim
                 -- naming several definitions locked up to the room for each).
                 (SELECT k.command_id, k.run_id, k.name, k.version, k.queue, k.args, k.attempt, k.deadline, k.context,
-                        k.due_at, k.row_at, k.held, k.held_token
-                 FROM (SELECT k.*, row_number() OVER (PARTITION BY k.lane_order ORDER BY k.due_at, k.command_id) AS rank
+                        k.due_at, k.row_at, k.held, k.held_token, k.priority
+                 FROM (SELECT k.*, row_number() OVER (PARTITION BY k.lane_order ORDER BY k.priority, k.due_at, k.command_id) AS rank
                        FROM locked k WHERE k.claim_order IS NOT NULL) k
                  WHERE k.rank <= k.lane_room
                  ORDER BY k.rank, k.lane_order
@@ -3865,8 +3977,8 @@ BEGIN
             -- any row is handed on. (From what it locked: a held claim's
             -- commands stay in the due index, locked, until its client's
             -- transaction ends, and the next claims would skip each of them again.)
-            WHERE (SELECT flow._external_claim_ended(alone, wanted, array_agg(k.queue), array_agg(k.due_at),
-                                                     array_agg(k.command_id))
+            WHERE (SELECT flow._external_claim_ended(alone, wanted, array_agg(k.queue), array_agg(k.priority),
+                                                     array_agg(k.due_at), array_agg(k.command_id))
                    FROM picked k)
               -- (each held claim noted for the transaction's end: src/external.rs)
               AND (NOT holding OR flow._note_holding(caller, c.command_id, c.lease_token, c.attempt, c.held,
@@ -3977,7 +4089,7 @@ SELECT c.id, c.run_id, c.parent_id, c.key, c.name, c.version, c.queue,
        c.next_run_at, c.args, c.result, c.last_error_code, c.last_error_message, c.stop_reason,
        c.wait_timed_out, coalesce(h.owner, c.lease_owner) AS lease_owner, c.lease_expires_at,
        coalesce(h.started_at, c.attempt_started_at) AS attempt_started_at, c.attempt_deadline,
-       c.created_at, c.finished_at
+       c.created_at, c.finished_at, c.priority
 FROM flow._command_rows c
 LEFT JOIN flow._held_attempts h ON h.command_id = c.id
 WHERE pg_has_role(current_user, c.owner, 'MEMBER');
@@ -4007,7 +4119,7 @@ WHERE pg_has_role(current_user, c.owner, 'MEMBER');
 CREATE OR REPLACE VIEW flow.definitions WITH (security_barrier) AS
 SELECT d.name, d.version, d.handler, d.handler IS NULL AS external, d.takes_context, d.owner,
        d.queue, d.max_attempts, d.backoff, d.backoff_max, d.max_elapsed, d.timeout, d.created_at, d.updated_at,
-       n.starters
+       n.starters, d.priority
 FROM flow._definitions d JOIN flow._definition_names n ON n.name = d.name
 WHERE pg_has_role(current_user, d.owner, 'MEMBER');
 

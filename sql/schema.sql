@@ -74,7 +74,8 @@ CREATE TYPE flow.claimed_command AS (
     row_at            tid,            -- its row, locked by the claim: where its lease or its settlement writes
     held              boolean,        -- held (run and settled in the claim's transaction), not leased
     lane_order        integer,        -- its queue's place in the claim's round-robin turn
-    lane_room         integer         -- how many its queue may start (a limited queue's free concurrency)
+    lane_room         integer,        -- how many its queue may start (a limited queue's free concurrency)
+    priority          smallint        -- its priority (lower runs first): where the next claim may start, with due_at
 );
 
 -- What flow.await returns.
@@ -126,6 +127,7 @@ CREATE TABLE flow._definitions (
     created_at     timestamptz NOT NULL DEFAULT now(),
     updated_at     timestamptz NOT NULL DEFAULT now(),
     args_type      regtype,                           -- what args must fit (NULL: any JSON object)
+    priority       smallint NOT NULL DEFAULT 0,       -- its commands' priority, unless an enqueue or spawn gives one
     PRIMARY KEY (name, version),
     FOREIGN KEY (name) REFERENCES flow._definition_names (name),   -- owner equals the name's owner
     CHECK (backoff_max >= backoff),
@@ -226,6 +228,7 @@ CREATE TABLE flow._commands (
     -- attempts before its last re-drive (flow.retry): max_attempts and the
     -- backoff count the attempts after it; attempt numbers go on
     attempt_base      integer NOT NULL DEFAULT 0,
+    priority          smallint NOT NULL DEFAULT 0,   -- lower runs first within its queue (see flow._claim)
     -- state, lease, attempt and outcome agree (the rules: src/invariants.rs)
     CONSTRAINT _commands_state CHECK (flow._command_row_is_consistent(status::text, attempts, stop_reason,
         finished_at IS NOT NULL, lease_token IS NOT NULL, lease_expires_at IS NOT NULL,
@@ -257,9 +260,20 @@ CREATE FUNCTION flow._lane(queue text, claimant text) RETURNS bigint
 LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
     SELECT pg_catalog.hashtextextended(claimant, pg_catalog.hashtextextended(queue, 0))
 $$;
+-- Within a lane, by priority first: a claim reads each priority's due range
+-- in turn (flow._claim).
 CREATE INDEX _commands_due ON flow._commands
-    (flow._lane(queue, CASE WHEN external THEN name ELSE '' END), next_run_at, id)
+    (flow._lane(queue, CASE WHEN external THEN name ELSE '' END), priority, next_run_at, id)
     WHERE status IN ('pending', 'waiting');
+-- The priorities other than 0 that a queue's commands were given
+-- (flow._note_priority): the ones a claim of the queue reads, with 0.
+-- Never forgotten while the queue exists: a priority no longer used costs
+-- each claim of its queue one empty index probe.
+CREATE TABLE flow._queue_priorities (
+    queue     text NOT NULL,
+    priority  smallint NOT NULL CHECK (priority <> 0),
+    PRIMARY KEY (queue, priority)
+);
 -- Concurrency accounting and recovery of dead owners.
 -- (lease_expires_at: an external claim finds the expired leases it must
 -- conclude first without walking every running command)
@@ -394,3 +408,4 @@ SELECT pg_catalog.pg_extension_config_dump('flow._events', '');
 SELECT pg_catalog.pg_extension_config_dump('flow._events_position_seq', '');
 SELECT pg_catalog.pg_extension_config_dump('flow._waits', '');
 SELECT pg_catalog.pg_extension_config_dump('flow._schedules', '');
+SELECT pg_catalog.pg_extension_config_dump('flow._queue_priorities', '');

@@ -259,7 +259,7 @@ END $$;
 
 -- parent_id: the command whose handler (or external worker) spawns; NULL is an error.
 CREATE FUNCTION flow._spawn(caller oid, parent_id uuid, name text, args jsonb, key text, start_after interval,
-    waits flow.wait_spec[], within interval, version integer, queue text)
+    waits flow.wait_spec[], within interval, version integer, queue text, given_priority integer)
 RETURNS uuid
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 #variable_conflict use_column
@@ -274,6 +274,7 @@ DECLARE
     child uuid := flow._new_id();
     existing flow._commands;
     journaled bigint;
+    priority smallint;
 BEGIN
     SELECT * INTO parent FROM flow._commands c WHERE c.id = _spawn.parent_id AND c.finished_at IS NULL;  -- leased (running) or held by this worker
     IF NOT FOUND THEN
@@ -282,6 +283,7 @@ BEGIN
     END IF;
     waits := coalesce(waits, '{}');
     p := flow._plan_enqueue(caller, name, version, queue, start_after, NULL, NULL);
+    priority := flow._priority(given_priority, p.def_priority);
     PERFORM flow._require_name('key', key);
     IF key = 'root' THEN
         -- (the root's key, though not in _commands_run_key: spawning it is
@@ -301,7 +303,13 @@ BEGIN
     declared := jsonb_build_object('name', _spawn.name, 'version', p.def_version, 'args', args, 'queue', p.lane,
         'start_after', start_after, 'within', within,
         'waits', (SELECT coalesce(jsonb_agg(DISTINCT jsonb_build_object('name', w.name, 'key', w.key)), '[]')
-                  FROM unnest(waits) w));
+                  FROM unnest(waits) w))
+        -- (a priority is declared when it is not 0: children spawned before
+        -- there were priorities declared none, and a re-spawn still matches)
+        || CASE WHEN priority <> 0 THEN jsonb_build_object('priority', priority) ELSE '{}' END;
+    IF priority <> 0 THEN
+        PERFORM flow._note_priority(p.lane, priority);
+    END IF;
     IF NOT EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = parent.run_id) THEN
         -- The run's first child: the run gets its row (see flow._runs), under
         -- its root's lock, which the root's own chunk holds already (an
@@ -314,14 +322,14 @@ BEGIN
     -- children: see flow._settle_batch's `alone`)
     PERFORM flow._note_spawn();
     INSERT INTO flow._commands (id, run_id, parent_id, key, name, version, queue, args, declaration, status,
-        next_run_at, not_before, budget_started_at, deadline, external, owner)
+        next_run_at, not_before, budget_started_at, deadline, external, owner, priority)
     VALUES (child, parent.run_id, parent.id, key, _spawn.name, p.def_version, p.lane, args, declared,
         CASE WHEN cardinality(waits) > 0 THEN 'waiting' ELSE 'pending' END::flow.command_status,
         -- a wait ends at `within`, and at the run's deadline at the latest
         CASE WHEN cardinality(waits) = 0 THEN p.due
              ELSE least(CASE WHEN within IS NULL THEN 'infinity' ELSE greatest(now() + within, p.due) END,
                         coalesce(parent.deadline, 'infinity')) END,
-        p.due, p.due, parent.deadline, p.def_external, parent.owner)
+        p.due, p.due, parent.deadline, p.def_external, parent.owner, priority)
     ON CONFLICT (run_id, key) WHERE id <> run_id DO NOTHING;          -- index _commands_run_key
     IF NOT FOUND THEN
         -- Keys are unique within a run: the same declaration again is a no-op

@@ -9,7 +9,7 @@
 use crate::ids;
 use crate::payload::{Context, Jsonb};
 use crate::spi::{
-    engine_query, BOOL, INT4, INT8, JSONB, OID, OID_ARRAY, TEXT, TEXT_ARRAY, TID, TID_ARRAY, TIMESTAMPTZ,
+    engine_query, BOOL, INT2, INT2_ARRAY, INT4, INT8, JSONB, OID, OID_ARRAY, TEXT, TEXT_ARRAY, TID, TID_ARRAY, TIMESTAMPTZ,
     TIMESTAMPTZ_ARRAY, UUID, UUID_ARRAY,
 };
 use crate::{gateway, gucs, shmem, spi};
@@ -46,8 +46,9 @@ pub struct Claimed {
     pub held_attempt: Option<i32>,
     /// A held command's row, locked by the claim: where its settlement writes.
     pub row_at: Option<pg_sys::ItemPointerData>,
-    /// Its queue and due time: where it is in its queue's claim order (with its id).
+    /// Its queue, priority and due time: where it is in its queue's claim order (with its id).
     pub queue: String,
+    pub priority: i16,
     pub due_at: TimestampWithTimeZone,
     /// The attempt's deadline as the claim computed it (what a lease expires at).
     pub attempt_deadline: Option<TimestampWithTimeZone>,
@@ -107,24 +108,24 @@ pub fn note_handler_time(handler: pg_sys::Oid, took: std::time::Duration) {
     });
 }
 
-/// Where a claim ended in each queue: the due time and id of the last command
-/// it took there, in the claim's (next_run_at, id) order. The next claim may
-/// start after it (see flow._claim).
+/// Where a claim ended in each queue and priority: the due time and id of
+/// the last command it took there, in the claim's (next_run_at, id) order.
+/// The next claim may start after it (see flow._claim).
 #[derive(Default, Clone)]
-pub struct ClaimCursor(Vec<(String, TimestampWithTimeZone, pgrx::Uuid)>);
+pub struct ClaimCursor(Vec<(String, i16, TimestampWithTimeZone, pgrx::Uuid)>);
 
-/// A command's place in its queue's claim order, (next_run_at, id), as
-/// PostgreSQL compares it (uuids as their bytes).
+/// A command's place in its queue's claim order within its priority,
+/// (next_run_at, id), as PostgreSQL compares it (uuids as their bytes).
 pub(crate) fn claim_position(at: TimestampWithTimeZone, id: &pgrx::Uuid) -> (i64, [u8; 16]) {
     (at.into_inner(), *id.as_bytes())
 }
 
 impl ClaimCursor {
-    fn advance(&mut self, queue: String, due_at: TimestampWithTimeZone, id: pgrx::Uuid) {
-        match self.0.iter_mut().find(|(q, _, _)| *q == queue) {
-            Some(last) if claim_position(last.1, &last.2) >= claim_position(due_at, &id) => {}
-            Some(last) => (last.1, last.2) = (due_at, id),
-            None => self.0.push((queue, due_at, id)),
+    fn advance(&mut self, queue: String, priority: i16, due_at: TimestampWithTimeZone, id: pgrx::Uuid) {
+        match self.0.iter_mut().find(|(q, p, _, _)| *q == queue && *p == priority) {
+            Some(last) if claim_position(last.2, &last.3) >= claim_position(due_at, &id) => {}
+            Some(last) => (last.2, last.3) = (due_at, id),
+            None => self.0.push((queue, priority, due_at, id)),
         }
     }
 
@@ -133,40 +134,43 @@ impl ClaimCursor {
     pub fn rewind_to(&mut self, command: &Claimed) {
         let id = u128::from_be_bytes(*command.command_id.as_bytes()).saturating_sub(1);
         let before = pgrx::Uuid::from_bytes(id.to_be_bytes());
-        if let Some(end) = self.0.iter_mut().find(|(q, _, _)| *q == command.queue) {
-            if claim_position(end.1, &end.2) >= claim_position(command.due_at, &before) {
-                (end.1, end.2) = (command.due_at, before);
+        let at = self.0.iter_mut().find(|(q, p, _, _)| *q == command.queue && *p == command.priority);
+        if let Some(end) = at {
+            if claim_position(end.2, &end.3) >= claim_position(command.due_at, &before) {
+                (end.2, end.3) = (command.due_at, before);
             }
         }
     }
 
-    /// Start after these ends too (queue, due time as TimestampTz µs, id),
-    /// where they are further on.
-    pub fn take_up(&mut self, ends: Vec<(String, i64, [u8; 16])>) {
-        for (queue, due_at, id) in ends {
+    /// Start after these ends too, where they are further on.
+    pub fn take_up(&mut self, ends: Vec<shmem::End>) {
+        for (queue, priority, due_at, id) in ends {
             if let Ok(due_at) = TimestampWithTimeZone::try_from(due_at) {
-                self.advance(queue, due_at, pgrx::Uuid::from_bytes(id));
+                self.advance(queue, priority, due_at, pgrx::Uuid::from_bytes(id));
             }
         }
     }
 
     /// Its ends, as `take_up` takes them.
-    pub fn ends(&self) -> Vec<(String, i64, [u8; 16])> {
-        self.0.iter().map(|(queue, at, id)| (queue.clone(), at.into_inner(), *id.as_bytes())).collect()
+    pub fn ends(&self) -> Vec<shmem::End> {
+        self.0.iter().map(|(queue, priority, at, id)| (queue.clone(), *priority, at.into_inner(), *id.as_bytes())).collect()
     }
 
     /// The earliest of its ends' due times (TimestampTz µs); None: no ends.
     pub fn earliest(&self) -> Option<i64> {
-        self.0.iter().map(|(_, at, _)| at.into_inner()).min()
+        self.0.iter().map(|(_, _, at, _)| at.into_inner()).min()
     }
 
-    /// As flow._claim and flow._next_due_ms take it: queues, due times and ids, one array each.
-    pub(crate) fn columns(&self) -> (Vec<String>, Vec<TimestampWithTimeZone>, Vec<pgrx::Uuid>) {
-        let mut columns = (Vec::new(), Vec::new(), Vec::new());
-        for (queue, at, id) in &self.0 {
+    /// As flow._claim and flow._next_due_ms take it: queues, priorities, due
+    /// times and ids, one array each.
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn columns(&self) -> (Vec<String>, Vec<i16>, Vec<TimestampWithTimeZone>, Vec<pgrx::Uuid>) {
+        let mut columns = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for (queue, priority, at, id) in &self.0 {
             columns.0.push(queue.clone());
-            columns.1.push(*at);
-            columns.2.push(*id);
+            columns.1.push(*priority);
+            columns.2.push(*at);
+            columns.3.push(*id);
         }
         columns
     }
@@ -206,6 +210,7 @@ enum Col {
     ClaimOrder,
     RowAt,
     AttemptDeadline,
+    Priority,
 }
 
 /// The claim's statement: flow._claim's rows, with the two durations an
@@ -214,10 +219,10 @@ const CLAIM_SQL: &str = "SELECT command_id, run_id, attempt,
         (extract(epoch FROM hard_deadline) * 1000000)::bigint - 946684800000000,
         (extract(epoch FROM attempt_timeout) * 1000000)::bigint,
         handler, handler_owner, args, args_type::oid, held,
-        context, queue, due_at, claim_order, row_at, deadline
- FROM flow._claim($1, NULL, $2, $3, $4, $5, $6, $7)";
+        context, queue, due_at, claim_order, row_at, deadline, priority
+ FROM flow._claim($1, NULL, $2, $3, $4, $5, $6, $7, $8)";
 /// The types of its columns (a composite: PgOid::Invalid), in Col's order.
-const CLAIM_TYPES: [PgOid; 16] = [
+const CLAIM_TYPES: [PgOid; 17] = [
     UUID,
     UUID,
     INT4,
@@ -234,6 +239,7 @@ const CLAIM_TYPES: [PgOid; 16] = [
     INT4,
     TID,
     TIMESTAMPTZ,
+    INT2,
 ];
 
 fn get<T: pgrx::FromDatum>(row: &spi::Row, col: Col) -> Option<T> {
@@ -263,17 +269,18 @@ pub fn claim(
     after: Option<&ClaimCursor>,
     recorded_elsewhere: &dyn Fn() -> Vec<pgrx::Uuid>,
 ) -> Claim {
-    let (after_queues, after_at, after_ids) = after.map(ClaimCursor::columns).unwrap_or_default();
+    let (after_queues, after_priorities, after_at, after_ids) = after.map(ClaimCursor::columns).unwrap_or_default();
     let fast: Vec<pg_sys::Oid> = FAST_HANDLERS.with(|f| f.borrow().iter().map(|oid| pg_sys::Oid::from(*oid)).collect());
     let (mut commands, to_lease, interleaved) = engine_query(
         CLAIM_SQL,
-        &[INT4, INT4, OID_ARRAY, UUID_ARRAY, TEXT_ARRAY, TIMESTAMPTZ_ARRAY, UUID_ARRAY],
+        &[INT4, INT4, OID_ARRAY, UUID_ARRAY, TEXT_ARRAY, INT2_ARRAY, TIMESTAMPTZ_ARRAY, UUID_ARRAY],
         &[
             max.into(),
             turn.into(),
             fast.clone().into(),
             excluded.into(),
             after_queues.into(),
+            after_priorities.into(),
             after_at.into(),
             after_ids.into(),
         ],
@@ -317,6 +324,7 @@ pub fn claim(
                     held_attempt: held.then(|| get(row, Col::Attempt).expect("attempt")),
                     context: get(row, Col::Context),
                     queue,
+                    priority: get(row, Col::Priority).unwrap_or(0),
                     due_at,
                     row_at: held.then_some(row_at),
                     attempt_deadline,
@@ -331,7 +339,7 @@ pub fn claim(
     // (where the commands kept end: those left are claimed again)
     let mut ended_at = ClaimCursor::default();
     for command in &commands {
-        ended_at.advance(command.queue.clone(), command.due_at, command.command_id);
+        ended_at.advance(command.queue.clone(), command.priority, command.due_at, command.command_id);
     }
     if !to_lease.ids.is_empty() {
         let tokens = lease(owner, backend_start, to_lease);

@@ -22,16 +22,19 @@ const EXTERNAL_CURSOR_SPAN: Duration = Duration::from_millis(250);
 #[pg_extern(volatile, parallel_unsafe)]
 fn _external_claim_start(
     definition: Option<&str>,
-) -> TableIterator<'static, (name!(queue, String), name!(due_at, TimestampWithTimeZone), name!(id, pgrx::Uuid))> {
-    let end = definition.and_then(external_end).and_then(|(queue, due_at, id)| {
-        Some((queue, crate::spans::timestamp_from_pg(due_at)?, pgrx::Uuid::from_bytes(id)))
+) -> TableIterator<
+    'static,
+    (name!(queue, String), name!(priority, i16), name!(due_at, TimestampWithTimeZone), name!(id, pgrx::Uuid)),
+> {
+    let end = definition.and_then(external_end).and_then(|(queue, priority, due_at, id)| {
+        Some((queue, priority, crate::spans::timestamp_from_pg(due_at)?, pgrx::Uuid::from_bytes(id)))
     });
     TableIterator::new(end)
 }
 
 /// Note how a claim of `definition` alone ended: `asked` commands were
-/// asked for and these were taken (their queues, due times and ids). Full
-/// and from one queue, its last command is where the next claims start;
+/// asked for and these were taken (their queues, priorities, due times and
+/// ids). Full and from one queue and priority, its last command is where the next claims start;
 /// otherwise they start from the head. Returns true (it is called in a
 /// one-time filter, see flow._claim).
 #[pg_extern(volatile, parallel_unsafe)]
@@ -39,19 +42,24 @@ fn _external_claim_ended(
     definition: Option<&str>,
     asked: i32,
     queues: Option<Vec<String>>,
+    priorities: Option<Vec<i16>>,
     due_ats: Option<Vec<TimestampWithTimeZone>>,
     ids: Option<Vec<pgrx::Uuid>>,
 ) -> bool {
     let Some(definition) = definition else { return true };
-    let (queues, due_ats, ids) = (queues.unwrap_or_default(), due_ats.unwrap_or_default(), ids.unwrap_or_default());
-    let full = queues.len() >= asked.max(1) as usize && due_ats.len() == queues.len() && ids.len() == queues.len();
-    let one_queue = queues.windows(2).all(|w| w[0] == w[1]);
+    let (queues, priorities) = (queues.unwrap_or_default(), priorities.unwrap_or_default());
+    let (due_ats, ids) = (due_ats.unwrap_or_default(), ids.unwrap_or_default());
+    let full = queues.len() >= asked.max(1) as usize
+        && [due_ats.len(), ids.len(), priorities.len()].iter().all(|n| *n == queues.len());
+    let one_queue = queues.windows(2).all(|w| w[0] == w[1]) && priorities.windows(2).all(|w| w[0] == w[1]);
     let last = due_ats.iter().zip(&ids).map(|(at, id)| crate::claim::claim_position(*at, id)).max();
     // the longest a command that became due behind that point (an expired
     // lease, a claim rolled back) waits while a backlog drains
     let span_us = EXTERNAL_CURSOR_SPAN.as_micros() as i64;
     match (full && one_queue, last) {
-        (true, Some((due_at, id))) => note_external_end(definition, Some((&queues[0], due_at, id)), span_us),
+        (true, Some((due_at, id))) => {
+            note_external_end(definition, Some((&queues[0], priorities[0], due_at, id)), span_us)
+        }
         _ => note_external_end(definition, None, span_us),
     }
     true
@@ -391,7 +399,7 @@ unsafe impl PGRXSharedMemory for ExternalEnds {}
 
 /// Where the last full external claim of `definition` ended (queue, due
 /// time, id), while that is good (see `note_external_end`).
-pub fn external_end(definition: &str) -> Option<(String, i64, [u8; 16])> {
+pub fn external_end(definition: &str) -> Option<shmem::End> {
     let now = unsafe { pg_sys::GetCurrentTimestamp() };
     let ends = EXTERNAL_ENDS_TABLE.share();
     ends.slots.iter().find(|s| s.is(definition) && s.until > now)?.end.get()
@@ -405,10 +413,10 @@ pub fn external_end(definition: &str) -> Option<(String, i64, [u8; 16])> {
 /// so they do not walk again the index entries of the commands claimed
 /// before them, which stay in the due index until VACUUM. A claim that comes
 /// back short, and every claim once the span is over, starts from the head.
-pub fn note_external_end(definition: &str, end: Option<(&str, i64, [u8; 16])>, span_us: i64) {
+pub fn note_external_end(definition: &str, end: Option<(&str, i16, i64, [u8; 16])>, span_us: i64) {
     let now = unsafe { pg_sys::GetCurrentTimestamp() };
-    let noted = end.and_then(|(queue, due_at, id)| {
-        Some((shmem::SharedName::new(definition)?, shmem::CursorEnd::new(queue, due_at, id)?))
+    let noted = end.and_then(|(queue, priority, due_at, id)| {
+        Some((shmem::SharedName::new(definition)?, shmem::CursorEnd::new(queue, priority, due_at, id)?))
     });
     let mut ends = EXTERNAL_ENDS_TABLE.exclusive();
     let found = ends.slots.iter().position(|s| s.is(definition));

@@ -60,21 +60,26 @@ impl PartialEq for SharedName {
 #[derive(Copy, Clone)]
 pub struct CursorEnd {
     pub(crate) queue: SharedName,
+    pub(crate) priority: i16,
     pub(crate) due_at: i64,
     pub(crate) id: [u8; 16],
 }
 
+/// Where a claim ended in one queue and priority: (queue, priority, due time
+/// as TimestampTz µs, id).
+pub type End = (String, i16, i64, [u8; 16]);
+
 impl CursorEnd {
-    pub(crate) const NONE: CursorEnd = CursorEnd { queue: SharedName::NONE, due_at: 0, id: [0; 16] };
+    pub(crate) const NONE: CursorEnd = CursorEnd { queue: SharedName::NONE, priority: 0, due_at: 0, id: [0; 16] };
 
     /// None for a queue whose name is too long to share.
-    pub(crate) fn new(queue: &str, due_at: i64, id: [u8; 16]) -> Option<CursorEnd> {
-        Some(CursorEnd { queue: SharedName::new(queue)?, due_at, id })
+    pub(crate) fn new(queue: &str, priority: i16, due_at: i64, id: [u8; 16]) -> Option<CursorEnd> {
+        Some(CursorEnd { queue: SharedName::new(queue)?, priority, due_at, id })
     }
 
-    /// (queue, due time, id), as `new` took them.
-    pub(crate) fn get(&self) -> Option<(String, i64, [u8; 16])> {
-        Some((self.queue.to_string()?, self.due_at, self.id))
+    /// As `new` took it.
+    pub(crate) fn get(&self) -> Option<End> {
+        Some((self.queue.to_string()?, self.priority, self.due_at, self.id))
     }
 }
 
@@ -541,10 +546,10 @@ pub fn set_sleeping(index: usize, sleeping: bool) {
 /// too (`cursors_of_others`). What a skipped stretch leaves behind (a
 /// command handed back, a chunk rolled back) waits for the next claim from
 /// the queues' heads, as what became due behind a worker's own cursor does.
-pub fn publish_cursor(index: usize, ends: &[(String, i64, [u8; 16])], until: i64) {
+pub fn publish_cursor(index: usize, ends: &[End], until: i64) {
     let mut shared = [CursorEnd::NONE; CURSOR_QUEUES];
     let mut len = 0;
-    for end in ends.iter().filter_map(|(queue, due_at, id)| CursorEnd::new(queue, *due_at, *id)).take(CURSOR_QUEUES) {
+    for end in ends.iter().filter_map(|(queue, priority, due_at, id)| CursorEnd::new(queue, *priority, *due_at, *id)).take(CURSOR_QUEUES) {
         shared[len] = end;
         len += 1;
     }
@@ -555,7 +560,7 @@ pub fn publish_cursor(index: usize, ends: &[(String, i64, [u8; 16])], until: i64
 
 /// The ends the other live workers shared (see `publish_cursor`) that are
 /// still good, and until when the first of them is (TimestampTz µs; i64::MAX: none).
-pub fn cursors_of_others(index: usize) -> (Vec<(String, i64, [u8; 16])>, i64) {
+pub fn cursors_of_others(index: usize) -> (Vec<End>, i64) {
     let now = unsafe { pg_sys::GetCurrentTimestamp() };
     let table = WORKERS.share();
     let good = || table.slots.iter().enumerate().filter(|(i, s)| *i != index && s.procno >= 0 && s.cursor_until > now);

@@ -731,11 +731,11 @@ fn log_once_per_process(message: &str) {
 /// Milliseconds until the next command is due (<= 0: one is due now) in
 /// the in-database workers' lanes; after `after`'s ends in their queues.
 fn next_due_ms(after: Option<&ClaimCursor>) -> Option<i64> {
-    let (after_queues, after_at, after_ids) = after.map(ClaimCursor::columns).unwrap_or_default();
+    let (after_queues, after_priorities, after_at, after_ids) = after.map(ClaimCursor::columns).unwrap_or_default();
     engine_query(
-        "SELECT flow._next_due_ms($1, $2, $3)",
-        &[spi::TEXT_ARRAY, spi::TIMESTAMPTZ_ARRAY, spi::UUID_ARRAY],
-        &[after_queues.into(), after_at.into(), after_ids.into()],
+        "SELECT flow._next_due_ms($1, $2, $3, $4)",
+        &[spi::TEXT_ARRAY, spi::INT2_ARRAY, spi::TIMESTAMPTZ_ARRAY, spi::UUID_ARRAY],
+        &[after_queues.into(), after_priorities.into(), after_at.into(), after_ids.into()],
         |rows| rows.first().get_one::<i64>(),
     )
     .ok()

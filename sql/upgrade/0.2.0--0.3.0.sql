@@ -75,3 +75,31 @@ CREATE TABLE flow._schedules (
 );
 CREATE INDEX _schedules_due ON flow._schedules (next_tick) WHERE NOT paused;
 SELECT pg_catalog.pg_extension_config_dump('flow._schedules', '');
+
+-- Priorities (flow._claim): lower runs first within a queue.
+ALTER TABLE flow._definitions ADD COLUMN priority smallint NOT NULL DEFAULT 0;
+ALTER TABLE flow._commands ADD COLUMN priority smallint NOT NULL DEFAULT 0;
+ALTER TYPE flow.claimed_command ADD ATTRIBUTE priority smallint;
+DROP INDEX flow._commands_due;
+CREATE INDEX _commands_due ON flow._commands
+    (flow._lane(queue, CASE WHEN external THEN name ELSE '' END), priority, next_run_at, id)
+    WHERE status IN ('pending', 'waiting');
+CREATE TABLE flow._queue_priorities (
+    queue     text NOT NULL,
+    priority  smallint NOT NULL CHECK (priority <> 0),
+    PRIMARY KEY (queue, priority)
+);
+SELECT pg_catalog.pg_extension_config_dump('flow._queue_priorities', '');
+DROP FUNCTION flow._claim(integer, text[], integer, oid[], uuid[], text[], timestamptz[], uuid[], boolean);
+DROP FUNCTION flow._next_due_ms(text[], timestamptz[], uuid[]);
+-- (enqueue, enqueue_many, spawn and define take a priority)
+DROP FUNCTION flow._plan_enqueue(oid, text, integer, text, interval, timestamptz, interval);
+DROP FUNCTION flow._insert_roots(oid, text, integer, boolean, text, timestamptz, timestamptz, uuid[], jsonb[]);
+DROP FUNCTION flow._enqueue(oid, text, jsonb, text, integer, text, interval, timestamptz, interval);
+DROP FUNCTION flow._enqueue_many(oid, text, jsonb[], integer, text, interval, timestamptz, interval);
+DROP FUNCTION flow._spawn(oid, uuid, text, jsonb, text, interval, flow.wait_spec[], interval, integer, text);
+DROP FUNCTION flow._define(oid, text, regprocedure, integer, text, integer, interval, interval, interval, interval, regtype);
+DROP FUNCTION flow.define(text, regprocedure, integer, text, integer, interval, interval, interval, interval, regtype, bigint);
+DROP FUNCTION flow.enqueue(text, jsonb, text, integer, text, interval, timestamptz, interval, bigint);
+DROP FUNCTION flow.enqueue_many(text, jsonb[], integer, text, interval, timestamptz, interval, bigint);
+DROP FUNCTION flow.spawn(text, jsonb, text, interval, flow.wait_spec[], interval, integer, text, bigint);
