@@ -298,7 +298,7 @@ BEGIN
         END IF;
     END IF;
     SELECT s.queue, s.priority, s.due_at, s.id INTO after_queue, after_priority, after_at, after_id
-    FROM flow._external_claim_start(alone) s;
+    FROM flow._external_cursor_start(alone) s;
     LOOP
         RETURN QUERY
             WITH locked AS (
@@ -347,7 +347,7 @@ BEGIN
             -- any row is handed on. (From what it locked: a held claim's
             -- commands stay in the due index, locked, until its client's
             -- transaction ends, and the next claims would skip each of them again.)
-            WHERE (SELECT flow._external_claim_ended(alone, wanted, array_agg(k.queue), array_agg(k.priority),
+            WHERE (SELECT flow._external_cursor_end(alone, wanted, array_agg(k.queue), array_agg(k.priority),
                                                      array_agg(k.due_at), array_agg(k.command_id))
                    FROM picked k)
               -- (each held claim noted for the transaction's end: src/external.rs)

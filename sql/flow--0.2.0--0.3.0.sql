@@ -135,6 +135,9 @@ DROP FUNCTION flow.define(text, regprocedure, integer, text, integer, interval, 
 DROP FUNCTION flow.enqueue(text, jsonb, text, integer, text, interval, timestamptz, interval, bigint);
 DROP FUNCTION flow.enqueue_many(text, jsonb[], integer, text, interval, timestamptz, interval, bigint);
 DROP FUNCTION flow.spawn(text, jsonb, text, interval, flow.wait_spec[], interval, integer, text, bigint);
+-- (an external claim's cursor names its priority too)
+DROP FUNCTION flow._external_claim_start(text);
+DROP FUNCTION flow._external_claim_ended(text, integer, text[], timestamptz[], uuid[]);
 
 -- src/lib.rs:58
 -- requires:
@@ -2890,7 +2893,7 @@ BEGIN
             (item->>'start_after')::interval,
             (SELECT coalesce(array_agg(ROW(w->>'name', w->>'key')::flow.wait_spec), '{}')
              FROM jsonb_array_elements(coalesce(item->'waits', '[]')) w),
-            (item->>'within')::interval, (item->>'version')::integer, item->>'queue');
+            (item->>'within')::interval, (item->>'version')::integer, item->>'queue', (item->>'priority')::integer);
     END LOOP;
     -- _leased holds the run's lock, as _settle_batch requires.
     IF held IS NULL THEN
@@ -3240,7 +3243,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_args_misfit_as_wrapper';
 
--- src/external.rs:260
+-- src/external.rs:282
 -- flow::external::_claim_excluded
 CREATE OR REPLACE FUNCTION "_claim_excluded"() RETURNS uuid[] /* :: std :: option :: Option < Vec < pgrx :: Uuid > > */
 STRICT VOLATILE PARALLEL UNSAFE
@@ -3301,9 +3304,17 @@ VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_decide_wrapper';
 
--- src/external.rs:40
+-- src/external.rs:78
 -- flow::external::_external_claim_ended
-CREATE OR REPLACE FUNCTION "_external_claim_ended"(
+-- Skipped due to `#[pgrx(sql = false)]`
+
+-- src/external.rs:70
+-- flow::external::_external_claim_start
+-- Skipped due to `#[pgrx(sql = false)]`
+
+-- src/external.rs:40
+-- flow::external::_external_cursor_end
+CREATE OR REPLACE FUNCTION "_external_cursor_end"(
 	"definition" TEXT, /* Option < & str > */
 	"asked" INT, /* i32 */
 	"queues" TEXT[], /* :: std :: option :: Option < Vec < String > > */
@@ -3313,11 +3324,11 @@ CREATE OR REPLACE FUNCTION "_external_claim_ended"(
 ) RETURNS bool /* bool */
 VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
-AS 'MODULE_PATHNAME', '_external_claim_ended_wrapper';
+AS 'MODULE_PATHNAME', '_external_cursor_end_wrapper';
 
 -- src/external.rs:22
--- flow::external::_external_claim_start
-CREATE OR REPLACE FUNCTION "_external_claim_start"(
+-- flow::external::_external_cursor_start
+CREATE OR REPLACE FUNCTION "_external_cursor_start"(
 	"definition" TEXT /* Option < & str > */
 ) RETURNS TABLE (
 	"queue" TEXT,  /* String */
@@ -3327,9 +3338,9 @@ CREATE OR REPLACE FUNCTION "_external_claim_start"(
 )
 VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
-AS 'MODULE_PATHNAME', '_external_claim_start_wrapper';
+AS 'MODULE_PATHNAME', '_external_cursor_start_wrapper';
 
--- src/external.rs:210
+-- src/external.rs:232
 -- flow::external::_holding_attempts
 CREATE OR REPLACE FUNCTION "_holding_attempts"(
 	"caller" oid, /* pg_sys :: Oid */
@@ -3340,7 +3351,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_holding_attempts_wrapper';
 
--- src/external.rs:232
+-- src/external.rs:254
 -- flow::external::_holding_rows
 CREATE OR REPLACE FUNCTION "_holding_rows"(
 	"command_ids" uuid[] /* Vec < Option < pgrx :: Uuid > > */
@@ -3349,7 +3360,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_holding_rows_wrapper';
 
--- src/external.rs:242
+-- src/external.rs:264
 -- flow::external::_holding_settled
 CREATE OR REPLACE FUNCTION "_holding_settled"(
 	"command_ids" uuid[] /* Vec < Option < pgrx :: Uuid > > */
@@ -3358,14 +3369,14 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_holding_settled_wrapper';
 
--- src/external.rs:141
+-- src/external.rs:163
 -- flow::external::_holding_worker
 CREATE OR REPLACE FUNCTION "_holding_worker"() RETURNS TEXT /* Option < String > */
 STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_holding_worker_wrapper';
 
--- src/external.rs:135
+-- src/external.rs:157
 -- flow::external::_in_transaction_block
 CREATE OR REPLACE FUNCTION "_in_transaction_block"() RETURNS bool /* bool */
 STRICT VOLATILE PARALLEL UNSAFE
@@ -3461,7 +3472,7 @@ STRICT VOLATILE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_new_id_wrapper';
 
--- src/external.rs:148
+-- src/external.rs:170
 -- flow::external::_note_holding
 CREATE OR REPLACE FUNCTION "_note_holding"(
 	"caller" oid, /* pg_sys :: Oid */
@@ -3928,7 +3939,7 @@ BEGIN
         END IF;
     END IF;
     SELECT s.queue, s.priority, s.due_at, s.id INTO after_queue, after_priority, after_at, after_id
-    FROM flow._external_claim_start(alone) s;
+    FROM flow._external_cursor_start(alone) s;
     LOOP
         RETURN QUERY
             WITH locked AS (
@@ -3977,7 +3988,7 @@ BEGIN
             -- any row is handed on. (From what it locked: a held claim's
             -- commands stay in the due index, locked, until its client's
             -- transaction ends, and the next claims would skip each of them again.)
-            WHERE (SELECT flow._external_claim_ended(alone, wanted, array_agg(k.queue), array_agg(k.priority),
+            WHERE (SELECT flow._external_cursor_end(alone, wanted, array_agg(k.queue), array_agg(k.priority),
                                                      array_agg(k.due_at), array_agg(k.command_id))
                    FROM picked k)
               -- (each held claim noted for the transaction's end: src/external.rs)

@@ -20,7 +20,7 @@ const EXTERNAL_CURSOR_SPAN: Duration = Duration::from_millis(250);
 /// Where the last full claim of `definition` (claimed alone) ended, while
 /// that is good: no row, or one.
 #[pg_extern(volatile, parallel_unsafe)]
-fn _external_claim_start(
+fn _external_cursor_start(
     definition: Option<&str>,
 ) -> TableIterator<
     'static,
@@ -38,7 +38,7 @@ fn _external_claim_start(
 /// otherwise they start from the head. Returns true (it is called in a
 /// one-time filter, see flow._claim).
 #[pg_extern(volatile, parallel_unsafe)]
-fn _external_claim_ended(
+fn _external_cursor_end(
     definition: Option<&str>,
     asked: i32,
     queues: Option<Vec<String>>,
@@ -63,6 +63,28 @@ fn _external_claim_ended(
         _ => note_external_end(definition, None, span_us),
     }
     true
+}
+
+/// 0.2.0's `_external_claim_start`, which its SQL calls until ALTER EXTENSION
+/// UPDATE: the cursor of priority 0 only.
+#[pg_extern(volatile, parallel_unsafe, sql = false)]
+fn _external_claim_start(
+    definition: Option<&str>,
+) -> TableIterator<'static, (name!(queue, String), name!(due_at, TimestampWithTimeZone), name!(id, pgrx::Uuid))> {
+    TableIterator::new(_external_cursor_start(definition).filter(|end| end.1 == 0).map(|(q, _, at, id)| (q, at, id)))
+}
+
+/// 0.2.0's `_external_claim_ended` (see `_external_claim_start`).
+#[pg_extern(volatile, parallel_unsafe, sql = false)]
+fn _external_claim_ended(
+    definition: Option<&str>,
+    asked: i32,
+    queues: Option<Vec<String>>,
+    due_ats: Option<Vec<TimestampWithTimeZone>>,
+    ids: Option<Vec<pgrx::Uuid>>,
+) -> bool {
+    let priorities = queues.as_ref().map(|q| vec![0; q.len()]);
+    _external_cursor_end(definition, asked, queues, priorities, due_ats, ids)
 }
 
 // ------------------------------------------------------------------ held claims

@@ -103,3 +103,6 @@ DROP FUNCTION flow.define(text, regprocedure, integer, text, integer, interval, 
 DROP FUNCTION flow.enqueue(text, jsonb, text, integer, text, interval, timestamptz, interval, bigint);
 DROP FUNCTION flow.enqueue_many(text, jsonb[], integer, text, interval, timestamptz, interval, bigint);
 DROP FUNCTION flow.spawn(text, jsonb, text, interval, flow.wait_spec[], interval, integer, text, bigint);
+-- (an external claim's cursor names its priority too)
+DROP FUNCTION flow._external_claim_start(text);
+DROP FUNCTION flow._external_claim_ended(text, integer, text[], timestamptz[], uuid[]);

@@ -1,0 +1,127 @@
+"""Priorities: within a queue, due commands are claimed by (priority, due
+time), lower first (sql/claim.sql, flow._claim and flow._priorities_of), for
+in-database workers and external claims alike."""
+import pytest
+
+from conftest import app_cluster, claim, external, unique
+
+PRIORITY_APP = """
+    -- each run records the order it ran in
+    CREATE TABLE app.ran (n serial PRIMARY KEY, tag text, run_id uuid);
+    CREATE FUNCTION app.note(args jsonb, ctx flow.context) RETURNS jsonb LANGUAGE sql AS $$
+        INSERT INTO app.ran (tag, run_id) VALUES (args->>'tag', ctx.run_id) RETURNING jsonb_build_object('n', n)
+    $$;
+    -- a root that spawns a child per element of args.children: {"tag":..,"priority":..}
+    CREATE FUNCTION app.parent(args jsonb, ctx flow.context) RETURNS jsonb LANGUAGE plpgsql AS $$
+    DECLARE c jsonb;
+    BEGIN
+        FOR c IN SELECT jsonb_array_elements(args->'children') LOOP
+            PERFORM flow.spawn(args->>'child', jsonb_build_object('tag', c->>'tag'), key => c->>'tag',
+                               priority => (c->>'priority')::integer);
+        END LOOP;
+        RETURN '{}';
+    END $$;
+"""
+
+
+@pytest.fixture(scope="module")
+def pg():
+    # (one worker: the order commands start in is the order one claim took them)
+    cluster = app_cluster(PRIORITY_APP, conf=("flow.workers = 1",))
+    yield cluster
+    cluster.stop()
+
+
+def queue_and_definition(pg, **kw):
+    queue, name = unique("q"), unique("note")
+    params = "".join(f", {k} => {v}" for k, v in kw.items())
+    pg.one(f"SELECT flow.define('{name}', 'app.note'::regproc, queue => '{queue}'{params})")
+    pg.one("SELECT flow.set_queue(%s, paused => true)", queue)
+    return queue, name
+
+
+def ran_order(pg, tags):
+    pg.wait_for("SELECT count(*) = %s FROM app.ran WHERE tag = ANY (%s)", len(tags), list(tags))
+    return [r[0] for r in pg.all("SELECT tag FROM app.ran WHERE tag = ANY (%s) ORDER BY n", list(tags))]
+
+
+def test_lower_priorities_run_first_whatever_their_due_time(pg):
+    queue, name = queue_and_definition(pg, priority=5)
+    p = unique("p")
+    # enqueued in this order: the definition's priority (5), then overrides
+    pg.one("SELECT flow.enqueue(%s, jsonb_build_object('tag', %s::text))", name, f"{p}-def-1")
+    pg.one("SELECT flow.enqueue(%s, jsonb_build_object('tag', %s::text), priority => 9)", name, f"{p}-nine")
+    pg.one("SELECT flow.enqueue(%s, jsonb_build_object('tag', %s::text), priority => -2)", name, f"{p}-minus")
+    pg.one("SELECT flow.enqueue_many(%s, ARRAY[jsonb_build_object('tag', %s::text), jsonb_build_object('tag', %s::text)],"
+           " priority => 0)", name, f"{p}-zero-1", f"{p}-zero-2")
+    pg.one("SELECT flow.enqueue(%s, jsonb_build_object('tag', %s::text))", name, f"{p}-def-2")
+    assert pg.all("SELECT priority FROM flow.commands WHERE queue = %s ORDER BY created_at, id", queue) \
+        == [(5,), (9,), (-2,), (0,), (0,), (5,)]
+    pg.one("SELECT flow.set_queue(%s, paused => false)", queue)
+    order = ran_order(pg, [f"{p}-{t}" for t in ("def-1", "nine", "minus", "zero-1", "zero-2", "def-2")])
+    assert order == [f"{p}-minus", f"{p}-zero-1", f"{p}-zero-2", f"{p}-def-1", f"{p}-def-2", f"{p}-nine"]
+
+
+def test_a_childs_priority_comes_from_spawn_or_its_definition(pg):
+    queue, child = queue_and_definition(pg, priority=1)
+    parent = unique("parent")
+    pg.one(f"SELECT flow.define('{parent}', 'app.parent'::regproc)")
+    p = unique("k")
+    children = [{"tag": f"{p}-a", "priority": 3}, {"tag": f"{p}-b", "priority": None},
+                {"tag": f"{p}-c", "priority": -3}]
+    run = pg.one("SELECT flow.enqueue(%s, jsonb_build_object('child', %s::text, 'children', %s::jsonb))",
+                 parent, child, __import__("json").dumps(children))
+    pg.wait_for("SELECT count(*) = 3 FROM flow.commands WHERE run_id = %s AND queue = %s", run, queue)
+    assert dict(pg.all("SELECT key, priority FROM flow.commands WHERE run_id = %s AND queue = %s", run, queue)) \
+        == {f"{p}-a": 3, f"{p}-b": 1, f"{p}-c": -3}
+    pg.one("SELECT flow.set_queue(%s, paused => false)", queue)
+    assert ran_order(pg, [f"{p}-a", f"{p}-b", f"{p}-c"]) == [f"{p}-c", f"{p}-b", f"{p}-a"]
+    assert pg.await_run(run)[0] == "succeeded"
+
+
+def test_commands_not_yet_due_do_not_hold_back_other_priorities(pg):
+    queue, name = queue_and_definition(pg)
+    p = unique("later")
+    # a backlog of priority 0 not due for an hour, and one due command of priority 7
+    pg.one("SELECT flow.enqueue_many(%s, array_fill('{\"tag\": \"x\"}'::jsonb, ARRAY[500]), start_after => '1 hour')",
+           name)
+    pg.one("SELECT flow.enqueue(%s, jsonb_build_object('tag', %s::text), priority => 7)", name, p)
+    pg.one("SELECT flow.set_queue(%s, paused => false)", queue)
+    assert ran_order(pg, [p]) == [p]
+    assert pg.one("SELECT count(*) FROM flow.commands WHERE queue = %s AND status = 'pending'", queue) == 500
+
+
+def test_external_claims_take_lower_priorities_first(pg):
+    name = external(pg)
+    ids = {}
+    for tag, priority in (("late", 4), ("first", -1), ("mid", 0), ("second", -1)):
+        ids[pg.one("SELECT flow.enqueue(%s, jsonb_build_object('tag', %s::text), priority => %s)", name, tag, priority)] = tag
+    with pg.connect() as conn:
+        rows = claim(conn, name, max_=2)
+        assert [r[2]["tag"] for r in rows] == ["first", "second"]
+        rows = claim(conn, name, max_=2)
+        assert [r[2]["tag"] for r in rows] == ["mid", "late"]
+
+
+def test_a_bad_priority_is_refused_and_changes_nothing(pg):
+    queue, name = queue_and_definition(pg)
+    before = pg.one("SELECT count(*) FROM flow.commands WHERE queue = %s", queue)
+    assert pg.sqlstate("SELECT flow.enqueue(%s, priority => 40000)", name) == "22003"
+    assert pg.sqlstate("SELECT flow.enqueue_many(%s, ARRAY['{}'::jsonb], priority => -40000)", name) == "22003"
+    assert pg.sqlstate(f"SELECT flow.define('{unique('d')}', 'app.note'::regproc, priority => 32768)") == "22003"
+    assert pg.sqlstate(f"SELECT flow.define('{unique('d')}', 'app.note'::regproc, priority => NULL)") == "22004"
+    assert pg.one("SELECT count(*) FROM flow.commands WHERE queue = %s", queue) == before
+    assert pg.one("SELECT count(*) FROM flow._queue_priorities WHERE queue = %s", queue) == 0
+
+
+def test_a_dropped_queue_forgets_its_priorities(pg):
+    queue = unique("q")
+    name = unique("note")
+    pg.one(f"SELECT flow.define('{name}', 'app.note'::regproc, queue => '{queue}', priority => 3)")
+    run = pg.one("SELECT flow.enqueue(%s, '{\"tag\": \"gone\"}')", name)
+    assert pg.await_run(run)[0] == "succeeded"
+    assert pg.all("SELECT priority FROM flow._queue_priorities WHERE queue = %s", queue) == [(3,)]
+    pg.one(f"SELECT flow.define('{name}', 'app.note'::regproc, queue => 'default', version => 1)")
+    pg.wait_for("SELECT count(*) = 0 FROM flow.commands WHERE queue = %s AND finished_at IS NULL", queue)
+    assert pg.one("SELECT flow.drop_queue(%s)", queue) is True
+    assert pg.one("SELECT count(*) FROM flow._queue_priorities WHERE queue = %s", queue) == 0
