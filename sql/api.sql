@@ -29,13 +29,14 @@ END $$;
 -- left out keeps the value it has (flow._left_out: its default is NULL, and
 -- says it was left out); paused NULL keeps it too.
 CREATE FUNCTION flow.set_queue(name text, concurrency integer DEFAULT flow._left_out('concurrency')::integer,
-    paused boolean DEFAULT NULL, caller_ticket bigint DEFAULT flow._ticket())
+    paused boolean DEFAULT NULL, rate integer DEFAULT flow._left_out('rate')::integer,
+    per interval DEFAULT flow._left_out('per')::interval, caller_ticket bigint DEFAULT flow._ticket())
 RETURNS void
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     left_out text[] := flow._left_out_of(caller_ticket);
 BEGIN
-    PERFORM flow._set_queue(flow._redeem(caller_ticket), name, concurrency, paused, left_out);
+    PERFORM flow._set_queue(flow._redeem(caller_ticket), name, concurrency, paused, rate, per, left_out);
 END $$;
 
 -- Drop a queue you manage that no definition and no unfinished command uses
@@ -500,7 +501,7 @@ WHERE pg_has_role(current_user, d.owner, 'MEMBER');
 -- running, from the workers' shared memory), so polling it costs the
 -- backlog, never the retained history: that is flow.queue_history.
 CREATE VIEW flow.queues WITH (security_barrier) AS
-SELECT q.name, q.owner, q.users, q.concurrency, q.paused,
+SELECT q.name, q.owner, q.users, q.concurrency, q.paused, q.rate, q.per,
        coalesce(u.pending, 0) AS pending, coalesce(u.due, 0) AS due, coalesce(u.waiting, 0) AS waiting,
        coalesce(u.held, 0) + coalesce(k.running, 0) AS running
 FROM flow._queues q
@@ -587,7 +588,7 @@ lines (family, ord, line) AS (
               FROM (VALUES ('events_total'), ('claims_total'), ('claims_empty_total'), ('claimed_total'),
                            ('claim_seconds_total'), ('handler_seconds_total'), ('handed_back_total'),
                            ('recovered_total'), ('group_reruns_total'), ('pruned_runs_total'),
-                           ('ticks_fired_total'), ('ticks_skipped_total')) m(metric)
+                           ('ticks_fired_total'), ('ticks_skipped_total'), ('rate_limited_total')) m(metric)
     UNION ALL SELECT 'flow_' || c.name || CASE WHEN c.name LIKE '%\_us' THEN '' ELSE '_total' END, 2,
               CASE WHEN c.name LIKE '%\_us'
                    THEN format('flow_%s_seconds_total %s', left(c.name, -3), round(c.value / 1e6, 6))

@@ -185,12 +185,17 @@ BEGIN
                (((row_number() OVER (ORDER BY q.name) - 1 - turn) % cardinality(lanes) + cardinality(lanes))
                    % cardinality(lanes))::integer AS lane_order,
                q.concurrency IS NULL AS unlimited,
-               CASE WHEN q.concurrency IS NULL THEN max_count
-                    ELSE greatest(0, q.concurrency - (
-                        SELECT count(*) FROM flow._commands r       -- index _commands_running
-                        WHERE r.queue = q.name AND r.status = 'running'))::integer
-               END AS room
-        FROM flow._queues q
+               -- (within its concurrency limit, and as many as its rate
+               -- limit has cells for now: each row it locks takes one,
+               -- below, and one it cannot is left for a later claim)
+               least(CASE WHEN q.concurrency IS NULL THEN max_count
+                          ELSE greatest(0, q.concurrency - (
+                              SELECT count(*) FROM flow._commands r       -- index _commands_running
+                              WHERE r.queue = q.name AND r.status = 'running'))::integer
+                     END,
+                     CASE WHEN q.rate IS NOT NULL THEN flow._rate_room(q.name, q.rate, x.per_us) END) AS room,
+               q.rate, x.per_us
+        FROM flow._queues q CROSS JOIN LATERAL (SELECT (extract(epoch FROM q.per) * 1000000)::bigint AS per_us) x
         WHERE q.name = ANY (lanes)
     ), share AS (
         -- What each slot (a lane and a claimant with commands due in it:
@@ -263,8 +268,10 @@ BEGIN
         -- row holds, so no row can fail the claim for every role: src/spans.rs)
         SELECT h.*, least(flow._deadline(now(), h.timeout), flow._deadline(h.budget_start, h.max_elapsed),
                           h.deadline) AS attempt_deadline,
-               coalesce(l.unlimited AND (h.handler = ANY (fast_handlers) OR hold), false) AS held,
-               l.lane_order, l.room
+               -- (a command of a rate-limited queue is leased: the claim
+               -- that admitted it commits at once, with what it left)
+               coalesce(l.unlimited AND l.rate IS NULL AND (h.handler = ANY (fast_handlers) OR hold), false) AS held,
+               l.lane_order, l.room, l.rate, l.per_us
         FROM share l CROSS JOIN LATERAL (
           -- (its priorities in order, each read from where the last claim
           -- ended in it, until the slot has its share: the LIMIT stops the
@@ -312,12 +319,17 @@ BEGIN
     -- no child: see flow._run_rows. A root no attempt was counted for has
     -- none, without a probe: only its own attempt can spawn, and an attempt
     -- that kept its spawns is counted, see flow._settle_batch's `alone`)
-    WHERE NOT h.held
+    -- (A command of a rate-limited queue takes its cell here, in claim
+    -- order; one there is none for is left out, locked until the claim's
+    -- transaction ends: at once for a worker's claim, whose leases commit
+    -- first. The claim locked no more than the cells there were when it began.)
+    WHERE (h.rate IS NULL OR flow._rate_admit(h.queue, h.rate, h.per_us))
+      AND (NOT h.held
        OR CASE WHEN h.id = h.run_id
                     AND (h.attempts = 0
                          OR NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = h.id))  -- alone: docs/DESIGN.md
                THEN true
-               ELSE EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = h.run_id FOR UPDATE SKIP LOCKED) END;
+               ELSE EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = h.run_id FOR UPDATE SKIP LOCKED) END);
 END $$;
 
 -- Lease commands this transaction's claim locked (flow._claim, held = false):
@@ -375,7 +387,11 @@ BEGIN
     -- (after where the worker's claims take up, in the queues it names, as
     -- flow._claim's head probe reads it: not through the entries claimed
     -- since the last VACUUM at the queue's head)
-    RETURN (SELECT (extract(epoch FROM min(h.next_run_at) - clock_timestamp()) * 1000)::bigint
+    -- (a rate-limited queue's next command is due when its next cell is free)
+    RETURN (SELECT (extract(epoch FROM min(greatest(h.next_run_at,
+                CASE WHEN q.rate IS NOT NULL
+                     THEN flow._rate_next(q.name, q.rate, (extract(epoch FROM q.per) * 1000000)::bigint) END))
+            - clock_timestamp()) * 1000)::bigint
     FROM flow._queues q CROSS JOIN LATERAL flow._priorities_of(q.name) p
     LEFT JOIN LATERAL (
         SELECT a.at, a.id FROM unnest(after_queues, after_priorities, after_at, after_ids) AS a(queue, priority, at, id)

@@ -351,7 +351,8 @@ END $$;
 
 -- Set a queue's options; those the caller left out (`left_out`: see
 -- flow._left_out) keep their values, and so does a NULL paused.
-CREATE FUNCTION flow._set_queue(caller oid, name text, concurrency integer, paused boolean, left_out text[])
+CREATE FUNCTION flow._set_queue(caller oid, name text, concurrency integer, paused boolean, rate integer,
+    per interval, left_out text[])
 RETURNS void
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
@@ -361,9 +362,19 @@ BEGIN
         RAISE EXCEPTION 'flow: queue concurrency must be 1 or more (NULL for no limit), got %', concurrency
             USING ERRCODE = 'FL009';
     END IF;
+    IF rate IS NOT NULL AND rate < 0 THEN
+        RAISE EXCEPTION 'flow: queue rate must be 0 or more (NULL for no limit, 0 to start none), got %', rate
+            USING ERRCODE = 'FL009';
+    END IF;
+    IF NOT ('per' = ANY (left_out)) AND (per IS NULL OR NOT flow._span_ok(per, false)) THEN
+        RAISE EXCEPTION 'flow: queue rate''s per must be a positive interval of at most 100 years, got %',
+            coalesce(per::text, 'NULL') USING ERRCODE = 'FL009';
+    END IF;
     q := flow._manage_queue(caller, name);
     UPDATE flow._queues x SET
         concurrency = CASE WHEN 'concurrency' = ANY (left_out) THEN x.concurrency ELSE _set_queue.concurrency END,
+        rate = CASE WHEN 'rate' = ANY (left_out) THEN x.rate ELSE _set_queue.rate END,
+        per = CASE WHEN 'per' = ANY (left_out) THEN x.per ELSE _set_queue.per END,
         paused = coalesce(_set_queue.paused, x.paused),
         updated_at = now()
     WHERE x.name = q.name;

@@ -139,7 +139,12 @@ DROP FUNCTION flow.spawn(text, jsonb, text, interval, flow.wait_spec[], interval
 DROP FUNCTION flow._external_claim_start(text);
 DROP FUNCTION flow._external_claim_ended(text, integer, text[], timestamptz[], uuid[]);
 
--- src/lib.rs:58
+-- Rate limits (src/rate_limits.rs): at most `rate` commands of a queue start per `per`.
+ALTER TABLE flow._queues ADD COLUMN rate integer CHECK (rate >= 0),
+    ADD COLUMN per interval NOT NULL DEFAULT '1 second' CHECK (flow._span_ok(per, false));
+DROP FUNCTION flow.set_queue(text, integer, boolean, bigint);
+
+-- src/lib.rs:59
 -- requires:
 --   schema
 
@@ -294,7 +299,7 @@ BEGIN
     ON CONFLICT (id) DO NOTHING;
 END $$;
 
--- src/lib.rs:59
+-- src/lib.rs:60
 -- requires:
 --   common
 
@@ -651,7 +656,8 @@ END $$;
 
 -- Set a queue's options; those the caller left out (`left_out`: see
 -- flow._left_out) keep their values, and so does a NULL paused.
-CREATE OR REPLACE FUNCTION flow._set_queue(caller oid, name text, concurrency integer, paused boolean, left_out text[])
+CREATE OR REPLACE FUNCTION flow._set_queue(caller oid, name text, concurrency integer, paused boolean, rate integer,
+    per interval, left_out text[])
 RETURNS void
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
@@ -661,9 +667,19 @@ BEGIN
         RAISE EXCEPTION 'flow: queue concurrency must be 1 or more (NULL for no limit), got %', concurrency
             USING ERRCODE = 'FL009';
     END IF;
+    IF rate IS NOT NULL AND rate < 0 THEN
+        RAISE EXCEPTION 'flow: queue rate must be 0 or more (NULL for no limit, 0 to start none), got %', rate
+            USING ERRCODE = 'FL009';
+    END IF;
+    IF NOT ('per' = ANY (left_out)) AND (per IS NULL OR NOT flow._span_ok(per, false)) THEN
+        RAISE EXCEPTION 'flow: queue rate''s per must be a positive interval of at most 100 years, got %',
+            coalesce(per::text, 'NULL') USING ERRCODE = 'FL009';
+    END IF;
     q := flow._manage_queue(caller, name);
     UPDATE flow._queues x SET
         concurrency = CASE WHEN 'concurrency' = ANY (left_out) THEN x.concurrency ELSE _set_queue.concurrency END,
+        rate = CASE WHEN 'rate' = ANY (left_out) THEN x.rate ELSE _set_queue.rate END,
+        per = CASE WHEN 'per' = ANY (left_out) THEN x.per ELSE _set_queue.per END,
         paused = coalesce(_set_queue.paused, x.paused),
         updated_at = now()
     WHERE x.name = q.name;
@@ -769,7 +785,7 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
         OR EXISTS (SELECT 1 FROM flow._run_rows r WHERE r.owner = role AND r.status = 'running')
 $$;
 
--- src/lib.rs:60
+-- src/lib.rs:61
 -- requires:
 --   definitions
 
@@ -962,7 +978,7 @@ BEGIN
     RETURN ids;
 END $$;
 
--- src/lib.rs:61
+-- src/lib.rs:62
 -- requires:
 --   enqueue
 
@@ -1153,12 +1169,17 @@ BEGIN
                (((row_number() OVER (ORDER BY q.name) - 1 - turn) % cardinality(lanes) + cardinality(lanes))
                    % cardinality(lanes))::integer AS lane_order,
                q.concurrency IS NULL AS unlimited,
-               CASE WHEN q.concurrency IS NULL THEN max_count
-                    ELSE greatest(0, q.concurrency - (
-                        SELECT count(*) FROM flow._commands r       -- index _commands_running
-                        WHERE r.queue = q.name AND r.status = 'running'))::integer
-               END AS room
-        FROM flow._queues q
+               -- (within its concurrency limit, and as many as its rate
+               -- limit has cells for now: each row it locks takes one,
+               -- below, and one it cannot is left for a later claim)
+               least(CASE WHEN q.concurrency IS NULL THEN max_count
+                          ELSE greatest(0, q.concurrency - (
+                              SELECT count(*) FROM flow._commands r       -- index _commands_running
+                              WHERE r.queue = q.name AND r.status = 'running'))::integer
+                     END,
+                     CASE WHEN q.rate IS NOT NULL THEN flow._rate_room(q.name, q.rate, x.per_us) END) AS room,
+               q.rate, x.per_us
+        FROM flow._queues q CROSS JOIN LATERAL (SELECT (extract(epoch FROM q.per) * 1000000)::bigint AS per_us) x
         WHERE q.name = ANY (lanes)
     ), share AS (
         -- What each slot (a lane and a claimant with commands due in it:
@@ -1231,8 +1252,10 @@ BEGIN
         -- row holds, so no row can fail the claim for every role: src/spans.rs)
         SELECT h.*, least(flow._deadline(now(), h.timeout), flow._deadline(h.budget_start, h.max_elapsed),
                           h.deadline) AS attempt_deadline,
-               coalesce(l.unlimited AND (h.handler = ANY (fast_handlers) OR hold), false) AS held,
-               l.lane_order, l.room
+               -- (a command of a rate-limited queue is leased: the claim
+               -- that admitted it commits at once, with what it left)
+               coalesce(l.unlimited AND l.rate IS NULL AND (h.handler = ANY (fast_handlers) OR hold), false) AS held,
+               l.lane_order, l.room, l.rate, l.per_us
         FROM share l CROSS JOIN LATERAL (
           -- (its priorities in order, each read from where the last claim
           -- ended in it, until the slot has its share: the LIMIT stops the
@@ -1280,12 +1303,17 @@ BEGIN
     -- no child: see flow._run_rows. A root no attempt was counted for has
     -- none, without a probe: only its own attempt can spawn, and an attempt
     -- that kept its spawns is counted, see flow._settle_batch's `alone`)
-    WHERE NOT h.held
+    -- (A command of a rate-limited queue takes its cell here, in claim
+    -- order; one there is none for is left out, locked until the claim's
+    -- transaction ends: at once for a worker's claim, whose leases commit
+    -- first. The claim locked no more than the cells there were when it began.)
+    WHERE (h.rate IS NULL OR flow._rate_admit(h.queue, h.rate, h.per_us))
+      AND (NOT h.held
        OR CASE WHEN h.id = h.run_id
                     AND (h.attempts = 0
                          OR NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = h.id))  -- alone: docs/DESIGN.md
                THEN true
-               ELSE EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = h.run_id FOR UPDATE SKIP LOCKED) END;
+               ELSE EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = h.run_id FOR UPDATE SKIP LOCKED) END);
 END $$;
 
 -- Lease commands this transaction's claim locked (flow._claim, held = false):
@@ -1343,7 +1371,11 @@ BEGIN
     -- (after where the worker's claims take up, in the queues it names, as
     -- flow._claim's head probe reads it: not through the entries claimed
     -- since the last VACUUM at the queue's head)
-    RETURN (SELECT (extract(epoch FROM min(h.next_run_at) - clock_timestamp()) * 1000)::bigint
+    -- (a rate-limited queue's next command is due when its next cell is free)
+    RETURN (SELECT (extract(epoch FROM min(greatest(h.next_run_at,
+                CASE WHEN q.rate IS NOT NULL
+                     THEN flow._rate_next(q.name, q.rate, (extract(epoch FROM q.per) * 1000000)::bigint) END))
+            - clock_timestamp()) * 1000)::bigint
     FROM flow._queues q CROSS JOIN LATERAL flow._priorities_of(q.name) p
     LEFT JOIN LATERAL (
         SELECT a.at, a.id FROM unnest(after_queues, after_priorities, after_at, after_ids) AS a(queue, priority, at, id)
@@ -1362,7 +1394,7 @@ BEGIN
                                WHERE r.queue = q.name AND r.status = 'running')));
 END $$;
 
--- src/lib.rs:62
+-- src/lib.rs:63
 -- requires:
 --   claim
 
@@ -1843,7 +1875,7 @@ BEGIN
     RETURN CASE WHEN stop IS NULL THEN 'retry' ELSE 'failed' END;
 END $$;
 
--- src/lib.rs:63
+-- src/lib.rs:64
 -- requires:
 --   settle
 
@@ -2045,7 +2077,7 @@ BEGIN
     RETURN ended;
 END $$;
 
--- src/lib.rs:64
+-- src/lib.rs:65
 -- requires:
 --   recover
 
@@ -2204,7 +2236,7 @@ BEGIN
     RETURN retired;
 END $$;
 
--- src/lib.rs:65
+-- src/lib.rs:66
 -- requires:
 --   retention
 
@@ -2647,7 +2679,7 @@ BEGIN
     RETURN format(E'flowchart LR\n%s\n', array_to_string(lines, E'\n'));
 END $$;
 
--- src/lib.rs:66
+-- src/lib.rs:67
 -- requires:
 --   workflows
 
@@ -3065,7 +3097,7 @@ BEGIN
     RETURN outcome;
 END $$;
 
--- src/lib.rs:67
+-- src/lib.rs:68
 -- requires:
 --   external
 
@@ -3504,6 +3536,39 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_observe_wrapper';
 
+-- src/rate_limits.rs:97
+-- flow::rate_limits::_rate_admit
+CREATE OR REPLACE FUNCTION "_rate_admit"(
+	"queue" TEXT, /* & str */
+	"rate" INT, /* i32 */
+	"per_us" bigint /* i64 */
+) RETURNS bool /* bool */
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', '_rate_admit_wrapper';
+
+-- src/rate_limits.rs:113
+-- flow::rate_limits::_rate_next
+CREATE OR REPLACE FUNCTION "_rate_next"(
+	"queue" TEXT, /* & str */
+	"rate" INT, /* i32 */
+	"per_us" bigint /* i64 */
+) RETURNS timestamp with time zone /* TimestampWithTimeZone */
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', '_rate_next_wrapper';
+
+-- src/rate_limits.rs:81
+-- flow::rate_limits::_rate_room
+CREATE OR REPLACE FUNCTION "_rate_room"(
+	"queue" TEXT, /* & str */
+	"rate" INT, /* i32 */
+	"per_us" bigint /* i64 */
+) RETURNS INT /* i32 */
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', '_rate_room_wrapper';
+
 -- src/attempt_record.rs:238
 -- flow::attempt_record::_recorded_attempts
 CREATE OR REPLACE FUNCTION "_recorded_attempts"() RETURNS TABLE (
@@ -3637,7 +3702,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', 'run_sql_wrapper';
 
--- src/lib.rs:68
+-- src/lib.rs:69
 -- finalize
 -- flow's public SQL surface (names and named parameters are the API, see
 -- DESIGN.md) and the views a person reads.
@@ -3670,13 +3735,14 @@ END $$;
 -- left out keeps the value it has (flow._left_out: its default is NULL, and
 -- says it was left out); paused NULL keeps it too.
 CREATE OR REPLACE FUNCTION flow.set_queue(name text, concurrency integer DEFAULT flow._left_out('concurrency')::integer,
-    paused boolean DEFAULT NULL, caller_ticket bigint DEFAULT flow._ticket())
+    paused boolean DEFAULT NULL, rate integer DEFAULT flow._left_out('rate')::integer,
+    per interval DEFAULT flow._left_out('per')::interval, caller_ticket bigint DEFAULT flow._ticket())
 RETURNS void
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     left_out text[] := flow._left_out_of(caller_ticket);
 BEGIN
-    PERFORM flow._set_queue(flow._redeem(caller_ticket), name, concurrency, paused, left_out);
+    PERFORM flow._set_queue(flow._redeem(caller_ticket), name, concurrency, paused, rate, per, left_out);
 END $$;
 
 -- Drop a queue you manage that no definition and no unfinished command uses
@@ -4141,7 +4207,7 @@ WHERE pg_has_role(current_user, d.owner, 'MEMBER');
 -- running, from the workers' shared memory), so polling it costs the
 -- backlog, never the retained history: that is flow.queue_history.
 CREATE OR REPLACE VIEW flow.queues WITH (security_barrier) AS
-SELECT q.name, q.owner, q.users, q.concurrency, q.paused,
+SELECT q.name, q.owner, q.users, q.concurrency, q.paused, q.rate, q.per,
        coalesce(u.pending, 0) AS pending, coalesce(u.due, 0) AS due, coalesce(u.waiting, 0) AS waiting,
        coalesce(u.held, 0) + coalesce(k.running, 0) AS running
 FROM flow._queues q
@@ -4228,7 +4294,7 @@ lines (family, ord, line) AS (
               FROM (VALUES ('events_total'), ('claims_total'), ('claims_empty_total'), ('claimed_total'),
                            ('claim_seconds_total'), ('handler_seconds_total'), ('handed_back_total'),
                            ('recovered_total'), ('group_reruns_total'), ('pruned_runs_total'),
-                           ('ticks_fired_total'), ('ticks_skipped_total')) m(metric)
+                           ('ticks_fired_total'), ('ticks_skipped_total'), ('rate_limited_total')) m(metric)
     UNION ALL SELECT 'flow_' || c.name || CASE WHEN c.name LIKE '%\_us' THEN '' ELSE '_total' END, 2,
               CASE WHEN c.name LIKE '%\_us'
                    THEN format('flow_%s_seconds_total %s', left(c.name, -3), round(c.value / 1e6, 6))

@@ -83,6 +83,14 @@ CREATE TYPE flow.run_outcome AS (status flow.run_status, result jsonb, error jso
 
 -- ---------------------------------------------------------------- tables
 
+-- Whether an interval is a duration flow may keep: no field negative, some
+-- positive unless zero_ok, at most 100 years (src/spans.rs; sql/definitions.sql,
+-- _require_span). Declared here, before the functions pgrx writes: the
+-- tables' CHECKs below hold every stored duration to it, so no timestamp
+-- arithmetic on a row can overflow.
+CREATE FUNCTION flow._span_ok(span interval, zero_ok boolean)
+RETURNS boolean LANGUAGE c IMMUTABLE STRICT PARALLEL SAFE AS 'MODULE_PATHNAME', '_span_ok_wrapper';
+
 -- Queues are owned like tables: the role that first uses a name owns it and
 -- may pause, limit and share it; others put commands in it only when granted.
 -- The 'default' queue has no owner (only superusers manage it) and is open to all.
@@ -92,7 +100,11 @@ CREATE TABLE flow._queues (
     paused       boolean NOT NULL DEFAULT false,
     updated_at   timestamptz NOT NULL DEFAULT now(),
     owner        regrole,                            -- NULL: the extension's (superusers)
-    users        regrole[] NOT NULL DEFAULT '{}'     -- granted to put commands in it ('-': PUBLIC)
+    users        regrole[] NOT NULL DEFAULT '{}',    -- granted to put commands in it ('-': PUBLIC)
+    -- at most `rate` of its commands start per `per` (NULL: no limit; 0: none
+    -- start), counted in shared memory (src/rate_limits.rs)
+    rate         integer CHECK (rate >= 0),
+    per          interval NOT NULL DEFAULT '1 second' CHECK (flow._span_ok(per, false))
 );
 
 -- Definition names are owned: the first role to define a name owns every
@@ -103,14 +115,6 @@ CREATE TABLE flow._definition_names (
     owner     regrole NOT NULL,
     starters  regrole[] NOT NULL DEFAULT '{}'        -- granted to start its commands ('-': PUBLIC)
 );
-
--- Whether an interval is a duration flow may keep: no field negative, some
--- positive unless zero_ok, at most 100 years (src/spans.rs; sql/definitions.sql,
--- _require_span). Declared here, before the functions pgrx writes: the
--- tables' CHECKs below hold every stored duration to it, so no timestamp
--- arithmetic on a row can overflow.
-CREATE FUNCTION flow._span_ok(span interval, zero_ok boolean)
-RETURNS boolean LANGUAGE c IMMUTABLE STRICT PARALLEL SAFE AS 'MODULE_PATHNAME', '_span_ok_wrapper';
 
 CREATE TABLE flow._definitions (
     name           text NOT NULL CHECK (name <> ''),

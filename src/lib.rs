@@ -20,7 +20,7 @@
 //!   worker table, counters, wake-ups, cancels; `attempt_record`: the
 //!   attempt a worker is in (rule 3);
 //! - `api`: internal SQL functions the public SQL API stands on; `ids`: ids
-//!   and lease tokens; `spans`: durations and times; `payload`: args and
+//!   and lease tokens; `rate_limits`: queues' rate limits; `spans`: durations and times; `payload`: args and
 //!   results as datums; `locks`: flow's own lock tags; `invariants`: a
 //!   command row's CHECK; `handlers`: built-in Rust handlers; `gucs`: settings.
 
@@ -42,6 +42,7 @@ mod locks;
 mod maintenance;
 mod outcome;
 mod payload;
+mod rate_limits;
 mod recovery;
 mod retention;
 mod roles;
@@ -80,6 +81,7 @@ pub extern "C-unwind" fn _PG_init() {
     gateway::init();
     api::init();
     shmem::init();
+    rate_limits::init();
     external::init();
     worker::register();
 }

@@ -173,6 +173,7 @@ pub const METRICS: &[&str] = &[
     "pruned_runs",
     "ticks_fired",
     "ticks_skipped",
+    "rate_limited",
 ];
 const METRIC_SLOTS: usize = 48;
 const _: () = assert!(METRICS.len() <= METRIC_SLOTS);

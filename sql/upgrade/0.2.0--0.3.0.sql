@@ -106,3 +106,8 @@ DROP FUNCTION flow.spawn(text, jsonb, text, interval, flow.wait_spec[], interval
 -- (an external claim's cursor names its priority too)
 DROP FUNCTION flow._external_claim_start(text);
 DROP FUNCTION flow._external_claim_ended(text, integer, text[], timestamptz[], uuid[]);
+
+-- Rate limits (src/rate_limits.rs): at most `rate` commands of a queue start per `per`.
+ALTER TABLE flow._queues ADD COLUMN rate integer CHECK (rate >= 0),
+    ADD COLUMN per interval NOT NULL DEFAULT '1 second' CHECK (flow._span_ok(per, false));
+DROP FUNCTION flow.set_queue(text, integer, boolean, bigint);
