@@ -112,10 +112,13 @@ def touch_shared_buffers(cluster, blocks=25_000):
     print(f"  (shared buffers touched before the first round: {read:,} blocks)", flush=True)
 
 
-def enqueue_paused(c, name, n, chunk=1000):
+def enqueue_paused(c, name, n, chunk=1000, priorities=1):
+    """n runs of `name` into the paused drain queue; with priorities > 1, each
+    chunk of `chunk` gets the next of that many priorities in turn."""
     c.execute("SELECT flow.set_queue('drain', paused => true)")
-    for i in range(0, n, chunk):
-        c.execute("SELECT flow.enqueue_many(%s, array_fill('{}'::jsonb, array[%s]))", (name, min(chunk, n - i)))
+    for k, i in enumerate(range(0, n, chunk)):
+        c.execute("SELECT flow.enqueue_many(%s, array_fill('{}'::jsonb, array[%s]), priority => %s)",
+                  (name, min(chunk, n - i), k % priorities))
 
 
 def clear_flow_tables(c, tries=10, pause=0.1):
@@ -142,12 +145,13 @@ def finished_count(c):
     return counted(c, "runs_succeeded", "runs_failed")
 
 
-def drain(pg, name, n=None, watch=None):
-    """Drain n pre-enqueued runs of `name`; returns jobs/s. `watch(finished)`,
-    if given, runs beside the drain from its start (finished(): runs done)."""
+def drain(pg, name, n=None, watch=None, priorities=1):
+    """Drain n pre-enqueued runs of `name` (of `priorities` priorities, see
+    enqueue_paused); returns jobs/s. `watch(finished)`, if given, runs beside
+    the drain from its start (finished(): runs done)."""
     n = n or N_DRAIN
     with pg.connect() as c:
-        enqueue_paused(c, name, n)
+        enqueue_paused(c, name, n, priorities=priorities)
         c.execute("CHECKPOINT")
         before = finished_count(c)
         stop = threading.Event()

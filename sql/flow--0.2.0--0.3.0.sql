@@ -3142,7 +3142,9 @@ BEGIN
     plan := flow._plan_enqueue(caller, definition, NULL, queue, NULL, NULL, NULL);
     PERFORM flow._require_payload('args', args);
     PERFORM flow._require_args_fit(definition, plan.def_owner, plan.def_args_type, args);
-    next_at := flow._cron_next(cron, timezone, now());
+    -- (after the clock, not the transaction's start: a tick fired since
+    -- this transaction began is not fired again)
+    next_at := flow._cron_next(cron, timezone, clock_timestamp());
     INSERT INTO flow._schedules AS s (owner, name, cron, timezone, definition, args, queue, overlap, catch_up, next_tick)
     VALUES (caller, name, cron, timezone, definition, args, queue, overlap, catch_up, next_at)
     ON CONFLICT (owner, name) DO UPDATE SET
@@ -3179,7 +3181,7 @@ BEGIN
         RAISE EXCEPTION 'flow: paused must not be NULL' USING ERRCODE = '22004';
     END IF;
     UPDATE flow._schedules s SET
-        next_tick = CASE WHEN s.paused AND NOT _pause_schedule.paused THEN flow._cron_next(s.cron, s.timezone, now())
+        next_tick = CASE WHEN s.paused AND NOT _pause_schedule.paused THEN flow._cron_next(s.cron, s.timezone, clock_timestamp())
                          ELSE s.next_tick END,
         paused = _pause_schedule.paused, updated_at = now()
     WHERE s.owner = caller AND s.name = _pause_schedule.name;
@@ -3536,7 +3538,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_observe_wrapper';
 
--- src/rate_limits.rs:97
+-- src/rate_limits.rs:96
 -- flow::rate_limits::_rate_admit
 CREATE OR REPLACE FUNCTION "_rate_admit"(
 	"queue" TEXT, /* & str */
@@ -3547,7 +3549,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_rate_admit_wrapper';
 
--- src/rate_limits.rs:113
+-- src/rate_limits.rs:112
 -- flow::rate_limits::_rate_next
 CREATE OR REPLACE FUNCTION "_rate_next"(
 	"queue" TEXT, /* & str */
@@ -3558,7 +3560,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_rate_next_wrapper';
 
--- src/rate_limits.rs:81
+-- src/rate_limits.rs:80
 -- flow::rate_limits::_rate_room
 CREATE OR REPLACE FUNCTION "_rate_room"(
 	"queue" TEXT, /* & str */

@@ -68,11 +68,13 @@ pub extern "C-unwind" fn flow_maintenance_main(_arg: pg_sys::Datum) {
             unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
         }
         let mut sleep = RECOVERY_INTERVAL.min(gucs::poll_interval());
+        let mut next_tick_at: Option<Instant> = None;
         // (each round: the extension may have been dropped or updated since)
         let ready = transaction(worker::extension_installed).unwrap_or(false);
         if ready && gucs::enabled() {
             worker::report_activity("flow maintenance: firing schedules");
-            sleep = sleep.min(fire_schedules(started));
+            let next_tick = fire_schedules(started);
+            next_tick_at = Instant::now().checked_add(next_tick);
             worker::report_activity("flow maintenance: recovering");
             // (woken early, by an abandoned attempt: recovery at once, the rest on time)
             let failed = recovery.round(&name).is_none();
@@ -91,6 +93,10 @@ pub extern "C-unwind" fn flow_maintenance_main(_arg: pg_sys::Datum) {
                     spi::forget_plans();
                 }
             }
+        }
+        // (until the next tick, whatever the upkeep above took)
+        if let Some(at) = next_tick_at {
+            sleep = sleep.min(at.saturating_duration_since(Instant::now()));
         }
         if !sleep.is_zero() {
             worker::report_activity("flow maintenance: idle");

@@ -1,0 +1,110 @@
+"""Scheduling and flow control (issue 50), measured in one sitting:
+
+    bash tools/setup.sh && /var/tmp/flow-venv/bin/python benches/flow_control.py [--rounds N] [--seconds S]
+
+Targets:
+  schedules   1,000 schedules ticking every second for 60 s (--seconds):
+              every tick exactly once; p99 lateness <= 50 ms, measured as the
+              time from the tick to its handler's start (an upper bound of
+              the enqueue's own lateness: it includes the claim)
+  priorities  the no-op drain of 20,000 with 5 priorities in use >= 0.95x the
+              drain without priorities (rounds interleaved)
+  rate        a queue limited to 500/s with a backlog of 30,000: the starts of
+              30 s, after its first second (the burst a GCRA allows), within
+              +-2 % of 500/s
+It is a benchmark, not a test: CI runs none of it.
+"""
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench  # noqa: E402
+from bench import drain  # noqa: E402
+
+SCHEDULES = 1000
+RATE = 500
+RATE_WINDOW_S = 30
+
+
+def setup(pg):
+    with pg.connect() as c:
+        c.execute("""
+            CREATE TABLE bench.ticks (key text, started timestamptz DEFAULT clock_timestamp());
+            CREATE FUNCTION bench.tick(args jsonb, ctx flow.context) RETURNS void LANGUAGE sql AS $$
+                INSERT INTO bench.ticks (key) VALUES (ctx.run_key) $$;
+            SELECT flow.define('tick', 'bench.tick(jsonb, flow.context)'::regprocedure, queue => 'ticks');
+            CREATE TABLE bench.starts (at timestamptz DEFAULT clock_timestamp());
+            CREATE FUNCTION bench.start(args jsonb) RETURNS void LANGUAGE sql AS $$
+                INSERT INTO bench.starts DEFAULT VALUES $$;
+            SELECT flow.define('rated', 'bench.start(jsonb)'::regprocedure, queue => 'rated');
+        """)
+
+
+def schedules(pg, seconds):
+    with pg.connect() as c:
+        c.execute("TRUNCATE bench.ticks")
+        c.execute("SELECT flow.schedule('s' || i, '* * * * * *', 'tick') FROM generate_series(1, %s) i", (SCHEDULES,))
+        time.sleep(seconds)   # (the schedules tick for this long)
+        c.execute("SELECT flow.unschedule('s' || i) FROM generate_series(1, %s) i", (SCHEDULES,))
+        time.sleep(1.0)       # (the last ticks' runs finish)
+        rows = c.execute("""
+            WITH t AS (SELECT split_part(key, ':', 2) AS schedule,
+                              (regexp_replace(key, '^schedule:[^:]*:', ''))::timestamptz AS tick, started
+                       FROM bench.ticks)
+            SELECT count(*), count(DISTINCT (schedule, tick)),
+                   -- ticks of a schedule between its first and last: each once, none missing
+                   (SELECT count(*) FROM (SELECT schedule, extract(epoch FROM max(tick) - min(tick))::int + 1 AS span,
+                                                 count(*) AS n FROM t GROUP BY schedule) s WHERE s.span <> s.n),
+                   percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM started - tick)),
+                   percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM started - tick)),
+                   max(extract(epoch FROM started - tick))
+            FROM t""").fetchone()
+        fired, distinct, gapped, p50, p99, worst = rows
+        bench.clear_flow_tables(c)
+    return {"runs": fired, "distinct_ticks": distinct, "schedules_with_gaps": gapped,
+            "p50_ms": round(p50 * 1000, 1), "p99_ms": round(p99 * 1000, 1), "max_ms": round(worst * 1000, 1)}
+
+
+def rate(pg):
+    with pg.connect() as c:
+        c.execute("TRUNCATE bench.starts")
+        c.execute("SELECT flow.set_queue('rated', paused => true, rate => %s, per => '1 second')", (RATE,))
+        for _ in range(30):
+            c.execute("SELECT flow.enqueue_many('rated', array_fill('{}'::jsonb, array[1000]))")
+        c.execute("SELECT flow.set_queue('rated', paused => false)")
+        time.sleep(RATE_WINDOW_S + 2.5)   # (the limit is measured over this time)
+        first, n = c.execute("""
+            SELECT min(at), count(*) FILTER (WHERE at >= (SELECT min(at) FROM bench.starts) + interval '1 second'
+                                                 AND at < (SELECT min(at) FROM bench.starts) + make_interval(secs => 1 + %s))
+            FROM bench.starts""", (RATE_WINDOW_S,)).fetchone()
+        c.execute("SELECT flow.set_queue('rated', paused => true)")
+        bench.clear_flow_tables(c)
+    return {"per_s": round(n / RATE_WINDOW_S, 1), "ratio": round(n / RATE_WINDOW_S / RATE, 4)}
+
+
+def main():
+    rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 3
+    seconds = int(sys.argv[sys.argv.index("--seconds") + 1]) if "--seconds" in sys.argv else 60
+    print(f"flow flow-control benchmark, {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores, "
+          f"loadavg {open('/proc/loadavg').read().split()[:3]}, {rounds} round(s)", flush=True)
+    pg = bench.start(2)
+    setup(pg)
+    try:
+        for round_ in range(1, rounds + 1):
+            plain = drain(pg, "rust_noop")
+            prioritized = drain(pg, "rust_noop", priorities=5)
+            print(f"round {round_}: priorities drain {prioritized:,.0f} vs {plain:,.0f} jobs/s = "
+                  f"{prioritized / plain:.3f}x (target >= 0.95)", flush=True)
+            s = schedules(pg, seconds)
+            print(f"round {round_}: schedules {s} (target: every tick once, p99 <= 50 ms)", flush=True)
+            r = rate(pg)
+            print(f"round {round_}: rate {r} (target 500/s +-2 %)", flush=True)
+    finally:
+        pg.stop()
+
+
+if __name__ == "__main__":
+    main()
