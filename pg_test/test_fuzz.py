@@ -41,8 +41,14 @@ SIGNATURES = [
                      ("version", "integer", 1), ("queue", "text", "@queue"), ("max_attempts", "integer", 3),
                      ("backoff", "interval", "1 s"), ("backoff_max", "interval", "1 hour"),
                      ("max_elapsed", "interval", None), ("timeout", "interval", None),
-                     ("args_type", "regtype", None)]),
-    ("flow.set_queue", [("name", "text", "@queue"), ("concurrency", "integer", None), ("paused", "boolean", None)]),
+                     ("args_type", "regtype", None), ("priority", "integer", 0)]),
+    ("flow.set_queue", [("name", "text", "@queue"), ("concurrency", "integer", None), ("paused", "boolean", None),
+                        ("rate", "integer", None), ("per", "interval", "1 s")]),
+    ("flow.schedule", [("name", "text", "@fresh"), ("cron", "text", "0 0 1 1 *"), ("definition", "text", "@definition"),
+                       ("args", "jsonb", "{}"), ("timezone", "text", "UTC"), ("queue", "text", None),
+                       ("overlap", "boolean", True), ("catch_up", "integer", 0)]),
+    ("flow.unschedule", [("name", "text", "@fresh")]),
+    ("flow.pause_schedule", [("name", "text", "@fresh"), ("paused", "boolean", True)]),
     ("flow.drop_queue", [("name", "text", "@queue")]),
     ("flow.grant_definition", [("name", "text", "@definition"), ("role", "text", "alice")]),
     ("flow.revoke_definition", [("name", "text", "@definition"), ("role", "text", "alice")]),
@@ -51,11 +57,11 @@ SIGNATURES = [
     ("flow.enqueue", [("name", "text", "@definition"), ("args", "jsonb", '{"sql": "SELECT 1"}'),
                       ("key", "text", None), ("version", "integer", None), ("queue", "text", None),
                       ("start_after", "interval", "1 hour"), ("run_at", "timestamptz", None),
-                      ("deadline", "interval", None)]),
+                      ("deadline", "interval", None), ("priority", "integer", None)]),
     ("flow.enqueue_many", [("name", "text", "@definition"), ("args_array", "jsonb[]", "{}"),
                            ("version", "integer", None), ("queue", "text", None),
                            ("start_after", "interval", "1 hour"), ("run_at", "timestamptz", None),
-                           ("deadline", "interval", None)]),
+                           ("deadline", "interval", None), ("priority", "integer", None)]),
     ("flow.cancel", [("run_id", "uuid", "@victim")]),
     ("flow.retry", [("run_id", "uuid", "@victim")]),
     ("flow.await", [("run_id", "uuid", "@victim"), ("timeout", "interval", "0")]),
@@ -63,7 +69,8 @@ SIGNATURES = [
     ("flow.wait", [("name", "text", "e"), ("key", "text", "k")]),
     ("flow.spawn", [("name", "text", "@definition"), ("args", "jsonb", "{}"), ("key", "text", "k"),
                     ("start_after", "interval", None), ("waits", "flow.wait_spec[]", "{}"),
-                    ("within", "interval", None), ("version", "integer", None), ("queue", "text", None)]),
+                    ("within", "interval", None), ("version", "integer", None), ("queue", "text", None),
+                    ("priority", "integer", None)]),
     ("flow.run_graph", [("run_id", "uuid", "@victim"), ("format", "text", "dot")]),
     ("flow.fail", [("message", "text", "m")]),
     ("flow.retry_after", [("delay", "interval", "1 s"), ("message", "text", "m")]),
@@ -87,6 +94,8 @@ STATE = """SELECT (SELECT count(*) FROM flow._definitions), (SELECT count(*) FRO
                   (SELECT count(*) FROM flow._queues), (SELECT count(*) FROM flow._runs), (SELECT count(*) FROM flow._run_rows),
                   (SELECT count(*) FROM flow._commands), (SELECT count(*) FROM flow._attempts),
                   (SELECT count(*) FROM flow._events), (SELECT count(*) FROM flow._waits),
+                  (SELECT md5(string_agg(x::text, ',' ORDER BY x::text)) FROM flow._schedules x),
+                  (SELECT count(*) FROM flow._queue_priorities),
                   (SELECT md5(string_agg(x::text, ',' ORDER BY x::text)) FROM flow._queues x),
                   (SELECT md5(string_agg(x::text, ',' ORDER BY x::text)) FROM flow._commands x
                    WHERE x.status = 'running')"""
@@ -118,11 +127,11 @@ def test_every_public_function_survives_adversarial_arguments(pg):
         definition, external, queue = unique("fz"), unique("fzx"), unique("fzq")
         m.execute(f"SELECT flow.define('{definition}', 'flow.run_sql'::regproc, queue => '{queue}')")
         m.execute(f"SELECT flow.define('{external}', NULL, queue => '{queue}')")
-        m.execute(f"SELECT flow.enqueue_many('{external}', array_fill('{{}}'::jsonb, array[2000]))")
+        m.execute(f"SELECT flow.enqueue_many('{external}', array_fill('{{}}'::jsonb, array[3000]))")
 
         def fresh_lease():
-            # an earlier call may have paused or limited the queue (it is mallory's)
-            m.execute(f"SELECT flow.set_queue('{queue}', concurrency => NULL, paused => false)")
+            # an earlier call may have paused or limited the queue, or its rate (it is mallory's)
+            m.execute(f"SELECT flow.set_queue('{queue}', concurrency => NULL, paused => false, rate => NULL)")
             return m.execute(f"SELECT command_id, lease_token FROM flow.claim(array['{external}'], 'fz', 1, '1 hour')"
                              ).fetchone()
 

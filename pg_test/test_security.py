@@ -275,7 +275,7 @@ def test_internal_functions_are_not_callable_by_ordinary_roles(pg):
                          "_lane", "_span_ok"}
     assert "_worker_states" not in callable_   # (other roles' commands: flow._worker_rows hides them)
     for name in ("_lease_token", "_claim", "_lease", "_settle_batch", "_complete_many", "_lock_runs",
-                 "_external_claim_ended"):
+                 "_external_cursor_end", "_rate_admit", "_fire_schedules", "_schedule_due"):
         assert pg.one("SELECT count(*) FROM pg_proc p WHERE p.pronamespace = 'flow'::regnamespace"
                       " AND p.proname = %s", name) >= 1
         assert name not in callable_

@@ -501,9 +501,9 @@ WHERE pg_has_role(current_user, d.owner, 'MEMBER');
 -- running, from the workers' shared memory), so polling it costs the
 -- backlog, never the retained history: that is flow.queue_history.
 CREATE VIEW flow.queues WITH (security_barrier) AS
-SELECT q.name, q.owner, q.users, q.concurrency, q.paused, q.rate, q.per,
+SELECT q.name, q.owner, q.users, q.concurrency, q.paused,
        coalesce(u.pending, 0) AS pending, coalesce(u.due, 0) AS due, coalesce(u.waiting, 0) AS waiting,
-       coalesce(u.held, 0) + coalesce(k.running, 0) AS running
+       coalesce(u.held, 0) + coalesce(k.running, 0) AS running, q.rate, q.per
 FROM flow._queues q
 CROSS JOIN LATERAL (
     SELECT count(*) FILTER (WHERE c.status = 'pending' AND h.command_id IS NULL) AS pending,

@@ -39,9 +39,11 @@ BEGIN
     plan := flow._plan_enqueue(caller, definition, NULL, queue, NULL, NULL, NULL);
     PERFORM flow._require_payload('args', args);
     PERFORM flow._require_args_fit(definition, plan.def_owner, plan.def_args_type, args);
-    -- (after the clock, not the transaction's start: a tick fired since
-    -- this transaction began is not fired again)
-    next_at := flow._cron_next(cron, timezone, clock_timestamp());
+    -- (after the clock, not the transaction's start, and after the last tick
+    -- enqueued, up to a second ahead: no tick is fired twice, and the one
+    -- enqueued already runs as it was enqueued)
+    next_at := flow._cron_next(cron, timezone, greatest(clock_timestamp(),
+        (SELECT x.last_tick FROM flow._schedules x WHERE x.owner = caller AND x.name = _schedule.name)));
     INSERT INTO flow._schedules AS s (owner, name, cron, timezone, definition, args, queue, overlap, catch_up, next_tick)
     VALUES (caller, name, cron, timezone, definition, args, queue, overlap, catch_up, next_at)
     ON CONFLICT (owner, name) DO UPDATE SET
@@ -69,8 +71,9 @@ BEGIN
 END $$;
 
 -- Pause (or resume) the caller's schedule `name`; false if it has none of
--- that name. A paused schedule fires nothing; resumed, it fires from its
--- next tick after now (the ticks it was paused for are not caught up).
+-- that name. A paused schedule fires nothing more (a tick enqueued ahead of
+-- its time already, at most a second, still runs); resumed, it fires from
+-- its next tick after now (the ticks it was paused for are not caught up).
 CREATE FUNCTION flow._pause_schedule(caller oid, name text, paused boolean) RETURNS boolean
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
@@ -78,7 +81,8 @@ BEGIN
         RAISE EXCEPTION 'flow: paused must not be NULL' USING ERRCODE = '22004';
     END IF;
     UPDATE flow._schedules s SET
-        next_tick = CASE WHEN s.paused AND NOT _pause_schedule.paused THEN flow._cron_next(s.cron, s.timezone, clock_timestamp())
+        next_tick = CASE WHEN s.paused AND NOT _pause_schedule.paused
+                         THEN flow._cron_next(s.cron, s.timezone, greatest(clock_timestamp(), s.last_tick))
                          ELSE s.next_tick END,
         paused = _pause_schedule.paused, updated_at = now()
     WHERE s.owner = caller AND s.name = _pause_schedule.name;
@@ -92,7 +96,11 @@ END $$;
 -- Fire the due ticks of up to max_count schedules (the maintenance worker,
 -- src/maintenance.rs, one short transaction at a time; a schedule another
 -- transaction holds waits for the next round). Each tick is enqueued as the
--- schedule's owner, keyed schedule:<name>:<tick in UTC>: that key is the
+-- schedule's owner, up to `lead` before its time and due at it (run_at), so
+-- the time firing takes is not the tick's lateness: its run starts when a
+-- worker's sleep until the next due command ends. (A schedule with overlap
+-- => false fires at the tick, when it can tell whether the last run is
+-- over.) A run is keyed schedule:<name>:<tick in UTC>: that key is the
 -- owner's, so a tick fired again (a restore, a failover, a round whose
 -- commit was lost) finds its run instead of starting another. A tick whose
 -- enqueue fails (the definition's owner revoked the schedule owner's right
@@ -100,7 +108,7 @@ END $$;
 -- `started`: when the maintenance worker started; ticks that passed before
 -- are missed (see src/schedules.rs, _schedule_due). Returns how many
 -- schedules it fired (max_count: more may be due).
-CREATE FUNCTION flow._fire_schedules(started timestamptz, max_count integer) RETURNS integer
+CREATE FUNCTION flow._fire_schedules(started timestamptz, max_count integer, lead interval) RETURNS integer
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     -- how late a tick may be fired: later than this, it was missed (a dump
@@ -118,11 +126,12 @@ DECLARE
     skipped_all bigint := 0;
 BEGIN
     FOR s IN SELECT * FROM flow._schedules x                            -- index _schedules_due
-             WHERE NOT x.paused AND x.next_tick <= now_at
+             WHERE NOT x.paused AND x.next_tick <= now_at + lead AND (x.overlap OR x.next_tick <= now_at)
              ORDER BY x.next_tick LIMIT max_count FOR UPDATE SKIP LOCKED LOOP
         seen := seen + 1;
         SELECT d.fire, d.skipped, d.next_tick INTO fire, skipped, next_at
-        FROM flow._schedule_due(s.cron, s.timezone, s.next_tick, started, now_at, grace_s, s.catch_up) d;
+        FROM flow._schedule_due(s.cron, s.timezone, s.next_tick, started, now_at,
+                                now_at + CASE WHEN s.overlap THEN lead ELSE interval '0' END, grace_s, s.catch_up) d;
         IF NOT s.overlap AND cardinality(fire) > 0 THEN
             -- one run at a time: the latest due tick, and none while the last one's run is unfinished
             skipped := skipped + cardinality(fire) - 1;
@@ -136,7 +145,7 @@ BEGIN
             BEGIN
                 run := flow._enqueue(s.owner, s.definition, s.args,
                     'schedule:' || s.name || ':' || to_char(tick AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"'),
-                    NULL, s.queue, NULL, NULL, NULL, NULL);
+                    NULL, s.queue, NULL, tick, NULL, NULL);
                 fired := fired + 1;
                 s.last_tick := tick;
                 s.last_run_id := run;
@@ -154,11 +163,16 @@ BEGIN
     RETURN seen;
 END $$;
 
--- Milliseconds until the next tick of any schedule (NULL: none), for the
--- maintenance worker's sleep.
-CREATE FUNCTION flow._next_tick_ms() RETURNS bigint
+-- Milliseconds until the next tick of any schedule is to be fired (`lead`
+-- before it, see _fire_schedules; NULL: none), for the maintenance worker's sleep.
+CREATE FUNCTION flow._next_tick_ms(lead interval) RETURNS bigint
 LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
-    RETURN (SELECT ceil(extract(epoch FROM min(x.next_tick) - clock_timestamp()) * 1000)::bigint
-            FROM flow._schedules x WHERE NOT x.paused);           -- index _schedules_due
+    RETURN (SELECT ceil(extract(epoch FROM least(
+                       (SELECT min(x.next_tick) - lead FROM flow._schedules x           -- index _schedules_due
+                        WHERE NOT x.paused AND x.overlap),
+                       (SELECT min(x.next_tick) FROM flow._schedules x                  -- index _schedules_due
+                        WHERE NOT x.paused AND NOT x.overlap))
+                   - clock_timestamp()) * 1000)::bigint);
 END $$;
+

@@ -81,7 +81,8 @@ fn next_tick(cron: &str, timezone: &str, after: TimestampWithTimeZone) -> Option
 }
 
 /// Which of a schedule's ticks from `next_tick` (its first unfired one) up to
-/// `now` to fire. A tick is missed when it passed while the maintenance
+/// `until` (now, or a little after: ticks are enqueued ahead of their time,
+/// see flow._fire_schedules) to fire. A tick is missed when it passed while the maintenance
 /// worker was not running (before `started`) or more than `grace` ago (a
 /// restore of an old dump): of those, the last `catch_up` fire and the others
 /// are skipped. Every other due tick fires, however late. Returns the ticks
@@ -94,6 +95,7 @@ fn _schedule_due(
     next_tick: TimestampWithTimeZone,
     started: TimestampWithTimeZone,
     now: TimestampWithTimeZone,
+    until: TimestampWithTimeZone,
     grace_s: i64,
     catch_up: i32,
 ) -> TableIterator<
@@ -106,7 +108,7 @@ fn _schedule_due(
 > {
     let nothing = || TableIterator::once((Vec::new(), 0, None));
     let (Ok(pattern), Ok(zone)) = (parse_cron(cron), parse_zone(timezone)) else { return nothing() };
-    let (Some(first), Some(now_z)) = (to_zoned(next_tick, zone), to_zoned(now, zone)) else { return nothing() };
+    let (Some(first), Some(until_z)) = (to_zoned(next_tick, zone), to_zoned(until, zone)) else { return nothing() };
     let missed_before = started.into_inner().max(now.into_inner() - grace_s.saturating_mul(1_000_000));
     let mut missed: VecDeque<DateTime<Tz>> = VecDeque::new();
     let mut skipped = 0i64;
@@ -115,7 +117,7 @@ fn _schedule_due(
     // (next_tick is itself a tick: the one the last round left unfired)
     let mut tick = pattern.find_next_occurrence(&first, true).ok();
     let mut seen = 0;
-    while let Some(at) = tick.filter(|t| *t <= now_z && fire.len() < MAX_TICKS_FIRED && seen < MAX_TICKS_SEEN) {
+    while let Some(at) = tick.filter(|t| *t <= until_z && fire.len() < MAX_TICKS_FIRED && seen < MAX_TICKS_SEEN) {
         seen += 1;
         if to_pg(&at).is_some_and(|t| t.into_inner() < missed_before) {
             missed.push_back(at);
@@ -129,8 +131,8 @@ fn _schedule_due(
         tick = pattern.find_next_occurrence(&at, false).ok();
     }
     if seen == MAX_TICKS_SEEN {
-        // (stopped for longer than the walk: go on from now)
-        tick = pattern.find_next_occurrence(&now_z, false).ok();
+        // (stopped for longer than the walk: go on from then)
+        tick = pattern.find_next_occurrence(&until_z, false).ok();
     }
     missed.extend(fire);
     let fire = missed.iter().filter_map(to_pg).collect();

@@ -82,6 +82,31 @@ SELECT flow.define('g_on_q', NULL, queue => 'g_used');
 SELECT flow.drop_queue('g_used');
 ROLLBACK;
 
+-- a rate limit, then paused: the rate stays; a negative rate or a NULL per: FL009
+BEGIN;
+SELECT flow.set_queue('g_rated', rate => 100, per => '1 minute');
+SELECT flow.set_queue('g_rated', paused => true);
+SELECT name, concurrency, paused, rate, per FROM flow.queues WHERE name = 'g_rated';
+SELECT flow.set_queue('g_rated', rate => -1);
+SELECT flow.set_queue('g_rated', per => NULL);
+ROLLBACK;
+
+-- ================================================================ flow.schedule, flow.unschedule, flow.pause_schedule
+BEGIN;
+SELECT flow.define('g_tick', 'golden.echo'::regproc);
+SELECT flow.schedule('g_yearly', '0 0 1 1 *', 'g_tick', '{"a": 1}', timezone => 'Europe/Paris') > now() AS next_tick_ahead;
+SELECT name, cron, timezone, definition, args, queue, paused, last_tick, owner, overlap, catch_up FROM flow.schedules;
+SELECT flow.pause_schedule('g_yearly');
+SELECT name, paused FROM flow.schedules;
+-- a bad cron: FL022; an unknown zone: FL023; a bad catch_up: 22023; an unknown definition: FL001
+SELECT flow.schedule('g_bad', '61 * * * *', 'g_tick');
+SELECT flow.schedule('g_bad', '* * * * *', 'g_tick', timezone => 'Mars/Olympus');
+SELECT flow.schedule('g_bad', '* * * * *', 'g_tick', catch_up => -1);
+SELECT flow.schedule('g_bad', '* * * * *', 'g_none');
+SELECT flow.unschedule('g_yearly');
+SELECT flow.unschedule('g_yearly');
+ROLLBACK;
+
 -- ================================================================ flow.grant_queue, flow.revoke_queue
 BEGIN;
 SELECT flow.set_queue('g_shared');
@@ -148,6 +173,15 @@ SELECT flow.enqueue('g_ext', '{"user": 43}', key => 'k1');
 -- args that do not fit the args_type: FL019
 SELECT flow.enqueue('g_typed', '{"order_id": "seven"}');
 SELECT count(*) AS runs FROM flow.runs WHERE name IN ('g_ext', 'g_typed');
+ROLLBACK;
+
+-- a priority: the definition's, or the one given; outside smallint: 22003
+BEGIN;
+SELECT flow.define('g_prio', 'golden.echo'::regproc, priority => 5);
+SELECT priority FROM flow.definitions WHERE name = 'g_prio';
+SELECT flow.enqueue('g_prio') AS p_default, flow.enqueue('g_prio', priority => -3) AS p_given \gset
+SELECT priority FROM flow.commands WHERE run_id IN (:'p_default', :'p_given') ORDER BY priority;
+SELECT flow.enqueue('g_prio', priority => 40000);
 ROLLBACK;
 
 -- ================================================================ flow.enqueue_many
