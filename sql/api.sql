@@ -30,13 +30,15 @@ END $$;
 -- says it was left out); paused NULL keeps it too.
 CREATE FUNCTION flow.set_queue(name text, concurrency integer DEFAULT flow._left_out('concurrency')::integer,
     paused boolean DEFAULT NULL, rate integer DEFAULT flow._left_out('rate')::integer,
-    per interval DEFAULT flow._left_out('per')::interval, caller_ticket bigint DEFAULT flow._ticket())
+    per interval DEFAULT flow._left_out('per')::interval,
+    group_concurrency integer DEFAULT flow._left_out('group_concurrency')::integer,
+    caller_ticket bigint DEFAULT flow._ticket())
 RETURNS void
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     left_out text[] := flow._left_out_of(caller_ticket);
 BEGIN
-    PERFORM flow._set_queue(flow._redeem(caller_ticket), name, concurrency, paused, rate, per, left_out);
+    PERFORM flow._set_queue(flow._redeem(caller_ticket), name, concurrency, paused, rate, per, group_concurrency, left_out);
 END $$;
 
 -- Drop a queue you manage that no definition and no unfinished command uses
@@ -85,23 +87,24 @@ END $$;
 CREATE FUNCTION flow.enqueue(name text, args jsonb DEFAULT '{}', key text DEFAULT NULL,
     version integer DEFAULT NULL, queue text DEFAULT NULL, start_after interval DEFAULT NULL,
     run_at timestamptz DEFAULT NULL, deadline interval DEFAULT NULL, priority integer DEFAULT NULL,
-    caller_ticket bigint DEFAULT flow._ticket())
+    group_key text DEFAULT NULL, caller_ticket bigint DEFAULT flow._ticket())
 RETURNS uuid
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     RETURN flow._enqueue(flow._redeem(caller_ticket), name, args, key, version, queue, start_after,
-                         run_at, deadline, priority);
+                         run_at, deadline, priority, group_key);
 END $$;
 
 -- Start one run per element of args_array in one statement; returns their ids in order.
 CREATE FUNCTION flow.enqueue_many(name text, args_array jsonb[], version integer DEFAULT NULL,
     queue text DEFAULT NULL, start_after interval DEFAULT NULL, run_at timestamptz DEFAULT NULL,
-    deadline interval DEFAULT NULL, priority integer DEFAULT NULL, caller_ticket bigint DEFAULT flow._ticket())
+    deadline interval DEFAULT NULL, priority integer DEFAULT NULL, group_key text DEFAULT NULL,
+    group_keys text[] DEFAULT NULL, caller_ticket bigint DEFAULT flow._ticket())
 RETURNS uuid[]
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     RETURN flow._enqueue_many(flow._redeem(caller_ticket), name, args_array, version, queue, start_after,
-                              run_at, deadline, priority);
+                              run_at, deadline, priority, group_key, group_keys);
 END $$;
 
 -- ---------------------------------------------------------------- schedules
@@ -186,12 +189,12 @@ $$;
 CREATE FUNCTION flow.spawn(name text, args jsonb DEFAULT '{}', key text DEFAULT NULL,
     start_after interval DEFAULT NULL, waits flow.wait_spec[] DEFAULT '{}', within interval DEFAULT NULL,
     version integer DEFAULT NULL, queue text DEFAULT NULL, priority integer DEFAULT NULL,
-    caller_ticket bigint DEFAULT flow._ticket())
+    group_key text DEFAULT NULL, caller_ticket bigint DEFAULT flow._ticket())
 RETURNS uuid
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     RETURN flow._spawn(flow._redeem(caller_ticket), flow._current_command(), name, args, key, start_after, waits,
-                       within, version, queue, priority);
+                       within, version, queue, priority, group_key);
 END $$;
 
 -- The run's commands, parent links, waits and events as text to render: 'dot' or 'mermaid'.
@@ -314,7 +317,7 @@ BEGIN
                 -- From one queue and for one definition (the common claim),
                 -- what the claim locked, in due order (nothing sorted).
                 SELECT k.command_id, k.run_id, k.name, k.version, k.queue, k.args, k.attempt, k.deadline, k.context,
-                       k.due_at, k.row_at, k.held, k.held_token, k.priority
+                       k.due_at, k.row_at, k.held, k.held_token, k.priority, k.grouped
                 FROM locked k WHERE k.claim_order IS NULL
                 UNION ALL
                 -- From several (claim_order 0), the queues interleaved
@@ -322,7 +325,7 @@ BEGIN
                 -- limited lane keeps its earliest up to its room (a claim
                 -- naming several definitions locked up to the room for each).
                 (SELECT k.command_id, k.run_id, k.name, k.version, k.queue, k.args, k.attempt, k.deadline, k.context,
-                        k.due_at, k.row_at, k.held, k.held_token, k.priority
+                        k.due_at, k.row_at, k.held, k.held_token, k.priority, k.grouped
                  FROM (SELECT k.*, row_number() OVER (PARTITION BY k.lane_order ORDER BY k.priority, k.due_at, k.command_id) AS rank
                        FROM locked k WHERE k.claim_order IS NOT NULL) k
                  WHERE k.rank <= k.lane_room
@@ -348,7 +351,8 @@ BEGIN
             -- any row is handed on. (From what it locked: a held claim's
             -- commands stay in the due index, locked, until its client's
             -- transaction ends, and the next claims would skip each of them again.)
-            WHERE (SELECT flow._external_cursor_end(alone, wanted, array_agg(k.queue), array_agg(k.priority),
+            -- (a claim that took grouped commands notes nothing: cursors are of the ungrouped)
+            WHERE (SELECT flow._external_cursor_end(CASE WHEN bool_or(k.grouped) THEN NULL ELSE alone END, wanted, array_agg(k.queue), array_agg(k.priority),
                                                      array_agg(k.due_at), array_agg(k.command_id))
                    FROM picked k)
               -- (each held claim noted for the transaction's end: src/external.rs)
@@ -460,7 +464,7 @@ SELECT c.id, c.run_id, c.parent_id, c.key, c.name, c.version, c.queue,
        c.next_run_at, c.args, c.result, c.last_error_code, c.last_error_message, c.stop_reason,
        c.wait_timed_out, coalesce(h.owner, c.lease_owner) AS lease_owner, c.lease_expires_at,
        coalesce(h.started_at, c.attempt_started_at) AS attempt_started_at, c.attempt_deadline,
-       c.created_at, c.finished_at, c.priority
+       c.created_at, c.finished_at, c.priority, c.group_key
 FROM flow._command_rows c
 LEFT JOIN flow._held_attempts h ON h.command_id = c.id
 WHERE pg_has_role(current_user, c.owner, 'MEMBER');
@@ -503,7 +507,7 @@ WHERE pg_has_role(current_user, d.owner, 'MEMBER');
 CREATE VIEW flow.queues WITH (security_barrier) AS
 SELECT q.name, q.owner, q.users, q.concurrency, q.paused,
        coalesce(u.pending, 0) AS pending, coalesce(u.due, 0) AS due, coalesce(u.waiting, 0) AS waiting,
-       coalesce(u.held, 0) + coalesce(k.running, 0) AS running, q.rate, q.per
+       coalesce(u.held, 0) + coalesce(k.running, 0) AS running, q.rate, q.per, q.group_concurrency
 FROM flow._queues q
 CROSS JOIN LATERAL (
     SELECT count(*) FILTER (WHERE c.status = 'pending' AND h.command_id IS NULL) AS pending,

@@ -24,6 +24,34 @@ LANGUAGE sql STABLE AS $$
     ORDER BY p.priority
 $$;
 
+-- A group key's hash, as _commands.group_hash keeps it: 0 for none, else
+-- positive (flow._groups_of reads a lane's groups after 0).
+CREATE FUNCTION flow._group_hash(group_key text) RETURNS bigint
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT CASE WHEN group_key IS NULL THEN 0
+                ELSE (pg_catalog.hashtextextended(group_key, 0) & 9223372036854775807) | 1 END
+$$;
+
+-- The groups of a lane's pending and waiting commands of one priority, as
+-- flow._claim reads them: 0 (none: what has no group) and each group's
+-- hash, in order. A loose scan of _commands_due: one probe per group, and
+-- one more (of an empty range, in a queue without groups) to find no more.
+-- (0 is not probed: its range is read from the claim's cursor, past the
+-- entries of commands claimed and settled before, see flow._claim.)
+CREATE FUNCTION flow._groups_of(lane bigint, priority smallint) RETURNS TABLE (group_hash bigint)
+LANGUAGE sql STABLE AS $$
+    WITH RECURSIVE g(h) AS (
+        SELECT 0::bigint
+        UNION ALL
+        SELECT (SELECT c.group_hash FROM flow._commands c                -- index _commands_due
+                WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END) = _groups_of.lane
+                  AND c.priority = _groups_of.priority AND c.group_hash > g.h
+                  AND c.status IN ('pending', 'waiting')
+                ORDER BY c.group_hash LIMIT 1)
+        FROM g WHERE g.h IS NOT NULL)
+    SELECT g.h FROM g WHERE g.h IS NOT NULL
+$$;
+
 -- Claim up to max_count due commands (rule 3): lock them, and say how each
 -- is to be run. A command is claimed in one of two ways:
 -- * leased: its row will say `running`, with the attempt counted and the
@@ -99,6 +127,8 @@ DECLARE
     claimants text[] := CASE WHEN names IS NULL THEN '{""}' ELSE ARRAY(SELECT DISTINCT n FROM unnest(names) AS n) END;
     -- other owners' queues have due work too: the claim is one turn of several
     other_owners_due boolean;
+    -- where this claim's round of a queue's groups begins (see the scan below)
+    group_start bigint := (random() * 9.2e18)::bigint;
 BEGIN
     -- Which queues offer due work, and to which claimants: each unpaused
     -- queue's head in the due index for each (an ORDER BY ... LIMIT 1
@@ -122,19 +152,21 @@ BEGIN
     -- (a chunk never runs two owners' handlers: src/worker.rs). An external
     -- claim names definitions its caller may claim, and is not split so.
     WITH due AS (
-        SELECT q.name AS queue, coalesce(q.owner::oid, 0::oid) AS queue_owner, q.concurrency IS NULL AS unlimited,
+        SELECT q.name AS queue, coalesce(q.owner::oid, 0::oid) AS queue_owner,
+               q.concurrency IS NULL AND q.group_concurrency IS NULL AS unlimited,
                w.claimant
         FROM flow._queues q
         CROSS JOIN unnest(claimants) AS w(claimant) CROSS JOIN LATERAL (
             SELECT min(x.next_run_at) AS next_run_at
             FROM flow._priorities_of(q.name) p
+            CROSS JOIN LATERAL flow._groups_of(flow._lane(q.name, w.claimant), p.priority) g
             LEFT JOIN LATERAL (
                 SELECT a.at, a.id FROM unnest(after_queues, after_priorities, after_at, after_ids) AS a(queue, priority, at, id)
-                WHERE a.queue = q.name AND a.priority = p.priority LIMIT 1) a ON true
+                WHERE g.group_hash = 0 AND a.queue = q.name AND a.priority = p.priority LIMIT 1) a ON true
             CROSS JOIN LATERAL (
                 SELECT c.next_run_at FROM flow._commands c          -- index _commands_due
                 WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END) = flow._lane(q.name, w.claimant)
-                  AND c.priority = p.priority
+                  AND c.priority = p.priority AND c.group_hash = g.group_hash
                   AND c.queue = q.name AND c.external = (names IS NOT NULL)
                   AND (CASE WHEN c.external THEN c.name ELSE '' END) = w.claimant
                   AND c.status IN ('pending', 'waiting')
@@ -142,7 +174,7 @@ BEGIN
                   AND (excluded IS NULL OR c.id <> ALL (excluded))
                 ORDER BY c.next_run_at LIMIT 1) x) x
         WHERE NOT q.paused AND x.next_run_at <= now()
-          AND (q.concurrency IS NULL OR names IS NULL
+          AND ((q.concurrency IS NULL AND q.group_concurrency IS NULL) OR names IS NULL
                OR EXISTS (SELECT 1 FROM flow._definitions d WHERE d.queue = q.name AND d.name = ANY (names)))
     ), turns AS (
         SELECT o.owners[1 + ((turn % cardinality(o.owners)) + cardinality(o.owners)) % cardinality(o.owners)] AS owner,
@@ -184,7 +216,7 @@ BEGIN
                -- (its place in this claim's round-robin turn: from queue number `turn`, in name order)
                (((row_number() OVER (ORDER BY q.name) - 1 - turn) % cardinality(lanes) + cardinality(lanes))
                    % cardinality(lanes))::integer AS lane_order,
-               q.concurrency IS NULL AS unlimited,
+               q.concurrency IS NULL AND q.group_concurrency IS NULL AS unlimited,
                -- (within its concurrency limit, and as many as its rate
                -- limit has cells for now: each row it locks takes one,
                -- below, and one it cannot is left for a later claim)
@@ -194,7 +226,7 @@ BEGIN
                               WHERE r.queue = q.name AND r.status = 'running'))::integer
                      END,
                      CASE WHEN q.rate IS NOT NULL THEN flow._rate_room(q.name, q.rate, x.per_us) END) AS room,
-               q.rate, x.per_us
+               q.rate, x.per_us, q.group_concurrency
         FROM flow._queues q CROSS JOIN LATERAL (SELECT (extract(epoch FROM q.per) * 1000000)::bigint AS per_us) x
         WHERE q.name = ANY (lanes)
     ), share AS (
@@ -262,7 +294,7 @@ BEGIN
            -- claim order 0, so the worker claims again at once)
            CASE WHEN cardinality(slot_queues) <> 1 OR (other_owners_due AND names IS NULL) THEN 0 END,
            h.args_type, h.next_run_at, h.row_at,
-           h.held, h.lane_order, h.room, h.priority
+           h.held, h.lane_order, h.room, h.priority, h.grouped
     FROM (
         -- (an attempt's deadlines: flow._deadline never raises, whatever one
         -- row holds, so no row can fail the claim for every role: src/spans.rs)
@@ -273,18 +305,25 @@ BEGIN
                coalesce(l.unlimited AND l.rate IS NULL AND (h.handler = ANY (fast_handlers) OR hold), false) AS held,
                l.lane_order, l.room, l.rate, l.per_us
         FROM share l CROSS JOIN LATERAL (
-          -- (its priorities in order, each read from where the last claim
-          -- ended in it, until the slot has its share: the LIMIT stops the
-          -- scans, so every row locked is returned)
+          -- (its priorities in order; in each, its groups round-robin (0:
+          -- what has no group, one group among them) from a point that
+          -- moves every claim, each group up to an equal part of the share
+          -- and within group_concurrency; the ungrouped read from where the
+          -- last claim ended; until the slot has its share: the LIMIT stops
+          -- the scans, so every row locked is returned)
           SELECT k.* FROM flow._priorities_of(l.name) p
+          CROSS JOIN LATERAL (
+              SELECT g.group_hash, count(*) OVER () AS groups
+              FROM flow._groups_of(flow._lane(l.name, l.claimant), p.priority) g
+              ORDER BY g.group_hash <= group_start, g.group_hash) g
           LEFT JOIN LATERAL (
               SELECT a.at, a.id FROM unnest(after_queues, after_priorities, after_at, after_ids) AS a(queue, priority, at, id)
-              WHERE a.queue = l.name AND a.priority = p.priority LIMIT 1) a ON true
+              WHERE g.group_hash = 0 AND a.queue = l.name AND a.priority = p.priority LIMIT 1) a ON true
           CROSS JOIN LATERAL (
             -- (the columns a caller needs, not the whole row: a row carried
             -- as one composite value is built, copied and taken apart again
             -- for every command)
-            SELECT c.id, c.priority, c.run_id, c.key, c.name, c.version, c.queue, c.args, c.status, c.attempts, c.next_run_at,
+            SELECT c.id, c.priority, c.group_hash <> 0 AS grouped, c.run_id, c.key, c.name, c.version, c.queue, c.args, c.status, c.attempts, c.next_run_at,
                    c.deadline, c.wait_timed_out, c.created_at, c.ctid AS row_at,
                    d.handler::oid AS handler, d.owner::oid AS owner, d.takes_context,
                    d.timeout, d.max_elapsed, d.args_type,
@@ -292,14 +331,18 @@ BEGIN
             FROM flow._commands c                                   -- index _commands_due
             JOIN flow._definitions d ON d.name = c.name AND d.version = c.version
             WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END) = flow._lane(l.name, l.claimant)
-              AND c.priority = p.priority
+              AND c.priority = p.priority AND c.group_hash = g.group_hash
               AND c.queue = l.name AND c.external = (names IS NOT NULL)
               AND (CASE WHEN c.external THEN c.name ELSE '' END) = l.claimant
               AND c.status IN ('pending', 'waiting') AND c.next_run_at <= now()
               AND (c.next_run_at, c.id) > (coalesce(a.at, '-infinity'), coalesce(a.id, '00000000-0000-0000-0000-000000000000'::uuid))
               AND (excluded IS NULL OR c.id <> ALL (excluded))
             ORDER BY c.next_run_at, c.id
-            LIMIT l.take
+            LIMIT CASE WHEN g.group_hash = 0 OR l.group_concurrency IS NULL THEN greatest(1, l.take / g.groups)
+                       ELSE least(greatest(1, l.take / g.groups), greatest(0, l.group_concurrency - (
+                           SELECT count(*) FROM flow._commands r            -- index _commands_group_running
+                           WHERE r.queue = l.name AND r.group_hash = g.group_hash AND r.status = 'running')))
+                  END
             FOR UPDATE OF c SKIP LOCKED
           ) k
           LIMIT l.take
@@ -393,13 +436,14 @@ BEGIN
                      THEN flow._rate_next(q.name, q.rate, (extract(epoch FROM q.per) * 1000000)::bigint) END))
             - clock_timestamp()) * 1000)::bigint
     FROM flow._queues q CROSS JOIN LATERAL flow._priorities_of(q.name) p
+    CROSS JOIN LATERAL flow._groups_of(flow._lane(q.name, ''), p.priority) g
     LEFT JOIN LATERAL (
         SELECT a.at, a.id FROM unnest(after_queues, after_priorities, after_at, after_ids) AS a(queue, priority, at, id)
-        WHERE a.queue = q.name AND a.priority = p.priority LIMIT 1) a ON true
+        WHERE g.group_hash = 0 AND a.queue = q.name AND a.priority = p.priority LIMIT 1) a ON true
     CROSS JOIN LATERAL (
         SELECT c.next_run_at FROM flow._commands c                  -- index _commands_due
         WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END) = flow._lane(q.name, '')
-          AND c.priority = p.priority
+          AND c.priority = p.priority AND c.group_hash = g.group_hash
           AND c.queue = q.name AND NOT c.external
           AND c.status IN ('pending', 'waiting') AND c.next_run_at < 'infinity'
           AND (c.next_run_at, c.id) > (coalesce(a.at, '-infinity'), coalesce(a.id, '00000000-0000-0000-0000-000000000000'::uuid))
@@ -407,5 +451,9 @@ BEGIN
     WHERE NOT q.paused
       AND (q.concurrency IS NULL
            OR q.concurrency > (SELECT count(*) FROM flow._commands r      -- index _commands_running
-                               WHERE r.queue = q.name AND r.status = 'running')));
+                               WHERE r.queue = q.name AND r.status = 'running'))
+      -- (a group at its group_concurrency: what frees it, a settlement, wakes the workers)
+      AND (g.group_hash = 0 OR q.group_concurrency IS NULL
+           OR q.group_concurrency > (SELECT count(*) FROM flow._commands r    -- index _commands_group_running
+                                     WHERE r.queue = q.name AND r.group_hash = g.group_hash AND r.status = 'running')));
 END $$;

@@ -352,7 +352,7 @@ END $$;
 -- Set a queue's options; those the caller left out (`left_out`: see
 -- flow._left_out) keep their values, and so does a NULL paused.
 CREATE FUNCTION flow._set_queue(caller oid, name text, concurrency integer, paused boolean, rate integer,
-    per interval, left_out text[])
+    per interval, group_concurrency integer, left_out text[])
 RETURNS void
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
@@ -360,6 +360,10 @@ DECLARE
 BEGIN
     IF concurrency IS NOT NULL AND concurrency < 1 THEN
         RAISE EXCEPTION 'flow: queue concurrency must be 1 or more (NULL for no limit), got %', concurrency
+            USING ERRCODE = 'FL009';
+    END IF;
+    IF group_concurrency IS NOT NULL AND group_concurrency < 1 THEN
+        RAISE EXCEPTION 'flow: queue group_concurrency must be 1 or more (NULL for no limit), got %', group_concurrency
             USING ERRCODE = 'FL009';
     END IF;
     IF rate IS NOT NULL AND rate < 0 THEN
@@ -375,6 +379,8 @@ BEGIN
         concurrency = CASE WHEN 'concurrency' = ANY (left_out) THEN x.concurrency ELSE _set_queue.concurrency END,
         rate = CASE WHEN 'rate' = ANY (left_out) THEN x.rate ELSE _set_queue.rate END,
         per = CASE WHEN 'per' = ANY (left_out) THEN x.per ELSE _set_queue.per END,
+        group_concurrency = CASE WHEN 'group_concurrency' = ANY (left_out) THEN x.group_concurrency
+                                 ELSE _set_queue.group_concurrency END,
         paused = coalesce(_set_queue.paused, x.paused),
         updated_at = now()
     WHERE x.name = q.name;

@@ -70,6 +70,16 @@ BEGIN
     RETURN coalesce(given, otherwise);
 END $$;
 
+-- A group key as a command keeps it: NULL (none), or a name of at most 1 KiB.
+CREATE FUNCTION flow._require_group(what text, group_key text) RETURNS text
+LANGUAGE plpgsql IMMUTABLE AS $$
+BEGIN
+    IF group_key IS NOT NULL AND btrim(group_key) = '' THEN
+        RAISE EXCEPTION 'flow: % must not be empty (NULL for none)', what USING ERRCODE = 'FL002';
+    END IF;
+    RETURN flow._require_short(what, group_key);
+END $$;
+
 -- Note that `queue` has commands of `priority`, for its claims
 -- (flow._priorities_of; 0 is always read). Called for each enqueue and spawn
 -- of a priority other than 0: one index probe once the priority is known.
@@ -85,7 +95,7 @@ END $$;
 -- The root commands of new runs (run_ids[i] gets args[i]), and the wake-up.
 -- A run is its root until it needs a row of its own (see flow._runs).
 CREATE FUNCTION flow._insert_roots(owner oid, name text, version integer, external boolean, lane text,
-    due timestamptz, ends timestamptz, run_ids uuid[], args jsonb[], priority smallint)
+    due timestamptz, ends timestamptz, run_ids uuid[], args jsonb[], priority smallint, group_keys text[])
 RETURNS void
 LANGUAGE plpgsql AS $$
 BEGIN
@@ -93,17 +103,18 @@ BEGIN
         PERFORM flow._note_priority(lane, priority);
     END IF;
     INSERT INTO flow._commands (id, run_id, key, name, version, queue, args, declaration, status,
-        next_run_at, not_before, budget_started_at, deadline, external, owner, priority)
+        next_run_at, not_before, budget_started_at, deadline, external, owner, priority, group_key, group_hash)
     -- (a root is never spawned again, so it has no declaration to match:
     -- its args are not stored twice; its id is its run's, see _commands_run_key)
     SELECT t.run_id, t.run_id, 'root', _insert_roots.name, _insert_roots.version, lane, t.args, '{}',
-        'pending', due, due, due, ends, _insert_roots.external, _insert_roots.owner, _insert_roots.priority
-    FROM unnest(run_ids, args) AS t(run_id, args);
+        'pending', due, due, due, ends, _insert_roots.external, _insert_roots.owner, _insert_roots.priority,
+        t.group_key, flow._group_hash(t.group_key)
+    FROM unnest(run_ids, args, group_keys) AS t(run_id, args, group_key);
     PERFORM flow._wake_due_from(due);
 END $$;
 
 CREATE FUNCTION flow._enqueue(caller oid, name text, args jsonb, key text, version integer, queue text,
-    start_after interval, run_at timestamptz, deadline interval, priority integer)
+    start_after interval, run_at timestamptz, deadline interval, priority integer, group_key text)
 RETURNS uuid
 LANGUAGE plpgsql AS $$
 #variable_conflict use_column
@@ -116,6 +127,7 @@ BEGIN
     PERFORM flow._require_payload('args', args);
     PERFORM flow._require_args_fit(name, p.def_owner, p.def_args_type, args);
     PERFORM flow._require_short('key', key);
+    PERFORM flow._require_group('group_key', group_key);
     IF key IS NOT NULL AND btrim(key) = '' THEN
         RAISE EXCEPTION 'flow: key must not be empty (NULL for none)' USING ERRCODE = 'FL002';
     END IF;
@@ -142,13 +154,14 @@ BEGIN
         END IF;
     END LOOP;
     PERFORM flow._insert_roots(caller, name, p.def_version, p.def_external, p.lane, p.due, p.ends,
-                               ARRAY[run_id], ARRAY[args], flow._priority(priority, p.def_priority));
+                               ARRAY[run_id], ARRAY[args], flow._priority(priority, p.def_priority), ARRAY[group_key]);
     RETURN run_id;
 END $$;
 
 -- Many runs in one statement: set-based, no run keys.
 CREATE FUNCTION flow._enqueue_many(caller oid, name text, args_array jsonb[], version integer, queue text,
-    start_after interval, run_at timestamptz, deadline interval, priority integer)
+    start_after interval, run_at timestamptz, deadline interval, priority integer, group_key text,
+    group_keys text[])
 RETURNS uuid[]
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -159,6 +172,19 @@ DECLARE
 BEGIN
     IF args_array IS NULL THEN
         RAISE EXCEPTION 'flow: args_array must not be NULL' USING ERRCODE = 'FL003';
+    END IF;
+    -- one group for all (group_key), or one each (group_keys)
+    IF group_keys IS NOT NULL THEN
+        IF group_key IS NOT NULL THEN
+            RAISE EXCEPTION 'flow: give group_key or group_keys, not both' USING ERRCODE = 'FL006';
+        END IF;
+        IF cardinality(group_keys) <> cardinality(args_array) THEN
+            RAISE EXCEPTION 'flow: group_keys has % elements, args_array %', cardinality(group_keys), cardinality(args_array)
+                USING ERRCODE = 'FL003';
+        END IF;
+        PERFORM flow._require_group(format('group_keys[%s]', i), k) FROM unnest(group_keys) WITH ORDINALITY AS u(k, i);
+    ELSE
+        PERFORM flow._require_group('group_key', group_key);
     END IF;
     SELECT i, a INTO bad FROM unnest(args_array) WITH ORDINALITY AS t(a, i)
     WHERE a IS NULL OR jsonb_typeof(a) <> 'object' OR octet_length(a::text) > limit_bytes
@@ -183,6 +209,8 @@ BEGIN
     END IF;
     SELECT coalesce(array_agg(flow._new_id()), '{}') INTO ids FROM unnest(args_array);
     PERFORM flow._insert_roots(caller, name, p.def_version, p.def_external, p.lane, p.due, p.ends,
-                               ids, args_array, flow._priority(priority, p.def_priority));
+                               ids, args_array, flow._priority(priority, p.def_priority),
+                               coalesce(group_keys, CASE WHEN group_key IS NOT NULL
+                                                         THEN array_fill(group_key, ARRAY[cardinality(args_array)]) END));
     RETURN ids;
 END $$;

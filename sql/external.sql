@@ -240,7 +240,8 @@ BEGIN
             (item->>'start_after')::interval,
             (SELECT coalesce(array_agg(ROW(w->>'name', w->>'key')::flow.wait_spec), '{}')
              FROM jsonb_array_elements(coalesce(item->'waits', '[]')) w),
-            (item->>'within')::interval, (item->>'version')::integer, item->>'queue', (item->>'priority')::integer);
+            (item->>'within')::interval, (item->>'version')::integer, item->>'queue', (item->>'priority')::integer,
+            item->>'group_key');
     END LOOP;
     -- _leased holds the run's lock, as _settle_batch requires.
     IF held IS NULL THEN

@@ -112,10 +112,15 @@ SELECT pg_catalog.pg_extension_config_dump('flow._schedules', '');
 ALTER TABLE flow._definitions ADD COLUMN priority smallint NOT NULL DEFAULT 0;
 ALTER TABLE flow._commands ADD COLUMN priority smallint NOT NULL DEFAULT 0;
 ALTER TYPE flow.claimed_command ADD ATTRIBUTE priority smallint;
+-- Groups (flow._claim, flow._groups_of): round-robin and group_concurrency within a queue.
+ALTER TABLE flow._commands ADD COLUMN group_key text CHECK (group_key <> '' AND octet_length(group_key) <= 1024),
+    ADD COLUMN group_hash bigint NOT NULL DEFAULT 0;
+ALTER TYPE flow.claimed_command ADD ATTRIBUTE grouped boolean;
 DROP INDEX flow._commands_due;
 CREATE INDEX _commands_due ON flow._commands
-    (flow._lane(queue, CASE WHEN external THEN name ELSE '' END), priority, next_run_at, id)
+    (flow._lane(queue, CASE WHEN external THEN name ELSE '' END), priority, group_hash, next_run_at, id)
     WHERE status IN ('pending', 'waiting');
+CREATE INDEX _commands_group_running ON flow._commands (queue, group_hash) WHERE status = 'running' AND group_hash <> 0;
 CREATE TABLE flow._queue_priorities (
     queue     text NOT NULL,
     priority  smallint NOT NULL CHECK (priority <> 0),
@@ -142,6 +147,7 @@ DROP FUNCTION flow._external_claim_ended(text, integer, text[], timestamptz[], u
 -- Rate limits (src/rate_limits.rs): at most `rate` commands of a queue start per `per`.
 ALTER TABLE flow._queues ADD COLUMN rate integer CHECK (rate >= 0),
     ADD COLUMN per interval NOT NULL DEFAULT '1 second' CHECK (flow._span_ok(per, false));
+ALTER TABLE flow._queues ADD COLUMN group_concurrency integer CHECK (group_concurrency >= 1);
 DROP FUNCTION flow.set_queue(text, integer, boolean, bigint);
 
 -- src/lib.rs:59
@@ -657,7 +663,7 @@ END $$;
 -- Set a queue's options; those the caller left out (`left_out`: see
 -- flow._left_out) keep their values, and so does a NULL paused.
 CREATE OR REPLACE FUNCTION flow._set_queue(caller oid, name text, concurrency integer, paused boolean, rate integer,
-    per interval, left_out text[])
+    per interval, group_concurrency integer, left_out text[])
 RETURNS void
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
@@ -665,6 +671,10 @@ DECLARE
 BEGIN
     IF concurrency IS NOT NULL AND concurrency < 1 THEN
         RAISE EXCEPTION 'flow: queue concurrency must be 1 or more (NULL for no limit), got %', concurrency
+            USING ERRCODE = 'FL009';
+    END IF;
+    IF group_concurrency IS NOT NULL AND group_concurrency < 1 THEN
+        RAISE EXCEPTION 'flow: queue group_concurrency must be 1 or more (NULL for no limit), got %', group_concurrency
             USING ERRCODE = 'FL009';
     END IF;
     IF rate IS NOT NULL AND rate < 0 THEN
@@ -680,6 +690,8 @@ BEGIN
         concurrency = CASE WHEN 'concurrency' = ANY (left_out) THEN x.concurrency ELSE _set_queue.concurrency END,
         rate = CASE WHEN 'rate' = ANY (left_out) THEN x.rate ELSE _set_queue.rate END,
         per = CASE WHEN 'per' = ANY (left_out) THEN x.per ELSE _set_queue.per END,
+        group_concurrency = CASE WHEN 'group_concurrency' = ANY (left_out) THEN x.group_concurrency
+                                 ELSE _set_queue.group_concurrency END,
         paused = coalesce(_set_queue.paused, x.paused),
         updated_at = now()
     WHERE x.name = q.name;
@@ -861,6 +873,16 @@ BEGIN
     RETURN coalesce(given, otherwise);
 END $$;
 
+-- A group key as a command keeps it: NULL (none), or a name of at most 1 KiB.
+CREATE OR REPLACE FUNCTION flow._require_group(what text, group_key text) RETURNS text
+LANGUAGE plpgsql IMMUTABLE AS $$
+BEGIN
+    IF group_key IS NOT NULL AND btrim(group_key) = '' THEN
+        RAISE EXCEPTION 'flow: % must not be empty (NULL for none)', what USING ERRCODE = 'FL002';
+    END IF;
+    RETURN flow._require_short(what, group_key);
+END $$;
+
 -- Note that `queue` has commands of `priority`, for its claims
 -- (flow._priorities_of; 0 is always read). Called for each enqueue and spawn
 -- of a priority other than 0: one index probe once the priority is known.
@@ -876,7 +898,7 @@ END $$;
 -- The root commands of new runs (run_ids[i] gets args[i]), and the wake-up.
 -- A run is its root until it needs a row of its own (see flow._runs).
 CREATE OR REPLACE FUNCTION flow._insert_roots(owner oid, name text, version integer, external boolean, lane text,
-    due timestamptz, ends timestamptz, run_ids uuid[], args jsonb[], priority smallint)
+    due timestamptz, ends timestamptz, run_ids uuid[], args jsonb[], priority smallint, group_keys text[])
 RETURNS void
 LANGUAGE plpgsql AS $$
 BEGIN
@@ -884,17 +906,18 @@ BEGIN
         PERFORM flow._note_priority(lane, priority);
     END IF;
     INSERT INTO flow._commands (id, run_id, key, name, version, queue, args, declaration, status,
-        next_run_at, not_before, budget_started_at, deadline, external, owner, priority)
+        next_run_at, not_before, budget_started_at, deadline, external, owner, priority, group_key, group_hash)
     -- (a root is never spawned again, so it has no declaration to match:
     -- its args are not stored twice; its id is its run's, see _commands_run_key)
     SELECT t.run_id, t.run_id, 'root', _insert_roots.name, _insert_roots.version, lane, t.args, '{}',
-        'pending', due, due, due, ends, _insert_roots.external, _insert_roots.owner, _insert_roots.priority
-    FROM unnest(run_ids, args) AS t(run_id, args);
+        'pending', due, due, due, ends, _insert_roots.external, _insert_roots.owner, _insert_roots.priority,
+        t.group_key, flow._group_hash(t.group_key)
+    FROM unnest(run_ids, args, group_keys) AS t(run_id, args, group_key);
     PERFORM flow._wake_due_from(due);
 END $$;
 
 CREATE OR REPLACE FUNCTION flow._enqueue(caller oid, name text, args jsonb, key text, version integer, queue text,
-    start_after interval, run_at timestamptz, deadline interval, priority integer)
+    start_after interval, run_at timestamptz, deadline interval, priority integer, group_key text)
 RETURNS uuid
 LANGUAGE plpgsql AS $$
 #variable_conflict use_column
@@ -907,6 +930,7 @@ BEGIN
     PERFORM flow._require_payload('args', args);
     PERFORM flow._require_args_fit(name, p.def_owner, p.def_args_type, args);
     PERFORM flow._require_short('key', key);
+    PERFORM flow._require_group('group_key', group_key);
     IF key IS NOT NULL AND btrim(key) = '' THEN
         RAISE EXCEPTION 'flow: key must not be empty (NULL for none)' USING ERRCODE = 'FL002';
     END IF;
@@ -933,13 +957,14 @@ BEGIN
         END IF;
     END LOOP;
     PERFORM flow._insert_roots(caller, name, p.def_version, p.def_external, p.lane, p.due, p.ends,
-                               ARRAY[run_id], ARRAY[args], flow._priority(priority, p.def_priority));
+                               ARRAY[run_id], ARRAY[args], flow._priority(priority, p.def_priority), ARRAY[group_key]);
     RETURN run_id;
 END $$;
 
 -- Many runs in one statement: set-based, no run keys.
 CREATE OR REPLACE FUNCTION flow._enqueue_many(caller oid, name text, args_array jsonb[], version integer, queue text,
-    start_after interval, run_at timestamptz, deadline interval, priority integer)
+    start_after interval, run_at timestamptz, deadline interval, priority integer, group_key text,
+    group_keys text[])
 RETURNS uuid[]
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -950,6 +975,19 @@ DECLARE
 BEGIN
     IF args_array IS NULL THEN
         RAISE EXCEPTION 'flow: args_array must not be NULL' USING ERRCODE = 'FL003';
+    END IF;
+    -- one group for all (group_key), or one each (group_keys)
+    IF group_keys IS NOT NULL THEN
+        IF group_key IS NOT NULL THEN
+            RAISE EXCEPTION 'flow: give group_key or group_keys, not both' USING ERRCODE = 'FL006';
+        END IF;
+        IF cardinality(group_keys) <> cardinality(args_array) THEN
+            RAISE EXCEPTION 'flow: group_keys has % elements, args_array %', cardinality(group_keys), cardinality(args_array)
+                USING ERRCODE = 'FL003';
+        END IF;
+        PERFORM flow._require_group(format('group_keys[%s]', i), k) FROM unnest(group_keys) WITH ORDINALITY AS u(k, i);
+    ELSE
+        PERFORM flow._require_group('group_key', group_key);
     END IF;
     SELECT i, a INTO bad FROM unnest(args_array) WITH ORDINALITY AS t(a, i)
     WHERE a IS NULL OR jsonb_typeof(a) <> 'object' OR octet_length(a::text) > limit_bytes
@@ -974,7 +1012,9 @@ BEGIN
     END IF;
     SELECT coalesce(array_agg(flow._new_id()), '{}') INTO ids FROM unnest(args_array);
     PERFORM flow._insert_roots(caller, name, p.def_version, p.def_external, p.lane, p.due, p.ends,
-                               ids, args_array, flow._priority(priority, p.def_priority));
+                               ids, args_array, flow._priority(priority, p.def_priority),
+                               coalesce(group_keys, CASE WHEN group_key IS NOT NULL
+                                                         THEN array_fill(group_key, ARRAY[cardinality(args_array)]) END));
     RETURN ids;
 END $$;
 
@@ -1006,6 +1046,34 @@ LANGUAGE sql STABLE AS $$
                             SELECT q.priority FROM flow._queue_priorities q            -- its primary key
                             WHERE q.queue = _priorities_of.queue) p
     ORDER BY p.priority
+$$;
+
+-- A group key's hash, as _commands.group_hash keeps it: 0 for none, else
+-- positive (flow._groups_of reads a lane's groups after 0).
+CREATE OR REPLACE FUNCTION flow._group_hash(group_key text) RETURNS bigint
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT CASE WHEN group_key IS NULL THEN 0
+                ELSE (pg_catalog.hashtextextended(group_key, 0) & 9223372036854775807) | 1 END
+$$;
+
+-- The groups of a lane's pending and waiting commands of one priority, as
+-- flow._claim reads them: 0 (none: what has no group) and each group's
+-- hash, in order. A loose scan of _commands_due: one probe per group, and
+-- one more (of an empty range, in a queue without groups) to find no more.
+-- (0 is not probed: its range is read from the claim's cursor, past the
+-- entries of commands claimed and settled before, see flow._claim.)
+CREATE OR REPLACE FUNCTION flow._groups_of(lane bigint, priority smallint) RETURNS TABLE (group_hash bigint)
+LANGUAGE sql STABLE AS $$
+    WITH RECURSIVE g(h) AS (
+        SELECT 0::bigint
+        UNION ALL
+        SELECT (SELECT c.group_hash FROM flow._commands c                -- index _commands_due
+                WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END) = _groups_of.lane
+                  AND c.priority = _groups_of.priority AND c.group_hash > g.h
+                  AND c.status IN ('pending', 'waiting')
+                ORDER BY c.group_hash LIMIT 1)
+        FROM g WHERE g.h IS NOT NULL)
+    SELECT g.h FROM g WHERE g.h IS NOT NULL
 $$;
 
 -- Claim up to max_count due commands (rule 3): lock them, and say how each
@@ -1083,6 +1151,8 @@ DECLARE
     claimants text[] := CASE WHEN names IS NULL THEN '{""}' ELSE ARRAY(SELECT DISTINCT n FROM unnest(names) AS n) END;
     -- other owners' queues have due work too: the claim is one turn of several
     other_owners_due boolean;
+    -- where this claim's round of a queue's groups begins (see the scan below)
+    group_start bigint := (random() * 9.2e18)::bigint;
 BEGIN
     -- Which queues offer due work, and to which claimants: each unpaused
     -- queue's head in the due index for each (an ORDER BY ... LIMIT 1
@@ -1106,19 +1176,21 @@ BEGIN
     -- (a chunk never runs two owners' handlers: src/worker.rs). An external
     -- claim names definitions its caller may claim, and is not split so.
     WITH due AS (
-        SELECT q.name AS queue, coalesce(q.owner::oid, 0::oid) AS queue_owner, q.concurrency IS NULL AS unlimited,
+        SELECT q.name AS queue, coalesce(q.owner::oid, 0::oid) AS queue_owner,
+               q.concurrency IS NULL AND q.group_concurrency IS NULL AS unlimited,
                w.claimant
         FROM flow._queues q
         CROSS JOIN unnest(claimants) AS w(claimant) CROSS JOIN LATERAL (
             SELECT min(x.next_run_at) AS next_run_at
             FROM flow._priorities_of(q.name) p
+            CROSS JOIN LATERAL flow._groups_of(flow._lane(q.name, w.claimant), p.priority) g
             LEFT JOIN LATERAL (
                 SELECT a.at, a.id FROM unnest(after_queues, after_priorities, after_at, after_ids) AS a(queue, priority, at, id)
-                WHERE a.queue = q.name AND a.priority = p.priority LIMIT 1) a ON true
+                WHERE g.group_hash = 0 AND a.queue = q.name AND a.priority = p.priority LIMIT 1) a ON true
             CROSS JOIN LATERAL (
                 SELECT c.next_run_at FROM flow._commands c          -- index _commands_due
                 WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END) = flow._lane(q.name, w.claimant)
-                  AND c.priority = p.priority
+                  AND c.priority = p.priority AND c.group_hash = g.group_hash
                   AND c.queue = q.name AND c.external = (names IS NOT NULL)
                   AND (CASE WHEN c.external THEN c.name ELSE '' END) = w.claimant
                   AND c.status IN ('pending', 'waiting')
@@ -1126,7 +1198,7 @@ BEGIN
                   AND (excluded IS NULL OR c.id <> ALL (excluded))
                 ORDER BY c.next_run_at LIMIT 1) x) x
         WHERE NOT q.paused AND x.next_run_at <= now()
-          AND (q.concurrency IS NULL OR names IS NULL
+          AND ((q.concurrency IS NULL AND q.group_concurrency IS NULL) OR names IS NULL
                OR EXISTS (SELECT 1 FROM flow._definitions d WHERE d.queue = q.name AND d.name = ANY (names)))
     ), turns AS (
         SELECT o.owners[1 + ((turn % cardinality(o.owners)) + cardinality(o.owners)) % cardinality(o.owners)] AS owner,
@@ -1168,7 +1240,7 @@ BEGIN
                -- (its place in this claim's round-robin turn: from queue number `turn`, in name order)
                (((row_number() OVER (ORDER BY q.name) - 1 - turn) % cardinality(lanes) + cardinality(lanes))
                    % cardinality(lanes))::integer AS lane_order,
-               q.concurrency IS NULL AS unlimited,
+               q.concurrency IS NULL AND q.group_concurrency IS NULL AS unlimited,
                -- (within its concurrency limit, and as many as its rate
                -- limit has cells for now: each row it locks takes one,
                -- below, and one it cannot is left for a later claim)
@@ -1178,7 +1250,7 @@ BEGIN
                               WHERE r.queue = q.name AND r.status = 'running'))::integer
                      END,
                      CASE WHEN q.rate IS NOT NULL THEN flow._rate_room(q.name, q.rate, x.per_us) END) AS room,
-               q.rate, x.per_us
+               q.rate, x.per_us, q.group_concurrency
         FROM flow._queues q CROSS JOIN LATERAL (SELECT (extract(epoch FROM q.per) * 1000000)::bigint AS per_us) x
         WHERE q.name = ANY (lanes)
     ), share AS (
@@ -1246,7 +1318,7 @@ BEGIN
            -- claim order 0, so the worker claims again at once)
            CASE WHEN cardinality(slot_queues) <> 1 OR (other_owners_due AND names IS NULL) THEN 0 END,
            h.args_type, h.next_run_at, h.row_at,
-           h.held, h.lane_order, h.room, h.priority
+           h.held, h.lane_order, h.room, h.priority, h.grouped
     FROM (
         -- (an attempt's deadlines: flow._deadline never raises, whatever one
         -- row holds, so no row can fail the claim for every role: src/spans.rs)
@@ -1257,18 +1329,25 @@ BEGIN
                coalesce(l.unlimited AND l.rate IS NULL AND (h.handler = ANY (fast_handlers) OR hold), false) AS held,
                l.lane_order, l.room, l.rate, l.per_us
         FROM share l CROSS JOIN LATERAL (
-          -- (its priorities in order, each read from where the last claim
-          -- ended in it, until the slot has its share: the LIMIT stops the
-          -- scans, so every row locked is returned)
+          -- (its priorities in order; in each, its groups round-robin (0:
+          -- what has no group, one group among them) from a point that
+          -- moves every claim, each group up to an equal part of the share
+          -- and within group_concurrency; the ungrouped read from where the
+          -- last claim ended; until the slot has its share: the LIMIT stops
+          -- the scans, so every row locked is returned)
           SELECT k.* FROM flow._priorities_of(l.name) p
+          CROSS JOIN LATERAL (
+              SELECT g.group_hash, count(*) OVER () AS groups
+              FROM flow._groups_of(flow._lane(l.name, l.claimant), p.priority) g
+              ORDER BY g.group_hash <= group_start, g.group_hash) g
           LEFT JOIN LATERAL (
               SELECT a.at, a.id FROM unnest(after_queues, after_priorities, after_at, after_ids) AS a(queue, priority, at, id)
-              WHERE a.queue = l.name AND a.priority = p.priority LIMIT 1) a ON true
+              WHERE g.group_hash = 0 AND a.queue = l.name AND a.priority = p.priority LIMIT 1) a ON true
           CROSS JOIN LATERAL (
             -- (the columns a caller needs, not the whole row: a row carried
             -- as one composite value is built, copied and taken apart again
             -- for every command)
-            SELECT c.id, c.priority, c.run_id, c.key, c.name, c.version, c.queue, c.args, c.status, c.attempts, c.next_run_at,
+            SELECT c.id, c.priority, c.group_hash <> 0 AS grouped, c.run_id, c.key, c.name, c.version, c.queue, c.args, c.status, c.attempts, c.next_run_at,
                    c.deadline, c.wait_timed_out, c.created_at, c.ctid AS row_at,
                    d.handler::oid AS handler, d.owner::oid AS owner, d.takes_context,
                    d.timeout, d.max_elapsed, d.args_type,
@@ -1276,14 +1355,18 @@ BEGIN
             FROM flow._commands c                                   -- index _commands_due
             JOIN flow._definitions d ON d.name = c.name AND d.version = c.version
             WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END) = flow._lane(l.name, l.claimant)
-              AND c.priority = p.priority
+              AND c.priority = p.priority AND c.group_hash = g.group_hash
               AND c.queue = l.name AND c.external = (names IS NOT NULL)
               AND (CASE WHEN c.external THEN c.name ELSE '' END) = l.claimant
               AND c.status IN ('pending', 'waiting') AND c.next_run_at <= now()
               AND (c.next_run_at, c.id) > (coalesce(a.at, '-infinity'), coalesce(a.id, '00000000-0000-0000-0000-000000000000'::uuid))
               AND (excluded IS NULL OR c.id <> ALL (excluded))
             ORDER BY c.next_run_at, c.id
-            LIMIT l.take
+            LIMIT CASE WHEN g.group_hash = 0 OR l.group_concurrency IS NULL THEN greatest(1, l.take / g.groups)
+                       ELSE least(greatest(1, l.take / g.groups), greatest(0, l.group_concurrency - (
+                           SELECT count(*) FROM flow._commands r            -- index _commands_group_running
+                           WHERE r.queue = l.name AND r.group_hash = g.group_hash AND r.status = 'running')))
+                  END
             FOR UPDATE OF c SKIP LOCKED
           ) k
           LIMIT l.take
@@ -1377,13 +1460,14 @@ BEGIN
                      THEN flow._rate_next(q.name, q.rate, (extract(epoch FROM q.per) * 1000000)::bigint) END))
             - clock_timestamp()) * 1000)::bigint
     FROM flow._queues q CROSS JOIN LATERAL flow._priorities_of(q.name) p
+    CROSS JOIN LATERAL flow._groups_of(flow._lane(q.name, ''), p.priority) g
     LEFT JOIN LATERAL (
         SELECT a.at, a.id FROM unnest(after_queues, after_priorities, after_at, after_ids) AS a(queue, priority, at, id)
-        WHERE a.queue = q.name AND a.priority = p.priority LIMIT 1) a ON true
+        WHERE g.group_hash = 0 AND a.queue = q.name AND a.priority = p.priority LIMIT 1) a ON true
     CROSS JOIN LATERAL (
         SELECT c.next_run_at FROM flow._commands c                  -- index _commands_due
         WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END) = flow._lane(q.name, '')
-          AND c.priority = p.priority
+          AND c.priority = p.priority AND c.group_hash = g.group_hash
           AND c.queue = q.name AND NOT c.external
           AND c.status IN ('pending', 'waiting') AND c.next_run_at < 'infinity'
           AND (c.next_run_at, c.id) > (coalesce(a.at, '-infinity'), coalesce(a.id, '00000000-0000-0000-0000-000000000000'::uuid))
@@ -1391,7 +1475,11 @@ BEGIN
     WHERE NOT q.paused
       AND (q.concurrency IS NULL
            OR q.concurrency > (SELECT count(*) FROM flow._commands r      -- index _commands_running
-                               WHERE r.queue = q.name AND r.status = 'running')));
+                               WHERE r.queue = q.name AND r.status = 'running'))
+      -- (a group at its group_concurrency: what frees it, a settlement, wakes the workers)
+      AND (g.group_hash = 0 OR q.group_concurrency IS NULL
+           OR q.group_concurrency > (SELECT count(*) FROM flow._commands r    -- index _commands_group_running
+                                     WHERE r.queue = q.name AND r.group_hash = g.group_hash AND r.status = 'running')));
 END $$;
 
 -- src/lib.rs:63
@@ -2501,7 +2589,7 @@ END $$;
 
 -- parent_id: the command whose handler (or external worker) spawns; NULL is an error.
 CREATE OR REPLACE FUNCTION flow._spawn(caller oid, parent_id uuid, name text, args jsonb, key text, start_after interval,
-    waits flow.wait_spec[], within interval, version integer, queue text, given_priority integer)
+    waits flow.wait_spec[], within interval, version integer, queue text, given_priority integer, group_key text)
 RETURNS uuid
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 #variable_conflict use_column
@@ -2533,6 +2621,7 @@ BEGIN
         RAISE EXCEPTION 'flow: child key root is the run''s root command' USING ERRCODE = 'FL016';
     END IF;
     PERFORM flow._require_payload('args', args);
+    PERFORM flow._require_group('group_key', group_key);
     PERFORM flow._require_args_fit(_spawn.name, p.def_owner, p.def_args_type, args);
     PERFORM flow._require_span('within', within);
     FOREACH spec IN ARRAY coalesce(waits, '{}') LOOP
@@ -2548,7 +2637,8 @@ BEGIN
                   FROM unnest(waits) w))
         -- (a priority is declared when it is not 0: children spawned before
         -- there were priorities declared none, and a re-spawn still matches)
-        || CASE WHEN priority <> 0 THEN jsonb_build_object('priority', priority) ELSE '{}' END;
+        || CASE WHEN priority <> 0 THEN jsonb_build_object('priority', priority) ELSE '{}' END
+        || CASE WHEN group_key IS NOT NULL THEN jsonb_build_object('group_key', group_key) ELSE '{}' END;
     IF priority <> 0 THEN
         PERFORM flow._note_priority(p.lane, priority);
     END IF;
@@ -2564,14 +2654,14 @@ BEGIN
     -- children: see flow._settle_batch's `alone`)
     PERFORM flow._note_spawn();
     INSERT INTO flow._commands (id, run_id, parent_id, key, name, version, queue, args, declaration, status,
-        next_run_at, not_before, budget_started_at, deadline, external, owner, priority)
+        next_run_at, not_before, budget_started_at, deadline, external, owner, priority, group_key, group_hash)
     VALUES (child, parent.run_id, parent.id, key, _spawn.name, p.def_version, p.lane, args, declared,
         CASE WHEN cardinality(waits) > 0 THEN 'waiting' ELSE 'pending' END::flow.command_status,
         -- a wait ends at `within`, and at the run's deadline at the latest
         CASE WHEN cardinality(waits) = 0 THEN p.due
              ELSE least(CASE WHEN within IS NULL THEN 'infinity' ELSE greatest(now() + within, p.due) END,
                         coalesce(parent.deadline, 'infinity')) END,
-        p.due, p.due, parent.deadline, p.def_external, parent.owner, priority)
+        p.due, p.due, parent.deadline, p.def_external, parent.owner, priority, group_key, flow._group_hash(group_key))
     ON CONFLICT (run_id, key) WHERE id <> run_id DO NOTHING;          -- index _commands_run_key
     IF NOT FOUND THEN
         -- Keys are unique within a run: the same declaration again is a no-op
@@ -2925,7 +3015,8 @@ BEGIN
             (item->>'start_after')::interval,
             (SELECT coalesce(array_agg(ROW(w->>'name', w->>'key')::flow.wait_spec), '{}')
              FROM jsonb_array_elements(coalesce(item->'waits', '[]')) w),
-            (item->>'within')::interval, (item->>'version')::integer, item->>'queue', (item->>'priority')::integer);
+            (item->>'within')::interval, (item->>'version')::integer, item->>'queue', (item->>'priority')::integer,
+            item->>'group_key');
     END LOOP;
     -- _leased holds the run's lock, as _settle_batch requires.
     IF held IS NULL THEN
@@ -3248,7 +3339,7 @@ BEGIN
             BEGIN
                 run := flow._enqueue(s.owner, s.definition, s.args,
                     'schedule:' || s.name || ':' || to_char(tick AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"'),
-                    NULL, s.queue, NULL, tick, NULL, NULL);
+                    NULL, s.queue, NULL, tick, NULL, NULL, NULL);
                 fired := fired + 1;
                 s.last_tick := tick;
                 s.last_run_id := run;
@@ -3752,13 +3843,15 @@ END $$;
 -- says it was left out); paused NULL keeps it too.
 CREATE OR REPLACE FUNCTION flow.set_queue(name text, concurrency integer DEFAULT flow._left_out('concurrency')::integer,
     paused boolean DEFAULT NULL, rate integer DEFAULT flow._left_out('rate')::integer,
-    per interval DEFAULT flow._left_out('per')::interval, caller_ticket bigint DEFAULT flow._ticket())
+    per interval DEFAULT flow._left_out('per')::interval,
+    group_concurrency integer DEFAULT flow._left_out('group_concurrency')::integer,
+    caller_ticket bigint DEFAULT flow._ticket())
 RETURNS void
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     left_out text[] := flow._left_out_of(caller_ticket);
 BEGIN
-    PERFORM flow._set_queue(flow._redeem(caller_ticket), name, concurrency, paused, rate, per, left_out);
+    PERFORM flow._set_queue(flow._redeem(caller_ticket), name, concurrency, paused, rate, per, group_concurrency, left_out);
 END $$;
 
 -- Drop a queue you manage that no definition and no unfinished command uses
@@ -3807,23 +3900,24 @@ END $$;
 CREATE OR REPLACE FUNCTION flow.enqueue(name text, args jsonb DEFAULT '{}', key text DEFAULT NULL,
     version integer DEFAULT NULL, queue text DEFAULT NULL, start_after interval DEFAULT NULL,
     run_at timestamptz DEFAULT NULL, deadline interval DEFAULT NULL, priority integer DEFAULT NULL,
-    caller_ticket bigint DEFAULT flow._ticket())
+    group_key text DEFAULT NULL, caller_ticket bigint DEFAULT flow._ticket())
 RETURNS uuid
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     RETURN flow._enqueue(flow._redeem(caller_ticket), name, args, key, version, queue, start_after,
-                         run_at, deadline, priority);
+                         run_at, deadline, priority, group_key);
 END $$;
 
 -- Start one run per element of args_array in one statement; returns their ids in order.
 CREATE OR REPLACE FUNCTION flow.enqueue_many(name text, args_array jsonb[], version integer DEFAULT NULL,
     queue text DEFAULT NULL, start_after interval DEFAULT NULL, run_at timestamptz DEFAULT NULL,
-    deadline interval DEFAULT NULL, priority integer DEFAULT NULL, caller_ticket bigint DEFAULT flow._ticket())
+    deadline interval DEFAULT NULL, priority integer DEFAULT NULL, group_key text DEFAULT NULL,
+    group_keys text[] DEFAULT NULL, caller_ticket bigint DEFAULT flow._ticket())
 RETURNS uuid[]
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     RETURN flow._enqueue_many(flow._redeem(caller_ticket), name, args_array, version, queue, start_after,
-                              run_at, deadline, priority);
+                              run_at, deadline, priority, group_key, group_keys);
 END $$;
 
 -- ---------------------------------------------------------------- schedules
@@ -3908,12 +4002,12 @@ $$;
 CREATE OR REPLACE FUNCTION flow.spawn(name text, args jsonb DEFAULT '{}', key text DEFAULT NULL,
     start_after interval DEFAULT NULL, waits flow.wait_spec[] DEFAULT '{}', within interval DEFAULT NULL,
     version integer DEFAULT NULL, queue text DEFAULT NULL, priority integer DEFAULT NULL,
-    caller_ticket bigint DEFAULT flow._ticket())
+    group_key text DEFAULT NULL, caller_ticket bigint DEFAULT flow._ticket())
 RETURNS uuid
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     RETURN flow._spawn(flow._redeem(caller_ticket), flow._current_command(), name, args, key, start_after, waits,
-                       within, version, queue, priority);
+                       within, version, queue, priority, group_key);
 END $$;
 
 -- The run's commands, parent links, waits and events as text to render: 'dot' or 'mermaid'.
@@ -4036,7 +4130,7 @@ BEGIN
                 -- From one queue and for one definition (the common claim),
                 -- what the claim locked, in due order (nothing sorted).
                 SELECT k.command_id, k.run_id, k.name, k.version, k.queue, k.args, k.attempt, k.deadline, k.context,
-                       k.due_at, k.row_at, k.held, k.held_token, k.priority
+                       k.due_at, k.row_at, k.held, k.held_token, k.priority, k.grouped
                 FROM locked k WHERE k.claim_order IS NULL
                 UNION ALL
                 -- From several (claim_order 0), the queues interleaved
@@ -4044,7 +4138,7 @@ BEGIN
                 -- limited lane keeps its earliest up to its room (a claim
                 -- naming several definitions locked up to the room for each).
                 (SELECT k.command_id, k.run_id, k.name, k.version, k.queue, k.args, k.attempt, k.deadline, k.context,
-                        k.due_at, k.row_at, k.held, k.held_token, k.priority
+                        k.due_at, k.row_at, k.held, k.held_token, k.priority, k.grouped
                  FROM (SELECT k.*, row_number() OVER (PARTITION BY k.lane_order ORDER BY k.priority, k.due_at, k.command_id) AS rank
                        FROM locked k WHERE k.claim_order IS NOT NULL) k
                  WHERE k.rank <= k.lane_room
@@ -4070,7 +4164,8 @@ BEGIN
             -- any row is handed on. (From what it locked: a held claim's
             -- commands stay in the due index, locked, until its client's
             -- transaction ends, and the next claims would skip each of them again.)
-            WHERE (SELECT flow._external_cursor_end(alone, wanted, array_agg(k.queue), array_agg(k.priority),
+            -- (a claim that took grouped commands notes nothing: cursors are of the ungrouped)
+            WHERE (SELECT flow._external_cursor_end(CASE WHEN bool_or(k.grouped) THEN NULL ELSE alone END, wanted, array_agg(k.queue), array_agg(k.priority),
                                                      array_agg(k.due_at), array_agg(k.command_id))
                    FROM picked k)
               -- (each held claim noted for the transaction's end: src/external.rs)
@@ -4182,7 +4277,7 @@ SELECT c.id, c.run_id, c.parent_id, c.key, c.name, c.version, c.queue,
        c.next_run_at, c.args, c.result, c.last_error_code, c.last_error_message, c.stop_reason,
        c.wait_timed_out, coalesce(h.owner, c.lease_owner) AS lease_owner, c.lease_expires_at,
        coalesce(h.started_at, c.attempt_started_at) AS attempt_started_at, c.attempt_deadline,
-       c.created_at, c.finished_at, c.priority
+       c.created_at, c.finished_at, c.priority, c.group_key
 FROM flow._command_rows c
 LEFT JOIN flow._held_attempts h ON h.command_id = c.id
 WHERE pg_has_role(current_user, c.owner, 'MEMBER');
@@ -4225,7 +4320,7 @@ WHERE pg_has_role(current_user, d.owner, 'MEMBER');
 CREATE OR REPLACE VIEW flow.queues WITH (security_barrier) AS
 SELECT q.name, q.owner, q.users, q.concurrency, q.paused,
        coalesce(u.pending, 0) AS pending, coalesce(u.due, 0) AS due, coalesce(u.waiting, 0) AS waiting,
-       coalesce(u.held, 0) + coalesce(k.running, 0) AS running, q.rate, q.per
+       coalesce(u.held, 0) + coalesce(k.running, 0) AS running, q.rate, q.per, q.group_concurrency
 FROM flow._queues q
 CROSS JOIN LATERAL (
     SELECT count(*) FILTER (WHERE c.status = 'pending' AND h.command_id IS NULL) AS pending,

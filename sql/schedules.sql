@@ -145,7 +145,7 @@ BEGIN
             BEGIN
                 run := flow._enqueue(s.owner, s.definition, s.args,
                     'schedule:' || s.name || ':' || to_char(tick AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"'),
-                    NULL, s.queue, NULL, tick, NULL, NULL);
+                    NULL, s.queue, NULL, tick, NULL, NULL, NULL);
                 fired := fired + 1;
                 s.last_tick := tick;
                 s.last_run_id := run;

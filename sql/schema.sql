@@ -75,7 +75,8 @@ CREATE TYPE flow.claimed_command AS (
     held              boolean,        -- held (run and settled in the claim's transaction), not leased
     lane_order        integer,        -- its queue's place in the claim's round-robin turn
     lane_room         integer,        -- how many its queue may start (a limited queue's free concurrency)
-    priority          smallint        -- its priority (lower runs first): where the next claim may start, with due_at
+    priority          smallint,       -- its priority (lower runs first): where the next claim may start, with due_at
+    grouped           boolean         -- it has a group: it moves no claim cursor (those are of the ungrouped, see flow._claim)
 );
 
 -- What flow.await returns.
@@ -104,7 +105,8 @@ CREATE TABLE flow._queues (
     -- at most `rate` of its commands start per `per` (NULL: no limit; 0: none
     -- start), counted in shared memory (src/rate_limits.rs)
     rate         integer CHECK (rate >= 0),
-    per          interval NOT NULL DEFAULT '1 second' CHECK (flow._span_ok(per, false))
+    per          interval NOT NULL DEFAULT '1 second' CHECK (flow._span_ok(per, false)),
+    group_concurrency integer CHECK (group_concurrency >= 1)  -- at most this many of one group run at once
 );
 
 -- Definition names are owned: the first role to define a name owns every
@@ -233,6 +235,11 @@ CREATE TABLE flow._commands (
     -- backoff count the attempts after it; attempt numbers go on
     attempt_base      integer NOT NULL DEFAULT 0,
     priority          smallint NOT NULL DEFAULT 0,   -- lower runs first within its queue (see flow._claim)
+    -- its group in its queue (NULL: none): claims go round-robin over a
+    -- queue's groups, and group_concurrency holds per group; group_hash
+    -- (flow._group_hash: 0 for none) is what the indexes and claims use
+    group_key         text CHECK (group_key <> '' AND octet_length(group_key) <= 1024),
+    group_hash        bigint NOT NULL DEFAULT 0,
     -- state, lease, attempt and outcome agree (the rules: src/invariants.rs)
     CONSTRAINT _commands_state CHECK (flow._command_row_is_consistent(status::text, attempts, stop_reason,
         finished_at IS NOT NULL, lease_token IS NOT NULL, lease_expires_at IS NOT NULL,
@@ -264,10 +271,11 @@ CREATE FUNCTION flow._lane(queue text, claimant text) RETURNS bigint
 LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
     SELECT pg_catalog.hashtextextended(claimant, pg_catalog.hashtextextended(queue, 0))
 $$;
--- Within a lane, by priority first: a claim reads each priority's due range
--- in turn (flow._claim).
+-- Within a lane, by priority, then group (0: none), then due time: a claim
+-- reads each priority's due range in turn, and in it each group's
+-- (flow._claim, flow._groups_of). Every key column is of fixed width.
 CREATE INDEX _commands_due ON flow._commands
-    (flow._lane(queue, CASE WHEN external THEN name ELSE '' END), priority, next_run_at, id)
+    (flow._lane(queue, CASE WHEN external THEN name ELSE '' END), priority, group_hash, next_run_at, id)
     WHERE status IN ('pending', 'waiting');
 -- The priorities other than 0 that a queue's commands were given
 -- (flow._note_priority): the ones a claim of the queue reads, with 0.
@@ -282,6 +290,8 @@ CREATE TABLE flow._queue_priorities (
 -- (lease_expires_at: an external claim finds the expired leases it must
 -- conclude first without walking every running command)
 CREATE INDEX _commands_running ON flow._commands (queue, lease_expires_at) WHERE status = 'running';
+-- (a group's running commands, for group_concurrency)
+CREATE INDEX _commands_group_running ON flow._commands (queue, group_hash) WHERE status = 'running' AND group_hash <> 0;
 CREATE INDEX _commands_parent ON flow._commands (parent_id) WHERE parent_id IS NOT NULL;
 -- (the maintenance worker's look for runs past their deadline: flow._expire_runs)
 CREATE INDEX _commands_deadline ON flow._commands (deadline) WHERE finished_at IS NULL AND deadline IS NOT NULL;

@@ -259,7 +259,7 @@ END $$;
 
 -- parent_id: the command whose handler (or external worker) spawns; NULL is an error.
 CREATE FUNCTION flow._spawn(caller oid, parent_id uuid, name text, args jsonb, key text, start_after interval,
-    waits flow.wait_spec[], within interval, version integer, queue text, given_priority integer)
+    waits flow.wait_spec[], within interval, version integer, queue text, given_priority integer, group_key text)
 RETURNS uuid
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 #variable_conflict use_column
@@ -291,6 +291,7 @@ BEGIN
         RAISE EXCEPTION 'flow: child key root is the run''s root command' USING ERRCODE = 'FL016';
     END IF;
     PERFORM flow._require_payload('args', args);
+    PERFORM flow._require_group('group_key', group_key);
     PERFORM flow._require_args_fit(_spawn.name, p.def_owner, p.def_args_type, args);
     PERFORM flow._require_span('within', within);
     FOREACH spec IN ARRAY coalesce(waits, '{}') LOOP
@@ -306,7 +307,8 @@ BEGIN
                   FROM unnest(waits) w))
         -- (a priority is declared when it is not 0: children spawned before
         -- there were priorities declared none, and a re-spawn still matches)
-        || CASE WHEN priority <> 0 THEN jsonb_build_object('priority', priority) ELSE '{}' END;
+        || CASE WHEN priority <> 0 THEN jsonb_build_object('priority', priority) ELSE '{}' END
+        || CASE WHEN group_key IS NOT NULL THEN jsonb_build_object('group_key', group_key) ELSE '{}' END;
     IF priority <> 0 THEN
         PERFORM flow._note_priority(p.lane, priority);
     END IF;
@@ -322,14 +324,14 @@ BEGIN
     -- children: see flow._settle_batch's `alone`)
     PERFORM flow._note_spawn();
     INSERT INTO flow._commands (id, run_id, parent_id, key, name, version, queue, args, declaration, status,
-        next_run_at, not_before, budget_started_at, deadline, external, owner, priority)
+        next_run_at, not_before, budget_started_at, deadline, external, owner, priority, group_key, group_hash)
     VALUES (child, parent.run_id, parent.id, key, _spawn.name, p.def_version, p.lane, args, declared,
         CASE WHEN cardinality(waits) > 0 THEN 'waiting' ELSE 'pending' END::flow.command_status,
         -- a wait ends at `within`, and at the run's deadline at the latest
         CASE WHEN cardinality(waits) = 0 THEN p.due
              ELSE least(CASE WHEN within IS NULL THEN 'infinity' ELSE greatest(now() + within, p.due) END,
                         coalesce(parent.deadline, 'infinity')) END,
-        p.due, p.due, parent.deadline, p.def_external, parent.owner, priority)
+        p.due, p.due, parent.deadline, p.def_external, parent.owner, priority, group_key, flow._group_hash(group_key))
     ON CONFLICT (run_id, key) WHERE id <> run_id DO NOTHING;          -- index _commands_run_key
     IF NOT FOUND THEN
         -- Keys are unique within a run: the same declaration again is a no-op

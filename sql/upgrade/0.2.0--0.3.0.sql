@@ -80,10 +80,15 @@ SELECT pg_catalog.pg_extension_config_dump('flow._schedules', '');
 ALTER TABLE flow._definitions ADD COLUMN priority smallint NOT NULL DEFAULT 0;
 ALTER TABLE flow._commands ADD COLUMN priority smallint NOT NULL DEFAULT 0;
 ALTER TYPE flow.claimed_command ADD ATTRIBUTE priority smallint;
+-- Groups (flow._claim, flow._groups_of): round-robin and group_concurrency within a queue.
+ALTER TABLE flow._commands ADD COLUMN group_key text CHECK (group_key <> '' AND octet_length(group_key) <= 1024),
+    ADD COLUMN group_hash bigint NOT NULL DEFAULT 0;
+ALTER TYPE flow.claimed_command ADD ATTRIBUTE grouped boolean;
 DROP INDEX flow._commands_due;
 CREATE INDEX _commands_due ON flow._commands
-    (flow._lane(queue, CASE WHEN external THEN name ELSE '' END), priority, next_run_at, id)
+    (flow._lane(queue, CASE WHEN external THEN name ELSE '' END), priority, group_hash, next_run_at, id)
     WHERE status IN ('pending', 'waiting');
+CREATE INDEX _commands_group_running ON flow._commands (queue, group_hash) WHERE status = 'running' AND group_hash <> 0;
 CREATE TABLE flow._queue_priorities (
     queue     text NOT NULL,
     priority  smallint NOT NULL CHECK (priority <> 0),
@@ -110,4 +115,5 @@ DROP FUNCTION flow._external_claim_ended(text, integer, text[], timestamptz[], u
 -- Rate limits (src/rate_limits.rs): at most `rate` commands of a queue start per `per`.
 ALTER TABLE flow._queues ADD COLUMN rate integer CHECK (rate >= 0),
     ADD COLUMN per interval NOT NULL DEFAULT '1 second' CHECK (flow._span_ok(per, false));
+ALTER TABLE flow._queues ADD COLUMN group_concurrency integer CHECK (group_concurrency >= 1);
 DROP FUNCTION flow.set_queue(text, integer, boolean, bigint);
