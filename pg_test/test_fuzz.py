@@ -43,7 +43,7 @@ SIGNATURES = [
                      ("max_elapsed", "interval", None), ("timeout", "interval", None),
                      ("args_type", "regtype", None), ("priority", "integer", 0)]),
     ("flow.set_queue", [("name", "text", "@queue"), ("concurrency", "integer", None), ("paused", "boolean", None),
-                        ("rate", "integer", None), ("per", "interval", "1 s")]),
+                        ("rate", "integer", None), ("per", "interval", "1 s"), ("group_concurrency", "integer", None)]),
     ("flow.schedule", [("name", "text", "@fresh"), ("cron", "text", "0 0 1 1 *"), ("definition", "text", "@definition"),
                        ("args", "jsonb", "{}"), ("timezone", "text", "UTC"), ("queue", "text", None),
                        ("overlap", "boolean", True), ("catch_up", "integer", 0)]),
@@ -57,11 +57,12 @@ SIGNATURES = [
     ("flow.enqueue", [("name", "text", "@definition"), ("args", "jsonb", '{"sql": "SELECT 1"}'),
                       ("key", "text", None), ("version", "integer", None), ("queue", "text", None),
                       ("start_after", "interval", "1 hour"), ("run_at", "timestamptz", None),
-                      ("deadline", "interval", None), ("priority", "integer", None)]),
+                      ("deadline", "interval", None), ("priority", "integer", None), ("group_key", "text", None)]),
     ("flow.enqueue_many", [("name", "text", "@definition"), ("args_array", "jsonb[]", "{}"),
                            ("version", "integer", None), ("queue", "text", None),
                            ("start_after", "interval", "1 hour"), ("run_at", "timestamptz", None),
-                           ("deadline", "interval", None), ("priority", "integer", None)]),
+                           ("deadline", "interval", None), ("priority", "integer", None), ("group_key", "text", None),
+                           ("group_keys", "text[]", None)]),
     ("flow.cancel", [("run_id", "uuid", "@victim")]),
     ("flow.retry", [("run_id", "uuid", "@victim")]),
     ("flow.await", [("run_id", "uuid", "@victim"), ("timeout", "interval", "0")]),
@@ -70,7 +71,7 @@ SIGNATURES = [
     ("flow.spawn", [("name", "text", "@definition"), ("args", "jsonb", "{}"), ("key", "text", "k"),
                     ("start_after", "interval", None), ("waits", "flow.wait_spec[]", "{}"),
                     ("within", "interval", None), ("version", "integer", None), ("queue", "text", None),
-                    ("priority", "integer", None)]),
+                    ("priority", "integer", None), ("group_key", "text", None)]),
     ("flow.run_graph", [("run_id", "uuid", "@victim"), ("format", "text", "dot")]),
     ("flow.fail", [("message", "text", "m")]),
     ("flow.retry_after", [("delay", "interval", "1 s"), ("message", "text", "m")]),
@@ -131,7 +132,8 @@ def test_every_public_function_survives_adversarial_arguments(pg):
 
         def fresh_lease():
             # an earlier call may have paused or limited the queue, or its rate (it is mallory's)
-            m.execute(f"SELECT flow.set_queue('{queue}', concurrency => NULL, paused => false, rate => NULL)")
+            m.execute(f"SELECT flow.set_queue('{queue}', concurrency => NULL, paused => false, rate => NULL,"
+                      " group_concurrency => NULL)")
             return m.execute(f"SELECT command_id, lease_token FROM flow.claim(array['{external}'], 'fz', 1, '1 hour')"
                              ).fetchone()
 

@@ -182,6 +182,12 @@ SELECT priority FROM flow.definitions WHERE name = 'g_prio';
 SELECT flow.enqueue('g_prio') AS p_default, flow.enqueue('g_prio', priority => -3) AS p_given \gset
 SELECT priority FROM flow.commands WHERE run_id IN (:'p_default', :'p_given') ORDER BY priority;
 SELECT flow.enqueue('g_prio', priority => 40000);
+-- groups: one key for all, or one each; a limit per group; an empty key: FL002
+SELECT flow.set_queue('g_grouped', group_concurrency => 2);
+SELECT flow.enqueue_many('g_prio', ARRAY['{}'::jsonb, '{}'], queue => 'g_grouped', group_keys => ARRAY['t1', 't2']) AS g_runs \gset
+SELECT group_key FROM flow.commands WHERE queue = 'g_grouped' ORDER BY group_key;
+SELECT name, group_concurrency FROM flow.queues WHERE name = 'g_grouped';
+SELECT flow.enqueue('g_prio', group_key => '');
 ROLLBACK;
 
 -- ================================================================ flow.enqueue_many

@@ -1,0 +1,161 @@
+"""Groups: commands of one queue with a group_key are claimed round-robin
+across the groups that have due work, and flow.set_queue(group_concurrency
+=> n) lets at most n of one group run at once, across every claimant
+(sql/claim.sql, flow._claim and flow._groups_of)."""
+import threading
+import time
+
+import pytest
+
+from conftest import app_cluster, claim, external, unique
+
+GROUP_APP = """
+    CREATE TABLE app.ran (n serial PRIMARY KEY, queue text, grp text, began timestamptz DEFAULT clock_timestamp(),
+                          ended timestamptz);
+    GRANT ALL ON app.ran, app.ran_n_seq TO PUBLIC;
+    -- records its start; sleeps args.sleep seconds; records its end
+    CREATE FUNCTION app.work(args jsonb, ctx flow.context) RETURNS jsonb LANGUAGE plpgsql AS $$
+    DECLARE id integer;
+    BEGIN
+        INSERT INTO app.ran (queue, grp) VALUES (ctx.queue, args->>'g') RETURNING n INTO id;
+        PERFORM pg_sleep(coalesce((args->>'sleep')::float, 0));
+        UPDATE app.ran SET ended = clock_timestamp() WHERE n = id;
+        RETURN '{}';
+    END $$;
+    -- a root that spawns one child per element of args.groups, in that group
+    CREATE FUNCTION app.fan(args jsonb, ctx flow.context) RETURNS jsonb LANGUAGE plpgsql AS $$
+    DECLARE g text;
+    BEGIN
+        FOR g IN SELECT jsonb_array_elements_text(args->'groups') LOOP
+            PERFORM flow.spawn(args->>'child', jsonb_build_object('g', g), key => g, group_key => g);
+        END LOOP;
+        RETURN '{}';
+    END $$;
+    DO $$ BEGIN CREATE ROLE mallory LOGIN; EXCEPTION WHEN duplicate_object THEN NULL; END $$;
+"""
+
+
+@pytest.fixture(scope="module")
+def pg():
+    cluster = app_cluster(GROUP_APP, conf=("flow.workers = 2",))
+    yield cluster
+    cluster.stop()
+
+
+def grouped_queue(pg, **settings):
+    queue, name = unique("gq"), unique("work")
+    pg.one(f"SELECT flow.define('{name}', 'app.work(jsonb, flow.context)'::regprocedure, queue => '{queue}')")
+    params = "".join(f", {k} => {v}" for k, v in settings.items())
+    pg.one(f"SELECT flow.set_queue('{queue}', paused => true{params})")
+    return queue, name
+
+
+def enqueue_group(pg, name, group, n, sleep=0):
+    return pg.one("SELECT flow.enqueue_many(%s, array_fill(jsonb_build_object('g', %s::text, 'sleep', %s::float),"
+                  " ARRAY[%s]), group_key => %s)", name, group, sleep, n, group)
+
+
+def test_a_groups_backlog_delays_another_group_by_one_turn_at_most(pg):
+    queue, name = grouped_queue(pg)
+    enqueue_group(pg, name, "big", 3000)
+    small = [f"small{i}" for i in range(30)]
+    pg.one("SELECT flow.enqueue_many(%s, ARRAY(SELECT jsonb_build_object('g', g) FROM unnest(%s::text[]) g),"
+           " group_keys => %s)", name, small, small)
+    pg.one("SELECT flow.enqueue(%s, '{\"g\": \"none\"}')", name)   # (no group: a turn of its own)
+    pg.one("SELECT flow.set_queue(%s, paused => false)", queue)
+    pg.wait_for("SELECT count(*) = 3031 FROM app.ran WHERE queue = %s", queue, timeout=60)
+    order = {g: n for g, n in pg.all("SELECT grp, min(n) FROM app.ran WHERE queue = %s GROUP BY grp", queue)}
+    first = min(order.values())
+    big_before = pg.one("SELECT count(*) FROM app.ran WHERE queue = %s AND grp = 'big' AND n < %s", queue,
+                        max(order[g] for g in small + ["none"]))
+    # every small group and the ungrouped command started before the big group's backlog ran:
+    # at most its share of the claims that served the others went to it
+    assert big_before <= 1000, big_before
+    assert all(order[g] - first < 1100 for g in small + ["none"]), order
+
+
+def test_group_concurrency_holds_across_two_workers_and_an_external_claimer(pg):
+    queue, name = grouped_queue(pg, group_concurrency=1)
+    ext = external(pg, queue=f"'{queue}'")
+    for group in ("a", "b", "c"):
+        enqueue_group(pg, name, group, 4, sleep=0.15)
+    pg.one("SELECT flow.enqueue_many(%s, array_fill('{}'::jsonb, ARRAY[4]), group_key => 'a')", ext)
+    held_external = []
+    stop = threading.Event()
+
+    def external_worker():
+        with pg.connect() as conn:
+            while not stop.is_set():
+                for command_id, token, *_ in claim(conn, ext, max_=2):
+                    running = conn.execute("SELECT count(*) FROM flow.commands WHERE queue = %s AND status = 'running'"
+                                           " AND group_key = 'a'", (queue,)).fetchone()[0]
+                    held_external.append(running)
+                    time.sleep(0.1)   # (the external handler's work)
+                    conn.execute("SELECT flow.complete(%s, %s, '{}')", (command_id, token))
+                time.sleep(0.02)   # (its polling interval)
+
+    thread = threading.Thread(target=external_worker)
+    thread.start()
+    peak = {}
+    pg.one("SELECT flow.set_queue(%s, paused => false)", queue)
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        rows = pg.all("SELECT group_key, count(*) FROM flow.commands WHERE queue = %s AND status = 'running'"
+                      " GROUP BY group_key", queue)
+        for group, n in rows:
+            peak[group] = max(peak.get(group, 0), n)
+        if pg.one("SELECT count(*) FROM flow.commands WHERE queue = %s AND finished_at IS NULL", queue) == 0:
+            break
+        time.sleep(0.01)   # (sampling interval)
+    stop.set()
+    thread.join()
+    assert pg.one("SELECT count(*) FROM flow.commands WHERE queue = %s AND status = 'succeeded'", queue) == 16
+    assert peak and all(n == 1 for n in peak.values()), peak
+    assert held_external and all(n == 1 for n in held_external), held_external
+    # and the groups ran side by side: one group's limit did not hold up the others
+    spans = pg.all("SELECT grp, began, ended FROM app.ran WHERE queue = %s ORDER BY began", queue)
+    assert any(a[0] != b[0] and b[1] < a[2] for a, b in zip(spans, spans[1:])), spans
+    # within a group, one at a time
+    for group in ("a", "b", "c"):
+        mine = [s for s in spans if s[0] == group]
+        assert all(later[1] >= earlier[2] for earlier, later in zip(mine, mine[1:])), mine
+
+
+def test_a_childs_group_comes_from_spawn(pg):
+    queue, child = grouped_queue(pg, group_concurrency=1)
+    fan = unique("fan")
+    pg.one(f"SELECT flow.define('{fan}', 'app.fan(jsonb, flow.context)'::regprocedure)")
+    run = pg.one("SELECT flow.enqueue(%s, jsonb_build_object('child', %s::text, 'groups', '[\"x\", \"y\"]'::jsonb))",
+                 fan, child)
+    pg.wait_for("SELECT count(*) = 2 FROM flow.commands WHERE run_id = %s AND queue = %s", run, queue)
+    assert sorted(pg.all("SELECT key, group_key FROM flow.commands WHERE run_id = %s AND queue = %s", run, queue)) \
+        == [("x", "x"), ("y", "y")]
+    pg.one("SELECT flow.set_queue(%s, paused => false)", queue)
+    assert pg.await_run(run)[0] == "succeeded"
+
+
+def test_bad_groups_are_refused_and_change_nothing(pg):
+    queue, name = grouped_queue(pg)
+    before = pg.one("SELECT count(*) FROM flow.commands WHERE queue = %s", queue)
+    assert pg.sqlstate("SELECT flow.enqueue(%s, group_key => '')", name) == "FL002"
+    assert pg.sqlstate("SELECT flow.enqueue(%s, group_key => repeat('x', 2000))", name) == "FL002"
+    assert pg.sqlstate("SELECT flow.enqueue_many(%s, ARRAY['{}'::jsonb, '{}'], group_keys => ARRAY['a'])", name) \
+        == "FL003"
+    assert pg.sqlstate("SELECT flow.enqueue_many(%s, ARRAY['{}'::jsonb], group_key => 'a', group_keys => ARRAY['a'])",
+                       name) == "FL006"
+    assert pg.sqlstate("SELECT flow.enqueue_many(%s, ARRAY['{}'::jsonb], group_keys => ARRAY[' '])", name) == "FL002"
+    assert pg.sqlstate("SELECT flow.set_queue(%s, group_concurrency => 0)", queue) == "FL009"
+    assert pg.one("SELECT count(*) FROM flow.commands WHERE queue = %s", queue) == before
+    assert pg.one("SELECT group_concurrency FROM flow.queues WHERE name = %s", queue) is None
+    # another role cannot set a queue's group limit
+    assert pg.sqlstate("SELECT flow.set_queue(%s, group_concurrency => 1000)", queue, user="mallory") == "FL011"
+
+
+def test_set_queue_keeps_the_group_limit_it_is_not_given(pg):
+    queue, _ = grouped_queue(pg, group_concurrency=2)
+    pg.one("SELECT flow.set_queue(%s, paused => false, concurrency => 5)", queue)
+    pg.one("SELECT flow.set_queue(%s, rate => 10)", queue)
+    assert pg.one("SELECT (concurrency, group_concurrency, rate)::text FROM flow.queues WHERE name = %s", queue) \
+        == "(5,2,10)"
+    pg.one("SELECT flow.set_queue(%s, group_concurrency => NULL)", queue)
+    assert pg.one("SELECT group_concurrency FROM flow.queues WHERE name = %s", queue) is None
