@@ -9,6 +9,9 @@ Targets:
               the enqueue's own lateness: it includes the claim)
   priorities  the no-op drain of 20,000 with 5 priorities in use >= 0.95x the
               drain without priorities (rounds interleaved)
+  groups      1,000 groups in one queue, one with a backlog of 100,000: the
+              next command of each of the 999 others, enqueued while the
+              backlog drains, starts within p99 <= 100 ms of its enqueue
   rate        a queue limited to 500/s with a backlog of 30,000: the starts of
               30 s, after its first second (the burst a GCRA allows), within
               +-2 % of 500/s
@@ -40,6 +43,11 @@ def setup(pg):
             CREATE FUNCTION bench.start(args jsonb) RETURNS void LANGUAGE sql AS $$
                 INSERT INTO bench.starts DEFAULT VALUES $$;
             SELECT flow.define('rated', 'bench.start(jsonb)'::regprocedure, queue => 'rated');
+            CREATE TABLE bench.grouped (g text, sent double precision, started double precision);
+            CREATE FUNCTION bench.grouped(args jsonb) RETURNS void LANGUAGE sql AS $$
+                INSERT INTO bench.grouped VALUES (args->>'g', (args->>'t')::double precision,
+                                                  extract(epoch FROM clock_timestamp())) $$;
+            SELECT flow.define('grouped', 'bench.grouped(jsonb)'::regprocedure, queue => 'grouped');
         """)
 
 
@@ -66,6 +74,36 @@ def schedules(pg, seconds):
         bench.clear_flow_tables(c)
     return {"runs": fired, "distinct_ticks": distinct, "schedules_with_gaps": gapped,
             "p50_ms": round(p50 * 1000, 1), "p99_ms": round(p99 * 1000, 1), "max_ms": round(worst * 1000, 1)}
+
+
+def groups(pg, backlog=100_000, others=999):
+    with pg.connect() as c:
+        c.execute("TRUNCATE bench.grouped")
+        c.execute("SELECT flow.set_queue('grouped', paused => true)")
+        for _ in range(backlog // 1000):
+            c.execute("SELECT flow.enqueue_many('grouped', array_fill('{\"g\": \"big\"}'::jsonb, array[1000]),"
+                      " group_key => 'big')")
+        c.execute("SELECT flow.set_queue('grouped', paused => false)")
+        # (while the backlog drains: a tenth of it done)
+        while c.execute("SELECT count(*) FROM bench.grouped").fetchone()[0] < backlog // 10:
+            time.sleep(0.005)
+        c.execute("""SELECT flow.enqueue_many('grouped',
+                         ARRAY(SELECT jsonb_build_object('g', 'g' || i, 't', extract(epoch FROM clock_timestamp()))
+                               FROM generate_series(1, %s) i),
+                         group_keys => ARRAY(SELECT 'g' || i FROM generate_series(1, %s) i))""", (others, others))
+        sent_done = time.time()
+        while c.execute("SELECT count(*) FROM bench.grouped WHERE g <> 'big'").fetchone()[0] < others:
+            time.sleep(0.005)
+        p50, p99, worst, big_left = c.execute("""
+            SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY started - sent),
+                   percentile_cont(0.99) WITHIN GROUP (ORDER BY started - sent), max(started - sent),
+                   %s - (SELECT count(*) FROM bench.grouped WHERE g = 'big' AND started <= (SELECT max(started) FROM bench.grouped WHERE g <> 'big'))
+            FROM bench.grouped WHERE g <> 'big'""", (backlog,)).fetchone()
+        while c.execute("SELECT count(*) FROM bench.grouped").fetchone()[0] < backlog + others:
+            time.sleep(0.05)
+        bench.clear_flow_tables(c)
+    return {"p50_ms": round(p50 * 1000, 1), "p99_ms": round(p99 * 1000, 1), "max_ms": round(worst * 1000, 1),
+            "backlog_left_when_all_others_started": big_left}
 
 
 def rate(pg):
@@ -100,6 +138,8 @@ def main():
                   f"{prioritized / plain:.3f}x (target >= 0.95)", flush=True)
             s = schedules(pg, seconds)
             print(f"round {round_}: schedules {s} (target: every tick once, p99 <= 50 ms)", flush=True)
+            g = groups(pg)
+            print(f"round {round_}: groups {g} (target p99 <= 100 ms)", flush=True)
             r = rate(pg)
             print(f"round {round_}: rate {r} (target 500/s +-2 %)", flush=True)
     finally:

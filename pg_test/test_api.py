@@ -388,7 +388,7 @@ def test_ordinary_roles_cannot_write_flow_tables(app):
         assert app.sqlstate(f"SELECT * FROM flow.{table}", user="bob") == "42501"
     for view in ("_run_rows", "_command_rows", "_held_attempts"):   # what flow's own views read
         assert app.sqlstate(f"SELECT * FROM flow.{view}", user="bob") == "42501"
-    assert app.sqlstate("SELECT flow._enqueue(10, 'x', '{}', NULL, NULL, NULL, NULL, NULL, NULL, NULL)",
+    assert app.sqlstate("SELECT flow._enqueue(10, 'x', '{}', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL)",
                         user="bob") == "42501"
     # the ticket cannot be forged
     name = external(app)

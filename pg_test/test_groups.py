@@ -112,6 +112,8 @@ def test_group_concurrency_holds_across_two_workers_and_an_external_claimer(pg):
     assert pg.one("SELECT count(*) FROM flow.commands WHERE queue = %s AND status = 'succeeded'", queue) == 16
     assert peak and all(n == 1 for n in peak.values()), peak
     assert held_external and all(n == 1 for n in held_external), held_external
+    assert pg.one("SELECT value FROM flow.stats WHERE name = 'group_limited'") > 0
+    assert any(line.startswith("flow_group_limited_total ") for (line,) in pg.all("SELECT line FROM flow.prometheus"))
     # and the groups ran side by side: one group's limit did not hold up the others
     spans = pg.all("SELECT grp, began, ended FROM app.ran WHERE queue = %s ORDER BY began", queue)
     assert any(a[0] != b[0] and b[1] < a[2] for a, b in zip(spans, spans[1:])), spans

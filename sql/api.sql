@@ -592,7 +592,7 @@ lines (family, ord, line) AS (
               FROM (VALUES ('events_total'), ('claims_total'), ('claims_empty_total'), ('claimed_total'),
                            ('claim_seconds_total'), ('handler_seconds_total'), ('handed_back_total'),
                            ('recovered_total'), ('group_reruns_total'), ('pruned_runs_total'),
-                           ('ticks_fired_total'), ('ticks_skipped_total'), ('rate_limited_total')) m(metric)
+                           ('ticks_fired_total'), ('ticks_skipped_total'), ('rate_limited_total'), ('group_limited_total')) m(metric)
     UNION ALL SELECT 'flow_' || c.name || CASE WHEN c.name LIKE '%\_us' THEN '' ELSE '_total' END, 2,
               CASE WHEN c.name LIKE '%\_us'
                    THEN format('flow_%s_seconds_total %s', left(c.name, -3), round(c.value / 1e6, 6))

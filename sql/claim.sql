@@ -339,9 +339,9 @@ BEGIN
               AND (excluded IS NULL OR c.id <> ALL (excluded))
             ORDER BY c.next_run_at, c.id
             LIMIT CASE WHEN g.group_hash = 0 OR l.group_concurrency IS NULL THEN greatest(1, l.take / g.groups)
-                       ELSE least(greatest(1, l.take / g.groups), greatest(0, l.group_concurrency - (
+                       ELSE least(greatest(1, l.take / g.groups), flow._group_room(l.group_concurrency - (
                            SELECT count(*) FROM flow._commands r            -- index _commands_group_running
-                           WHERE r.queue = l.name AND r.group_hash = g.group_hash AND r.status = 'running')))
+                           WHERE r.queue = l.name AND r.group_hash = g.group_hash AND r.status = 'running')::integer))
                   END
             FOR UPDATE OF c SKIP LOCKED
           ) k

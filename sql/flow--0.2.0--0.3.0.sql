@@ -1363,9 +1363,9 @@ BEGIN
               AND (excluded IS NULL OR c.id <> ALL (excluded))
             ORDER BY c.next_run_at, c.id
             LIMIT CASE WHEN g.group_hash = 0 OR l.group_concurrency IS NULL THEN greatest(1, l.take / g.groups)
-                       ELSE least(greatest(1, l.take / g.groups), greatest(0, l.group_concurrency - (
+                       ELSE least(greatest(1, l.take / g.groups), flow._group_room(l.group_concurrency - (
                            SELECT count(*) FROM flow._commands r            -- index _commands_group_running
-                           WHERE r.queue = l.name AND r.group_hash = g.group_hash AND r.status = 'running')))
+                           WHERE r.queue = l.name AND r.group_hash = g.group_hash AND r.status = 'running')::integer))
                   END
             FOR UPDATE OF c SKIP LOCKED
           ) k
@@ -3392,7 +3392,7 @@ AS 'MODULE_PATHNAME', '_claim_excluded_wrapper';
 -- flow::invariants::_command_row_is_consistent
 -- Skipped due to `#[pgrx(sql = false)]`
 
--- src/api.rs:190
+-- src/api.rs:200
 -- flow::api::_counters
 CREATE OR REPLACE FUNCTION "_counters"() RETURNS TABLE (
 	"name" TEXT,  /* String */
@@ -3413,7 +3413,7 @@ IMMUTABLE STRICT PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', 'next_tick_wrapper';
 
--- src/api.rs:150
+-- src/api.rs:160
 -- flow::api::_current_command
 CREATE OR REPLACE FUNCTION "_current_command"() RETURNS uuid /* Option < pgrx :: Uuid > */
 STRICT VOLATILE PARALLEL UNSAFE
@@ -3478,6 +3478,15 @@ VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_external_cursor_start_wrapper';
 
+-- src/api.rs:118
+-- flow::api::_group_room
+CREATE OR REPLACE FUNCTION "_group_room"(
+	"free" INT /* i32 */
+) RETURNS INT /* i32 */
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', '_group_room_wrapper';
+
 -- src/external.rs:232
 -- flow::external::_holding_attempts
 CREATE OR REPLACE FUNCTION "_holding_attempts"(
@@ -3521,7 +3530,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_in_transaction_block_wrapper';
 
--- src/api.rs:125
+-- src/api.rs:135
 -- flow::api::_interrupt_run
 CREATE OR REPLACE FUNCTION "_interrupt_run"(
 	"run" uuid /* pgrx :: Uuid */
@@ -3530,7 +3539,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_interrupt_run_wrapper';
 
--- src/api.rs:144
+-- src/api.rs:154
 -- flow::api::_lease_duration_s
 CREATE OR REPLACE FUNCTION "_lease_duration_s"() RETURNS INT /* i32 */
 STRICT STABLE PARALLEL SAFE
@@ -3596,7 +3605,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_lock_queue_name_wrapper';
 
--- src/api.rs:138
+-- src/api.rs:148
 -- flow::api::_max_payload_bytes
 CREATE OR REPLACE FUNCTION "_max_payload_bytes"() RETURNS INT /* i32 */
 STRICT STABLE PARALLEL SAFE
@@ -3632,7 +3641,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_note_spawn_wrapper';
 
--- src/api.rs:196
+-- src/api.rs:206
 -- flow::api::_observe
 CREATE OR REPLACE FUNCTION "_observe"(
 	"metric" TEXT, /* & str */
@@ -3728,7 +3737,7 @@ AS 'MODULE_PATHNAME', '_schedule_problem_wrapper';
 -- flow::spans::_span_ok
 -- Skipped due to `#[pgrx(sql = false)]`
 
--- src/api.rs:132
+-- src/api.rs:142
 -- flow::api::_stop_workers_of
 CREATE OR REPLACE FUNCTION "_stop_workers_of"(
 	"run" uuid /* pgrx :: Uuid */
@@ -3769,14 +3778,14 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_wake_due_from_wrapper';
 
--- src/api.rs:118
+-- src/api.rs:128
 -- flow::api::_wake_maintenance
 CREATE OR REPLACE FUNCTION "_wake_maintenance"() RETURNS void
 STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_wake_maintenance_wrapper';
 
--- src/api.rs:158
+-- src/api.rs:168
 -- flow::api::_worker_states
 CREATE OR REPLACE FUNCTION "_worker_states"() RETURNS TABLE (
 	"worker" INT,  /* i32 */
@@ -4405,7 +4414,7 @@ lines (family, ord, line) AS (
               FROM (VALUES ('events_total'), ('claims_total'), ('claims_empty_total'), ('claimed_total'),
                            ('claim_seconds_total'), ('handler_seconds_total'), ('handed_back_total'),
                            ('recovered_total'), ('group_reruns_total'), ('pruned_runs_total'),
-                           ('ticks_fired_total'), ('ticks_skipped_total'), ('rate_limited_total')) m(metric)
+                           ('ticks_fired_total'), ('ticks_skipped_total'), ('rate_limited_total'), ('group_limited_total')) m(metric)
     UNION ALL SELECT 'flow_' || c.name || CASE WHEN c.name LIKE '%\_us' THEN '' ELSE '_total' END, 2,
               CASE WHEN c.name LIKE '%\_us'
                    THEN format('flow_%s_seconds_total %s', left(c.name, -3), round(c.value / 1e6, 6))

@@ -113,6 +113,16 @@ fn _wake_due_from(due: TimestampWithTimeZone) {
     shmem::wake_at_commit(due.into_inner());
 }
 
+/// What a group may start, `free` of its group_concurrency being free:
+/// none below 0, counted as `group_limited` when none (flow._claim).
+#[pg_extern(volatile, parallel_unsafe)]
+fn _group_room(free: i32) -> i32 {
+    if free <= 0 {
+        shmem::observe("group_limited", 1);
+    }
+    free.max(0)
+}
+
 /// Wake the maintenance worker when the current transaction commits: a
 /// schedule changed, and its next tick may come before the worker's sleep ends.
 #[pg_extern(volatile, parallel_unsafe)]

@@ -174,6 +174,7 @@ pub const METRICS: &[&str] = &[
     "ticks_fired",
     "ticks_skipped",
     "rate_limited",
+    "group_limited",
 ];
 const METRIC_SLOTS: usize = 48;
 const _: () = assert!(METRICS.len() <= METRIC_SLOTS);
