@@ -117,8 +117,11 @@ def enqueue_paused(c, name, n, chunk=1000, priorities=1):
     chunk of `chunk` gets the next of that many priorities in turn."""
     c.execute("SELECT flow.set_queue('drain', paused => true)")
     for k, i in enumerate(range(0, n, chunk)):
-        c.execute("SELECT flow.enqueue_many(%s, array_fill('{}'::jsonb, array[%s]), priority => %s)",
-                  (name, min(chunk, n - i), k % priorities))
+        if priorities > 1:
+            c.execute("SELECT flow.enqueue_many(%s, array_fill('{}'::jsonb, array[%s]), priority => %s)",
+                      (name, min(chunk, n - i), k % priorities))
+        else:
+            c.execute("SELECT flow.enqueue_many(%s, array_fill('{}'::jsonb, array[%s]))", (name, min(chunk, n - i)))
 
 
 def clear_flow_tables(c, tries=10, pause=0.1):
