@@ -37,8 +37,9 @@ $$;
 -- hash, in order. A loose scan of _commands_due: one probe per group, and
 -- one more (of an empty range, in a queue without groups) to find no more.
 -- (0 is not probed: its range is read from the claim's cursor, past the
--- entries of commands claimed and settled before, see flow._claim.)
-CREATE FUNCTION flow._groups_of(lane bigint, priority smallint) RETURNS TABLE (group_hash bigint)
+-- entries of commands claimed and settled before, see flow._claim; nor is
+-- anything of a queue and priority that never had groups, _queue_groups.)
+CREATE FUNCTION flow._groups_of(queue text, lane bigint, priority smallint) RETURNS TABLE (group_hash bigint)
 LANGUAGE sql STABLE AS $$
     WITH RECURSIVE g(h) AS (
         SELECT 0::bigint
@@ -48,7 +49,9 @@ LANGUAGE sql STABLE AS $$
                   AND c.priority = _groups_of.priority AND c.group_hash > g.h
                   AND c.status IN ('pending', 'waiting')
                 ORDER BY c.group_hash LIMIT 1)
-        FROM g WHERE g.h IS NOT NULL)
+        FROM g WHERE g.h IS NOT NULL
+          AND EXISTS (SELECT 1 FROM flow._queue_groups x                 -- its primary key
+                      WHERE x.queue = _groups_of.queue AND x.priority = _groups_of.priority))
     SELECT g.h FROM g WHERE g.h IS NOT NULL
 $$;
 
@@ -153,13 +156,13 @@ BEGIN
     -- claim names definitions its caller may claim, and is not split so.
     WITH due AS (
         SELECT q.name AS queue, coalesce(q.owner::oid, 0::oid) AS queue_owner,
-               q.concurrency IS NULL AND q.group_concurrency IS NULL AS unlimited,
+               q.concurrency IS NULL AND q.group_concurrency IS NULL AND q.rate IS NULL AS unlimited,
                w.claimant
         FROM flow._queues q
         CROSS JOIN unnest(claimants) AS w(claimant) CROSS JOIN LATERAL (
             SELECT min(x.next_run_at) AS next_run_at
             FROM flow._priorities_of(q.name) p
-            CROSS JOIN LATERAL flow._groups_of(flow._lane(q.name, w.claimant), p.priority) g
+            CROSS JOIN LATERAL flow._groups_of(q.name, flow._lane(q.name, w.claimant), p.priority) g
             LEFT JOIN LATERAL (
                 SELECT a.at, a.id FROM unnest(after_queues, after_priorities, after_at, after_ids) AS a(queue, priority, at, id)
                 WHERE g.group_hash = 0 AND a.queue = q.name AND a.priority = p.priority LIMIT 1) a ON true
@@ -174,7 +177,7 @@ BEGIN
                   AND (excluded IS NULL OR c.id <> ALL (excluded))
                 ORDER BY c.next_run_at LIMIT 1) x) x
         WHERE NOT q.paused AND x.next_run_at <= now()
-          AND ((q.concurrency IS NULL AND q.group_concurrency IS NULL) OR names IS NULL
+          AND ((q.concurrency IS NULL AND q.group_concurrency IS NULL AND q.rate IS NULL) OR names IS NULL
                OR EXISTS (SELECT 1 FROM flow._definitions d WHERE d.queue = q.name AND d.name = ANY (names)))
     ), turns AS (
         SELECT o.owners[1 + ((turn % cardinality(o.owners)) + cardinality(o.owners)) % cardinality(o.owners)] AS owner,
@@ -216,7 +219,7 @@ BEGIN
                -- (its place in this claim's round-robin turn: from queue number `turn`, in name order)
                (((row_number() OVER (ORDER BY q.name) - 1 - turn) % cardinality(lanes) + cardinality(lanes))
                    % cardinality(lanes))::integer AS lane_order,
-               q.concurrency IS NULL AND q.group_concurrency IS NULL AS unlimited,
+               q.concurrency IS NULL AND q.group_concurrency IS NULL AND q.rate IS NULL AS unlimited,
                -- (within its concurrency limit, and as many as its rate
                -- limit has cells for now: each row it locks takes one,
                -- below, and one it cannot is left for a later claim)
@@ -314,7 +317,7 @@ BEGIN
           SELECT k.* FROM flow._priorities_of(l.name) p
           CROSS JOIN LATERAL (
               SELECT g.group_hash, count(*) OVER () AS groups
-              FROM flow._groups_of(flow._lane(l.name, l.claimant), p.priority) g
+              FROM flow._groups_of(l.name, flow._lane(l.name, l.claimant), p.priority) g
               ORDER BY g.group_hash <= group_start, g.group_hash) g
           LEFT JOIN LATERAL (
               SELECT a.at, a.id FROM unnest(after_queues, after_priorities, after_at, after_ids) AS a(queue, priority, at, id)
@@ -363,9 +366,8 @@ BEGIN
     -- none, without a probe: only its own attempt can spawn, and an attempt
     -- that kept its spawns is counted, see flow._settle_batch's `alone`)
     -- (A command of a rate-limited queue takes its cell here, in claim
-    -- order; one there is none for is left out, locked until the claim's
-    -- transaction ends: at once for a worker's claim, whose leases commit
-    -- first. The claim locked no more than the cells there were when it began.)
+    -- order. The claim holds the queue (as a limited one), so no other claim
+    -- took its cells meanwhile: it locked no more than there are.)
     WHERE (h.rate IS NULL OR flow._rate_admit(h.queue, h.rate, h.per_us))
       AND (NOT h.held
        OR CASE WHEN h.id = h.run_id
@@ -436,7 +438,7 @@ BEGIN
                      THEN flow._rate_next(q.name, q.rate, (extract(epoch FROM q.per) * 1000000)::bigint) END))
             - clock_timestamp()) * 1000)::bigint
     FROM flow._queues q CROSS JOIN LATERAL flow._priorities_of(q.name) p
-    CROSS JOIN LATERAL flow._groups_of(flow._lane(q.name, ''), p.priority) g
+    CROSS JOIN LATERAL flow._groups_of(q.name, flow._lane(q.name, ''), p.priority) g
     LEFT JOIN LATERAL (
         SELECT a.at, a.id FROM unnest(after_queues, after_priorities, after_at, after_ids) AS a(queue, priority, at, id)
         WHERE g.group_hash = 0 AND a.queue = q.name AND a.priority = p.priority LIMIT 1) a ON true
@@ -448,7 +450,7 @@ BEGIN
           AND c.status IN ('pending', 'waiting') AND c.next_run_at < 'infinity'
           AND (c.next_run_at, c.id) > (coalesce(a.at, '-infinity'), coalesce(a.id, '00000000-0000-0000-0000-000000000000'::uuid))
         ORDER BY c.next_run_at LIMIT 1) h
-    WHERE NOT q.paused
+    WHERE NOT q.paused AND q.rate IS DISTINCT FROM 0
       AND (q.concurrency IS NULL
            OR q.concurrency > (SELECT count(*) FROM flow._commands r      -- index _commands_running
                                WHERE r.queue = q.name AND r.status = 'running'))

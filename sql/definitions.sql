@@ -370,8 +370,9 @@ BEGIN
         RAISE EXCEPTION 'flow: queue rate must be 0 or more (NULL for no limit, 0 to start none), got %', rate
             USING ERRCODE = 'FL009';
     END IF;
-    IF NOT ('per' = ANY (left_out)) AND (per IS NULL OR NOT flow._span_ok(per, false)) THEN
-        RAISE EXCEPTION 'flow: queue rate''s per must be a positive interval of at most 100 years, got %',
+    IF NOT ('per' = ANY (left_out)) AND (per IS NULL OR NOT flow._span_ok(per, false)
+                                         OR extract(epoch FROM per) * 1000000 < coalesce(rate, 1)) THEN
+        RAISE EXCEPTION 'flow: queue rate''s per must be a positive interval of at most 100 years, and at least a microsecond per command, got %',
             coalesce(per::text, 'NULL') USING ERRCODE = 'FL009';
     END IF;
     q := flow._manage_queue(caller, name);
@@ -423,6 +424,7 @@ BEGIN
     END IF;
     DELETE FROM flow._queues x WHERE x.name = q.name;
     DELETE FROM flow._queue_priorities p WHERE p.queue = q.name;
+    DELETE FROM flow._queue_groups g WHERE g.queue = q.name;
     IF q.owner IS NOT NULL AND NOT flow._owns_anything(q.owner) THEN
         PERFORM flow._unmark_owner(q.owner);
     END IF;
@@ -437,6 +439,12 @@ BEGIN
     UPDATE flow._definition_names n SET owner = new_role WHERE n.owner = ANY (old_roles);
     UPDATE flow._definitions d SET owner = new_role WHERE d.owner = ANY (old_roles);
     UPDATE flow._queues q SET owner = new_role WHERE q.owner = ANY (old_roles);
+    -- (a schedule's name is its owner's: the new role may not have one of the same name)
+    IF EXISTS (SELECT 1 FROM flow._schedules s JOIN flow._schedules t ON t.name = s.name
+               WHERE s.owner = ANY (old_roles) AND t.owner = new_role AND NOT (t.owner = ANY (old_roles))) THEN
+        RAISE EXCEPTION 'flow: role % has a schedule of the same name as one of the roles reassigned', new_role::regrole
+            USING ERRCODE = '2BP01', HINT = 'Rename or unschedule one of them first.';
+    END IF;
     UPDATE flow._schedules s SET owner = new_role WHERE s.owner = ANY (old_roles);
     UPDATE flow._runs r SET owner = new_role WHERE r.owner = ANY (old_roles);
     UPDATE flow._commands c SET owner = new_role WHERE c.owner = ANY (old_roles);

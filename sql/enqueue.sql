@@ -80,15 +80,20 @@ BEGIN
     RETURN flow._require_short(what, group_key);
 END $$;
 
--- Note that `queue` has commands of `priority`, for its claims
--- (flow._priorities_of; 0 is always read). Called for each enqueue and spawn
--- of a priority other than 0: one index probe once the priority is known.
-CREATE FUNCTION flow._note_priority(queue text, priority smallint) RETURNS void
+-- Note that `queue` has commands of `priority`, with groups if `grouped`,
+-- for its claims (flow._priorities_of, flow._groups_of; priority 0 without
+-- groups is always read). Called for each enqueue and spawn of a priority
+-- other than 0 or with a group: an index probe or two once they are known.
+CREATE FUNCTION flow._note_priority(queue text, priority smallint, grouped boolean) RETURNS void
 LANGUAGE plpgsql AS $$
 BEGIN
-    IF NOT EXISTS (SELECT 1 FROM flow._queue_priorities p
-                   WHERE p.queue = _note_priority.queue AND p.priority = _note_priority.priority) THEN
+    IF priority <> 0 AND NOT EXISTS (SELECT 1 FROM flow._queue_priorities p
+                                     WHERE p.queue = _note_priority.queue AND p.priority = _note_priority.priority) THEN
         INSERT INTO flow._queue_priorities AS p (queue, priority) VALUES (queue, priority) ON CONFLICT DO NOTHING;
+    END IF;
+    IF grouped AND NOT EXISTS (SELECT 1 FROM flow._queue_groups g
+                               WHERE g.queue = _note_priority.queue AND g.priority = _note_priority.priority) THEN
+        INSERT INTO flow._queue_groups AS g (queue, priority) VALUES (queue, priority) ON CONFLICT DO NOTHING;
     END IF;
 END $$;
 
@@ -99,8 +104,9 @@ CREATE FUNCTION flow._insert_roots(owner oid, name text, version integer, extern
 RETURNS void
 LANGUAGE plpgsql AS $$
 BEGIN
-    IF priority <> 0 THEN
-        PERFORM flow._note_priority(lane, priority);
+    IF priority <> 0 OR group_keys IS NOT NULL THEN
+        PERFORM flow._note_priority(lane, priority,
+                                    group_keys IS NOT NULL AND EXISTS (SELECT 1 FROM unnest(group_keys) k WHERE k IS NOT NULL));
     END IF;
     INSERT INTO flow._commands (id, run_id, key, name, version, queue, args, declaration, status,
         next_run_at, not_before, budget_started_at, deadline, external, owner, priority, group_key, group_hash)
@@ -114,7 +120,8 @@ BEGIN
 END $$;
 
 CREATE FUNCTION flow._enqueue(caller oid, name text, args jsonb, key text, version integer, queue text,
-    start_after interval, run_at timestamptz, deadline interval, priority integer, group_key text)
+    start_after interval, run_at timestamptz, deadline interval, priority integer, group_key text,
+    check_args boolean DEFAULT true)
 RETURNS uuid
 LANGUAGE plpgsql AS $$
 #variable_conflict use_column
@@ -125,7 +132,9 @@ DECLARE
     existing flow._runs;
 BEGIN
     PERFORM flow._require_payload('args', args);
-    PERFORM flow._require_args_fit(name, p.def_owner, p.def_args_type, args);
+    IF check_args THEN
+        PERFORM flow._require_args_fit(name, p.def_owner, p.def_args_type, args);
+    END IF;
     PERFORM flow._require_short('key', key);
     PERFORM flow._require_group('group_key', group_key);
     IF key IS NOT NULL AND btrim(key) = '' THEN

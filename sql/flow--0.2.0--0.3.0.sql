@@ -121,6 +121,15 @@ CREATE INDEX _commands_due ON flow._commands
     (flow._lane(queue, CASE WHEN external THEN name ELSE '' END), priority, group_hash, next_run_at, id)
     WHERE status IN ('pending', 'waiting');
 CREATE INDEX _commands_group_running ON flow._commands (queue, group_hash) WHERE status = 'running' AND group_hash <> 0;
+-- The priorities of a queue whose commands were given groups
+-- (flow._note_priority): the ones whose groups a claim of the queue looks
+-- for (flow._groups_of); a queue that never had one reads none.
+CREATE TABLE flow._queue_groups (
+    queue     text NOT NULL,
+    priority  smallint NOT NULL,
+    PRIMARY KEY (queue, priority)
+);
+SELECT pg_catalog.pg_extension_config_dump('flow._queue_groups', '');
 CREATE TABLE flow._queue_priorities (
     queue     text NOT NULL,
     priority  smallint NOT NULL CHECK (priority <> 0),
@@ -681,8 +690,9 @@ BEGIN
         RAISE EXCEPTION 'flow: queue rate must be 0 or more (NULL for no limit, 0 to start none), got %', rate
             USING ERRCODE = 'FL009';
     END IF;
-    IF NOT ('per' = ANY (left_out)) AND (per IS NULL OR NOT flow._span_ok(per, false)) THEN
-        RAISE EXCEPTION 'flow: queue rate''s per must be a positive interval of at most 100 years, got %',
+    IF NOT ('per' = ANY (left_out)) AND (per IS NULL OR NOT flow._span_ok(per, false)
+                                         OR extract(epoch FROM per) * 1000000 < coalesce(rate, 1)) THEN
+        RAISE EXCEPTION 'flow: queue rate''s per must be a positive interval of at most 100 years, and at least a microsecond per command, got %',
             coalesce(per::text, 'NULL') USING ERRCODE = 'FL009';
     END IF;
     q := flow._manage_queue(caller, name);
@@ -734,6 +744,7 @@ BEGIN
     END IF;
     DELETE FROM flow._queues x WHERE x.name = q.name;
     DELETE FROM flow._queue_priorities p WHERE p.queue = q.name;
+    DELETE FROM flow._queue_groups g WHERE g.queue = q.name;
     IF q.owner IS NOT NULL AND NOT flow._owns_anything(q.owner) THEN
         PERFORM flow._unmark_owner(q.owner);
     END IF;
@@ -748,6 +759,12 @@ BEGIN
     UPDATE flow._definition_names n SET owner = new_role WHERE n.owner = ANY (old_roles);
     UPDATE flow._definitions d SET owner = new_role WHERE d.owner = ANY (old_roles);
     UPDATE flow._queues q SET owner = new_role WHERE q.owner = ANY (old_roles);
+    -- (a schedule's name is its owner's: the new role may not have one of the same name)
+    IF EXISTS (SELECT 1 FROM flow._schedules s JOIN flow._schedules t ON t.name = s.name
+               WHERE s.owner = ANY (old_roles) AND t.owner = new_role AND NOT (t.owner = ANY (old_roles))) THEN
+        RAISE EXCEPTION 'flow: role % has a schedule of the same name as one of the roles reassigned', new_role::regrole
+            USING ERRCODE = '2BP01', HINT = 'Rename or unschedule one of them first.';
+    END IF;
     UPDATE flow._schedules s SET owner = new_role WHERE s.owner = ANY (old_roles);
     UPDATE flow._runs r SET owner = new_role WHERE r.owner = ANY (old_roles);
     UPDATE flow._commands c SET owner = new_role WHERE c.owner = ANY (old_roles);
@@ -883,15 +900,20 @@ BEGIN
     RETURN flow._require_short(what, group_key);
 END $$;
 
--- Note that `queue` has commands of `priority`, for its claims
--- (flow._priorities_of; 0 is always read). Called for each enqueue and spawn
--- of a priority other than 0: one index probe once the priority is known.
-CREATE OR REPLACE FUNCTION flow._note_priority(queue text, priority smallint) RETURNS void
+-- Note that `queue` has commands of `priority`, with groups if `grouped`,
+-- for its claims (flow._priorities_of, flow._groups_of; priority 0 without
+-- groups is always read). Called for each enqueue and spawn of a priority
+-- other than 0 or with a group: an index probe or two once they are known.
+CREATE OR REPLACE FUNCTION flow._note_priority(queue text, priority smallint, grouped boolean) RETURNS void
 LANGUAGE plpgsql AS $$
 BEGIN
-    IF NOT EXISTS (SELECT 1 FROM flow._queue_priorities p
-                   WHERE p.queue = _note_priority.queue AND p.priority = _note_priority.priority) THEN
+    IF priority <> 0 AND NOT EXISTS (SELECT 1 FROM flow._queue_priorities p
+                                     WHERE p.queue = _note_priority.queue AND p.priority = _note_priority.priority) THEN
         INSERT INTO flow._queue_priorities AS p (queue, priority) VALUES (queue, priority) ON CONFLICT DO NOTHING;
+    END IF;
+    IF grouped AND NOT EXISTS (SELECT 1 FROM flow._queue_groups g
+                               WHERE g.queue = _note_priority.queue AND g.priority = _note_priority.priority) THEN
+        INSERT INTO flow._queue_groups AS g (queue, priority) VALUES (queue, priority) ON CONFLICT DO NOTHING;
     END IF;
 END $$;
 
@@ -902,8 +924,9 @@ CREATE OR REPLACE FUNCTION flow._insert_roots(owner oid, name text, version inte
 RETURNS void
 LANGUAGE plpgsql AS $$
 BEGIN
-    IF priority <> 0 THEN
-        PERFORM flow._note_priority(lane, priority);
+    IF priority <> 0 OR group_keys IS NOT NULL THEN
+        PERFORM flow._note_priority(lane, priority,
+                                    group_keys IS NOT NULL AND EXISTS (SELECT 1 FROM unnest(group_keys) k WHERE k IS NOT NULL));
     END IF;
     INSERT INTO flow._commands (id, run_id, key, name, version, queue, args, declaration, status,
         next_run_at, not_before, budget_started_at, deadline, external, owner, priority, group_key, group_hash)
@@ -917,7 +940,8 @@ BEGIN
 END $$;
 
 CREATE OR REPLACE FUNCTION flow._enqueue(caller oid, name text, args jsonb, key text, version integer, queue text,
-    start_after interval, run_at timestamptz, deadline interval, priority integer, group_key text)
+    start_after interval, run_at timestamptz, deadline interval, priority integer, group_key text,
+    check_args boolean DEFAULT true)
 RETURNS uuid
 LANGUAGE plpgsql AS $$
 #variable_conflict use_column
@@ -928,7 +952,9 @@ DECLARE
     existing flow._runs;
 BEGIN
     PERFORM flow._require_payload('args', args);
-    PERFORM flow._require_args_fit(name, p.def_owner, p.def_args_type, args);
+    IF check_args THEN
+        PERFORM flow._require_args_fit(name, p.def_owner, p.def_args_type, args);
+    END IF;
     PERFORM flow._require_short('key', key);
     PERFORM flow._require_group('group_key', group_key);
     IF key IS NOT NULL AND btrim(key) = '' THEN
@@ -1061,8 +1087,9 @@ $$;
 -- hash, in order. A loose scan of _commands_due: one probe per group, and
 -- one more (of an empty range, in a queue without groups) to find no more.
 -- (0 is not probed: its range is read from the claim's cursor, past the
--- entries of commands claimed and settled before, see flow._claim.)
-CREATE OR REPLACE FUNCTION flow._groups_of(lane bigint, priority smallint) RETURNS TABLE (group_hash bigint)
+-- entries of commands claimed and settled before, see flow._claim; nor is
+-- anything of a queue and priority that never had groups, _queue_groups.)
+CREATE OR REPLACE FUNCTION flow._groups_of(queue text, lane bigint, priority smallint) RETURNS TABLE (group_hash bigint)
 LANGUAGE sql STABLE AS $$
     WITH RECURSIVE g(h) AS (
         SELECT 0::bigint
@@ -1072,7 +1099,9 @@ LANGUAGE sql STABLE AS $$
                   AND c.priority = _groups_of.priority AND c.group_hash > g.h
                   AND c.status IN ('pending', 'waiting')
                 ORDER BY c.group_hash LIMIT 1)
-        FROM g WHERE g.h IS NOT NULL)
+        FROM g WHERE g.h IS NOT NULL
+          AND EXISTS (SELECT 1 FROM flow._queue_groups x                 -- its primary key
+                      WHERE x.queue = _groups_of.queue AND x.priority = _groups_of.priority))
     SELECT g.h FROM g WHERE g.h IS NOT NULL
 $$;
 
@@ -1177,13 +1206,13 @@ BEGIN
     -- claim names definitions its caller may claim, and is not split so.
     WITH due AS (
         SELECT q.name AS queue, coalesce(q.owner::oid, 0::oid) AS queue_owner,
-               q.concurrency IS NULL AND q.group_concurrency IS NULL AS unlimited,
+               q.concurrency IS NULL AND q.group_concurrency IS NULL AND q.rate IS NULL AS unlimited,
                w.claimant
         FROM flow._queues q
         CROSS JOIN unnest(claimants) AS w(claimant) CROSS JOIN LATERAL (
             SELECT min(x.next_run_at) AS next_run_at
             FROM flow._priorities_of(q.name) p
-            CROSS JOIN LATERAL flow._groups_of(flow._lane(q.name, w.claimant), p.priority) g
+            CROSS JOIN LATERAL flow._groups_of(q.name, flow._lane(q.name, w.claimant), p.priority) g
             LEFT JOIN LATERAL (
                 SELECT a.at, a.id FROM unnest(after_queues, after_priorities, after_at, after_ids) AS a(queue, priority, at, id)
                 WHERE g.group_hash = 0 AND a.queue = q.name AND a.priority = p.priority LIMIT 1) a ON true
@@ -1198,7 +1227,7 @@ BEGIN
                   AND (excluded IS NULL OR c.id <> ALL (excluded))
                 ORDER BY c.next_run_at LIMIT 1) x) x
         WHERE NOT q.paused AND x.next_run_at <= now()
-          AND ((q.concurrency IS NULL AND q.group_concurrency IS NULL) OR names IS NULL
+          AND ((q.concurrency IS NULL AND q.group_concurrency IS NULL AND q.rate IS NULL) OR names IS NULL
                OR EXISTS (SELECT 1 FROM flow._definitions d WHERE d.queue = q.name AND d.name = ANY (names)))
     ), turns AS (
         SELECT o.owners[1 + ((turn % cardinality(o.owners)) + cardinality(o.owners)) % cardinality(o.owners)] AS owner,
@@ -1240,7 +1269,7 @@ BEGIN
                -- (its place in this claim's round-robin turn: from queue number `turn`, in name order)
                (((row_number() OVER (ORDER BY q.name) - 1 - turn) % cardinality(lanes) + cardinality(lanes))
                    % cardinality(lanes))::integer AS lane_order,
-               q.concurrency IS NULL AND q.group_concurrency IS NULL AS unlimited,
+               q.concurrency IS NULL AND q.group_concurrency IS NULL AND q.rate IS NULL AS unlimited,
                -- (within its concurrency limit, and as many as its rate
                -- limit has cells for now: each row it locks takes one,
                -- below, and one it cannot is left for a later claim)
@@ -1338,7 +1367,7 @@ BEGIN
           SELECT k.* FROM flow._priorities_of(l.name) p
           CROSS JOIN LATERAL (
               SELECT g.group_hash, count(*) OVER () AS groups
-              FROM flow._groups_of(flow._lane(l.name, l.claimant), p.priority) g
+              FROM flow._groups_of(l.name, flow._lane(l.name, l.claimant), p.priority) g
               ORDER BY g.group_hash <= group_start, g.group_hash) g
           LEFT JOIN LATERAL (
               SELECT a.at, a.id FROM unnest(after_queues, after_priorities, after_at, after_ids) AS a(queue, priority, at, id)
@@ -1387,9 +1416,8 @@ BEGIN
     -- none, without a probe: only its own attempt can spawn, and an attempt
     -- that kept its spawns is counted, see flow._settle_batch's `alone`)
     -- (A command of a rate-limited queue takes its cell here, in claim
-    -- order; one there is none for is left out, locked until the claim's
-    -- transaction ends: at once for a worker's claim, whose leases commit
-    -- first. The claim locked no more than the cells there were when it began.)
+    -- order. The claim holds the queue (as a limited one), so no other claim
+    -- took its cells meanwhile: it locked no more than there are.)
     WHERE (h.rate IS NULL OR flow._rate_admit(h.queue, h.rate, h.per_us))
       AND (NOT h.held
        OR CASE WHEN h.id = h.run_id
@@ -1460,7 +1488,7 @@ BEGIN
                      THEN flow._rate_next(q.name, q.rate, (extract(epoch FROM q.per) * 1000000)::bigint) END))
             - clock_timestamp()) * 1000)::bigint
     FROM flow._queues q CROSS JOIN LATERAL flow._priorities_of(q.name) p
-    CROSS JOIN LATERAL flow._groups_of(flow._lane(q.name, ''), p.priority) g
+    CROSS JOIN LATERAL flow._groups_of(q.name, flow._lane(q.name, ''), p.priority) g
     LEFT JOIN LATERAL (
         SELECT a.at, a.id FROM unnest(after_queues, after_priorities, after_at, after_ids) AS a(queue, priority, at, id)
         WHERE g.group_hash = 0 AND a.queue = q.name AND a.priority = p.priority LIMIT 1) a ON true
@@ -1472,7 +1500,7 @@ BEGIN
           AND c.status IN ('pending', 'waiting') AND c.next_run_at < 'infinity'
           AND (c.next_run_at, c.id) > (coalesce(a.at, '-infinity'), coalesce(a.id, '00000000-0000-0000-0000-000000000000'::uuid))
         ORDER BY c.next_run_at LIMIT 1) h
-    WHERE NOT q.paused
+    WHERE NOT q.paused AND q.rate IS DISTINCT FROM 0
       AND (q.concurrency IS NULL
            OR q.concurrency > (SELECT count(*) FROM flow._commands r      -- index _commands_running
                                WHERE r.queue = q.name AND r.status = 'running'))
@@ -2639,8 +2667,8 @@ BEGIN
         -- there were priorities declared none, and a re-spawn still matches)
         || CASE WHEN priority <> 0 THEN jsonb_build_object('priority', priority) ELSE '{}' END
         || CASE WHEN group_key IS NOT NULL THEN jsonb_build_object('group_key', group_key) ELSE '{}' END;
-    IF priority <> 0 THEN
-        PERFORM flow._note_priority(p.lane, priority);
+    IF priority <> 0 OR group_key IS NOT NULL THEN
+        PERFORM flow._note_priority(p.lane, priority, group_key IS NOT NULL);
     END IF;
     IF NOT EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = parent.run_id) THEN
         -- The run's first child: the run gets its row (see flow._runs), under
@@ -3216,6 +3244,11 @@ BEGIN
     IF octet_length(name) > 990 THEN
         RAISE EXCEPTION 'flow: a schedule name is at most 990 bytes, got %', octet_length(name) USING ERRCODE = 'FL002';
     END IF;
+    IF timezone IS NULL OR overlap IS NULL THEN
+        RAISE EXCEPTION 'flow: % must not be NULL', CASE WHEN timezone IS NULL THEN 'timezone' ELSE 'overlap' END
+            USING ERRCODE = '22004';
+    END IF;
+    PERFORM flow._require_name('definition', definition);
     IF problem LIKE 'cron:%' THEN
         RAISE EXCEPTION 'flow: invalid cron expression %: %', coalesce(quote_literal(cron), 'NULL'), substr(problem, 7)
             USING ERRCODE = 'FL022',
@@ -3223,12 +3256,17 @@ BEGIN
     ELSIF problem IS NOT NULL THEN
         RAISE EXCEPTION 'flow: %', substr(problem, 11) USING ERRCODE = 'FL023';
     END IF;
-    IF overlap IS NULL THEN
-        RAISE EXCEPTION 'flow: overlap must not be NULL' USING ERRCODE = '22004';
-    END IF;
     IF catch_up IS NULL OR catch_up < 0 OR catch_up > 1000 THEN
         RAISE EXCEPTION 'flow: catch_up must be from 0 to 1000, got %', coalesce(catch_up::text, 'NULL')
             USING ERRCODE = '22023';
+    END IF;
+    -- (a role's schedules are bounded: each costs the maintenance worker, which serves every role)
+    IF NOT (SELECT r.rolsuper FROM pg_roles r WHERE r.oid = caller)
+       AND NOT EXISTS (SELECT 1 FROM flow._schedules x WHERE x.owner = caller AND x.name = _schedule.name)
+       AND (SELECT count(*) FROM flow._schedules x WHERE x.owner = caller)
+           >= current_setting('flow.max_schedules_per_role')::integer THEN
+        RAISE EXCEPTION 'flow: role % has flow.max_schedules_per_role (%) schedules already',
+            caller::regrole, current_setting('flow.max_schedules_per_role') USING ERRCODE = 'FL018';
     END IF;
     plan := flow._plan_enqueue(caller, definition, NULL, queue, NULL, NULL, NULL);
     PERFORM flow._require_payload('args', args);
@@ -3299,11 +3337,18 @@ END $$;
 -- commit was lost) finds its run instead of starting another. A tick whose
 -- enqueue fails (the definition's owner revoked the schedule owner's right
 -- to start it, args that no longer fit) is skipped with a WARNING.
+-- The firing never waits long and runs no user code, whatever a role does:
+-- it waits at most lock_timeout for a lock (a run key or a queue held by the
+-- owner's open transaction), and does not check args against the
+-- definition's args_type (their check was made when the schedule was, and
+-- the worker checks them again before each attempt): one role's schedule
+-- cannot hold up the maintenance worker, which serves every role.
 -- `started`: when the maintenance worker started; ticks that passed before
--- are missed (see src/schedules.rs, _schedule_due). Returns how many
--- schedules it fired (max_count: more may be due).
-CREATE OR REPLACE FUNCTION flow._fire_schedules(started timestamptz, max_count integer, lead interval) RETURNS integer
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+-- are missed (see src/schedules.rs, _schedule_due). At most max_ticks ticks
+-- per call, each a subtransaction (more than 64 in one transaction slow
+-- every backend's snapshots); returns true when it stopped there, more may be due.
+CREATE OR REPLACE FUNCTION flow._fire_schedules(started timestamptz, max_ticks integer, lead interval) RETURNS boolean
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET lock_timeout = '100ms' AS $$
 DECLARE
     -- how late a tick may be fired: later than this, it was missed (a dump
     -- restored long after it was made; the worker's own lag never nears it)
@@ -3315,17 +3360,18 @@ DECLARE
     tick timestamptz;
     skipped bigint;
     run uuid;
-    seen integer := 0;
+    budget integer := max_ticks;
     fired integer := 0;
     skipped_all bigint := 0;
 BEGIN
     FOR s IN SELECT * FROM flow._schedules x                            -- index _schedules_due
              WHERE NOT x.paused AND x.next_tick <= now_at + lead AND (x.overlap OR x.next_tick <= now_at)
-             ORDER BY x.next_tick LIMIT max_count FOR UPDATE SKIP LOCKED LOOP
-        seen := seen + 1;
+             ORDER BY x.next_tick LIMIT max_ticks FOR UPDATE SKIP LOCKED LOOP
+        EXIT WHEN budget <= 0;
         SELECT d.fire, d.skipped, d.next_tick INTO fire, skipped, next_at
         FROM flow._schedule_due(s.cron, s.timezone, s.next_tick, started, now_at,
-                                now_at + CASE WHEN s.overlap THEN lead ELSE interval '0' END, grace_s, s.catch_up) d;
+                                now_at + CASE WHEN s.overlap THEN lead ELSE interval '0' END, grace_s, s.catch_up,
+                                budget) d;
         IF NOT s.overlap AND cardinality(fire) > 0 THEN
             -- one run at a time: the latest due tick, and none while the last one's run is unfinished
             skipped := skipped + cardinality(fire) - 1;
@@ -3336,10 +3382,11 @@ BEGIN
             END IF;
         END IF;
         FOREACH tick IN ARRAY fire LOOP
+            budget := budget - 1;
             BEGIN
                 run := flow._enqueue(s.owner, s.definition, s.args,
                     'schedule:' || s.name || ':' || to_char(tick AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"'),
-                    NULL, s.queue, NULL, tick, NULL, NULL, NULL);
+                    NULL, s.queue, NULL, tick, NULL, NULL, NULL, check_args => false);
                 fired := fired + 1;
                 s.last_tick := tick;
                 s.last_run_id := run;
@@ -3348,13 +3395,17 @@ BEGIN
                 RAISE WARNING 'flow: schedule % of role % skipped its tick at %: %', s.name, s.owner, tick, SQLERRM;
             END;
         END LOOP;
+        IF next_at IS NULL THEN
+            RAISE WARNING 'flow: schedule % of role % has no tick after %: it fires no more', s.name, s.owner,
+                coalesce(s.last_tick, now_at);
+        END IF;
         skipped_all := skipped_all + skipped;
         UPDATE flow._schedules x SET next_tick = next_at, last_tick = s.last_tick, last_run_id = s.last_run_id
         WHERE x.owner = s.owner AND x.name = s.name;
     END LOOP;
     PERFORM flow._observe('ticks_fired', fired);
     PERFORM flow._observe('ticks_skipped', skipped_all);
-    RETURN seen;
+    RETURN budget <= 0;
 END $$;
 
 -- Milliseconds until the next tick of any schedule is to be fired (`lead`
@@ -3402,7 +3453,7 @@ STRICT VOLATILE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_counters_wrapper';
 
--- src/schedules.rs:77
+-- src/schedules.rs:75
 -- flow::schedules::_cron_next
 CREATE OR REPLACE FUNCTION "_cron_next"(
 	"cron" TEXT, /* & str */
@@ -3651,7 +3702,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_observe_wrapper';
 
--- src/rate_limits.rs:96
+-- src/rate_limits.rs:129
 -- flow::rate_limits::_rate_admit
 CREATE OR REPLACE FUNCTION "_rate_admit"(
 	"queue" TEXT, /* & str */
@@ -3662,7 +3713,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_rate_admit_wrapper';
 
--- src/rate_limits.rs:112
+-- src/rate_limits.rs:149
 -- flow::rate_limits::_rate_next
 CREATE OR REPLACE FUNCTION "_rate_next"(
 	"queue" TEXT, /* & str */
@@ -3673,7 +3724,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_rate_next_wrapper';
 
--- src/rate_limits.rs:80
+-- src/rate_limits.rs:109
 -- flow::rate_limits::_rate_room
 CREATE OR REPLACE FUNCTION "_rate_room"(
 	"queue" TEXT, /* & str */
@@ -3703,7 +3754,7 @@ VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_redeem_wrapper';
 
--- src/schedules.rs:91
+-- src/schedules.rs:89
 -- flow::schedules::_schedule_due
 CREATE OR REPLACE FUNCTION "_schedule_due"(
 	"cron" TEXT, /* & str */
@@ -3713,7 +3764,8 @@ CREATE OR REPLACE FUNCTION "_schedule_due"(
 	"now" timestamp with time zone, /* TimestampWithTimeZone */
 	"until" timestamp with time zone, /* TimestampWithTimeZone */
 	"grace_s" bigint, /* i64 */
-	"catch_up" INT /* i32 */
+	"catch_up" INT, /* i32 */
+	"max_fire" INT /* i32 */
 ) RETURNS TABLE (
 	"fire" timestamp with time zone[],  /* Vec < TimestampWithTimeZone > */
 	"skipped" bigint,  /* i64 */
@@ -3723,7 +3775,7 @@ IMMUTABLE STRICT PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_schedule_due_wrapper';
 
--- src/schedules.rs:57
+-- src/schedules.rs:55
 -- flow::schedules::_schedule_problem
 CREATE OR REPLACE FUNCTION "_schedule_problem"(
 	"cron" TEXT, /* Option < & str > */

@@ -22,6 +22,11 @@ BEGIN
     IF octet_length(name) > 990 THEN
         RAISE EXCEPTION 'flow: a schedule name is at most 990 bytes, got %', octet_length(name) USING ERRCODE = 'FL002';
     END IF;
+    IF timezone IS NULL OR overlap IS NULL THEN
+        RAISE EXCEPTION 'flow: % must not be NULL', CASE WHEN timezone IS NULL THEN 'timezone' ELSE 'overlap' END
+            USING ERRCODE = '22004';
+    END IF;
+    PERFORM flow._require_name('definition', definition);
     IF problem LIKE 'cron:%' THEN
         RAISE EXCEPTION 'flow: invalid cron expression %: %', coalesce(quote_literal(cron), 'NULL'), substr(problem, 7)
             USING ERRCODE = 'FL022',
@@ -29,12 +34,17 @@ BEGIN
     ELSIF problem IS NOT NULL THEN
         RAISE EXCEPTION 'flow: %', substr(problem, 11) USING ERRCODE = 'FL023';
     END IF;
-    IF overlap IS NULL THEN
-        RAISE EXCEPTION 'flow: overlap must not be NULL' USING ERRCODE = '22004';
-    END IF;
     IF catch_up IS NULL OR catch_up < 0 OR catch_up > 1000 THEN
         RAISE EXCEPTION 'flow: catch_up must be from 0 to 1000, got %', coalesce(catch_up::text, 'NULL')
             USING ERRCODE = '22023';
+    END IF;
+    -- (a role's schedules are bounded: each costs the maintenance worker, which serves every role)
+    IF NOT (SELECT r.rolsuper FROM pg_roles r WHERE r.oid = caller)
+       AND NOT EXISTS (SELECT 1 FROM flow._schedules x WHERE x.owner = caller AND x.name = _schedule.name)
+       AND (SELECT count(*) FROM flow._schedules x WHERE x.owner = caller)
+           >= current_setting('flow.max_schedules_per_role')::integer THEN
+        RAISE EXCEPTION 'flow: role % has flow.max_schedules_per_role (%) schedules already',
+            caller::regrole, current_setting('flow.max_schedules_per_role') USING ERRCODE = 'FL018';
     END IF;
     plan := flow._plan_enqueue(caller, definition, NULL, queue, NULL, NULL, NULL);
     PERFORM flow._require_payload('args', args);
@@ -105,11 +115,18 @@ END $$;
 -- commit was lost) finds its run instead of starting another. A tick whose
 -- enqueue fails (the definition's owner revoked the schedule owner's right
 -- to start it, args that no longer fit) is skipped with a WARNING.
+-- The firing never waits long and runs no user code, whatever a role does:
+-- it waits at most lock_timeout for a lock (a run key or a queue held by the
+-- owner's open transaction), and does not check args against the
+-- definition's args_type (their check was made when the schedule was, and
+-- the worker checks them again before each attempt): one role's schedule
+-- cannot hold up the maintenance worker, which serves every role.
 -- `started`: when the maintenance worker started; ticks that passed before
--- are missed (see src/schedules.rs, _schedule_due). Returns how many
--- schedules it fired (max_count: more may be due).
-CREATE FUNCTION flow._fire_schedules(started timestamptz, max_count integer, lead interval) RETURNS integer
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+-- are missed (see src/schedules.rs, _schedule_due). At most max_ticks ticks
+-- per call, each a subtransaction (more than 64 in one transaction slow
+-- every backend's snapshots); returns true when it stopped there, more may be due.
+CREATE FUNCTION flow._fire_schedules(started timestamptz, max_ticks integer, lead interval) RETURNS boolean
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET lock_timeout = '100ms' AS $$
 DECLARE
     -- how late a tick may be fired: later than this, it was missed (a dump
     -- restored long after it was made; the worker's own lag never nears it)
@@ -121,17 +138,18 @@ DECLARE
     tick timestamptz;
     skipped bigint;
     run uuid;
-    seen integer := 0;
+    budget integer := max_ticks;
     fired integer := 0;
     skipped_all bigint := 0;
 BEGIN
     FOR s IN SELECT * FROM flow._schedules x                            -- index _schedules_due
              WHERE NOT x.paused AND x.next_tick <= now_at + lead AND (x.overlap OR x.next_tick <= now_at)
-             ORDER BY x.next_tick LIMIT max_count FOR UPDATE SKIP LOCKED LOOP
-        seen := seen + 1;
+             ORDER BY x.next_tick LIMIT max_ticks FOR UPDATE SKIP LOCKED LOOP
+        EXIT WHEN budget <= 0;
         SELECT d.fire, d.skipped, d.next_tick INTO fire, skipped, next_at
         FROM flow._schedule_due(s.cron, s.timezone, s.next_tick, started, now_at,
-                                now_at + CASE WHEN s.overlap THEN lead ELSE interval '0' END, grace_s, s.catch_up) d;
+                                now_at + CASE WHEN s.overlap THEN lead ELSE interval '0' END, grace_s, s.catch_up,
+                                budget) d;
         IF NOT s.overlap AND cardinality(fire) > 0 THEN
             -- one run at a time: the latest due tick, and none while the last one's run is unfinished
             skipped := skipped + cardinality(fire) - 1;
@@ -142,10 +160,11 @@ BEGIN
             END IF;
         END IF;
         FOREACH tick IN ARRAY fire LOOP
+            budget := budget - 1;
             BEGIN
                 run := flow._enqueue(s.owner, s.definition, s.args,
                     'schedule:' || s.name || ':' || to_char(tick AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"'),
-                    NULL, s.queue, NULL, tick, NULL, NULL, NULL);
+                    NULL, s.queue, NULL, tick, NULL, NULL, NULL, check_args => false);
                 fired := fired + 1;
                 s.last_tick := tick;
                 s.last_run_id := run;
@@ -154,13 +173,17 @@ BEGIN
                 RAISE WARNING 'flow: schedule % of role % skipped its tick at %: %', s.name, s.owner, tick, SQLERRM;
             END;
         END LOOP;
+        IF next_at IS NULL THEN
+            RAISE WARNING 'flow: schedule % of role % has no tick after %: it fires no more', s.name, s.owner,
+                coalesce(s.last_tick, now_at);
+        END IF;
         skipped_all := skipped_all + skipped;
         UPDATE flow._schedules x SET next_tick = next_at, last_tick = s.last_tick, last_run_id = s.last_run_id
         WHERE x.owner = s.owner AND x.name = s.name;
     END LOOP;
     PERFORM flow._observe('ticks_fired', fired);
     PERFORM flow._observe('ticks_skipped', skipped_all);
-    RETURN seen;
+    RETURN budget <= 0;
 END $$;
 
 -- Milliseconds until the next tick of any schedule is to be fired (`lead`

@@ -286,6 +286,14 @@ CREATE TABLE flow._queue_priorities (
     priority  smallint NOT NULL CHECK (priority <> 0),
     PRIMARY KEY (queue, priority)
 );
+-- The priorities of a queue whose commands were given groups
+-- (flow._note_priority): the ones whose groups a claim of the queue looks
+-- for (flow._groups_of); a queue that never had one reads none.
+CREATE TABLE flow._queue_groups (
+    queue     text NOT NULL,
+    priority  smallint NOT NULL,
+    PRIMARY KEY (queue, priority)
+);
 -- Concurrency accounting and recovery of dead owners.
 -- (lease_expires_at: an external claim finds the expired leases it must
 -- conclude first without walking every running command)
@@ -423,3 +431,4 @@ SELECT pg_catalog.pg_extension_config_dump('flow._events_position_seq', '');
 SELECT pg_catalog.pg_extension_config_dump('flow._waits', '');
 SELECT pg_catalog.pg_extension_config_dump('flow._schedules', '');
 SELECT pg_catalog.pg_extension_config_dump('flow._queue_priorities', '');
+SELECT pg_catalog.pg_extension_config_dump('flow._queue_groups', '');

@@ -309,8 +309,8 @@ BEGIN
         -- there were priorities declared none, and a re-spawn still matches)
         || CASE WHEN priority <> 0 THEN jsonb_build_object('priority', priority) ELSE '{}' END
         || CASE WHEN group_key IS NOT NULL THEN jsonb_build_object('group_key', group_key) ELSE '{}' END;
-    IF priority <> 0 THEN
-        PERFORM flow._note_priority(p.lane, priority);
+    IF priority <> 0 OR group_key IS NOT NULL THEN
+        PERFORM flow._note_priority(p.lane, priority, group_key IS NOT NULL);
     END IF;
     IF NOT EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = parent.run_id) THEN
         -- The run's first child: the run gets its row (see flow._runs), under

@@ -475,13 +475,13 @@ fn lease(
 
 /// A claim from several queues in the order a worker runs it: round-robin
 /// (each queue's first command, then each one's second, and so on), every
-/// queue's commands in due order, the queues in name order from the one whose
+/// queue's commands in priority and due order, the queues in name order from the one whose
 /// turn the claim is (flow._claim gives each queue its share by the same
 /// turn). Ordered here, not by the claim's statement: a window and a sort
 /// there copied every claimed row, args and context included, twice more (a
 /// drain of two busy queues ran 0.91-0.92x a drain of one; 0.97x now).
 fn into_round_robin(claimed: &mut Vec<Claimed>, turn: i32) {
-    let due = |command: &Claimed| (command.due_at.into_inner(), *command.command_id.as_bytes());
+    let due = |command: &Claimed| (command.priority, command.due_at.into_inner(), *command.command_id.as_bytes());
     claimed.sort_by(|a, b| a.queue.cmp(&b.queue).then_with(|| due(a).cmp(&due(b))));
     // each command's queue's place in name order, and its rank in that queue
     let mut places: Vec<(i64, usize)> = Vec::with_capacity(claimed.len());

@@ -20,6 +20,7 @@ static LEASE_DURATION_S: GucSetting<i32> = GucSetting::<i32>::new(300);
 static MAX_RESULT_BYTES: GucSetting<i32> = GucSetting::<i32>::new(256 * 1024);
 static RETENTION_S: GucSetting<i32> = GucSetting::<i32>::new(7 * 86_400);
 static MAX_QUEUES_PER_ROLE: GucSetting<i32> = GucSetting::<i32>::new(1000);
+static MAX_SCHEDULES_PER_ROLE: GucSetting<i32> = GucSetting::<i32>::new(10_000);
 static EVENT_RETENTION_S: GucSetting<i32> = GucSetting::<i32>::new(7 * 86_400);
 static LOG_LEVEL: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(c"debug1"));
 static MAX_ATTEMPT_TIMEOUT_S: GucSetting<i32> = GucSetting::<i32>::new(3600);
@@ -101,6 +102,16 @@ pub fn init() {
         i32::MAX,
         GucContext::Sighup,
         GucFlags::UNIT_S,
+    );
+    GucRegistry::define_int_guc(
+        c"flow.max_schedules_per_role",
+        c"Most schedules one role may own (superusers: any number)",
+        c"Every schedule costs the maintenance worker, which serves every role.",
+        &MAX_SCHEDULES_PER_ROLE,
+        0,
+        1_000_000,
+        GucContext::Sighup,
+        GucFlags::default(),
     );
     GucRegistry::define_int_guc(
         c"flow.max_queues_per_role",

@@ -19,8 +19,6 @@ const PG_EPOCH_UNIX_SECONDS: i64 = 946_684_800;
 /// The most ticks one call looks at: a schedule of every second that was
 /// stopped for a day has 86,400 missed ticks, about 40 ms of croner's time.
 const MAX_TICKS_SEEN: usize = 1_000_000;
-/// The most ticks one call fires: the rest fire in the next round.
-const MAX_TICKS_FIRED: usize = 1_000;
 
 fn parse_cron(cron: &str) -> Result<Cron, String> {
     let fields = cron.split_whitespace().count();
@@ -86,7 +84,7 @@ fn next_tick(cron: &str, timezone: &str, after: TimestampWithTimeZone) -> Option
 /// worker was not running (before `started`) or more than `grace` ago (a
 /// restore of an old dump): of those, the last `catch_up` fire and the others
 /// are skipped. Every other due tick fires, however late. Returns the ticks
-/// to fire, in order (at most MAX_TICKS_FIRED), how many were skipped, and the
+/// to fire, in order (at most `max_fire`), how many were skipped, and the
 /// schedule's next unfired tick.
 #[pg_extern(immutable, parallel_safe)]
 fn _schedule_due(
@@ -98,6 +96,7 @@ fn _schedule_due(
     until: TimestampWithTimeZone,
     grace_s: i64,
     catch_up: i32,
+    max_fire: i32,
 ) -> TableIterator<
     'static,
     (
@@ -114,12 +113,19 @@ fn _schedule_due(
     let mut skipped = 0i64;
     let mut fire: Vec<DateTime<Tz>> = Vec::new();
     let keep = catch_up.max(0) as usize;
+    let max_fire = max_fire.max(1) as usize;
     // (next_tick is itself a tick: the one the last round left unfired)
     let mut tick = pattern.find_next_occurrence(&first, true).ok();
     let mut seen = 0;
-    while let Some(at) = tick.filter(|t| *t <= until_z && fire.len() < MAX_TICKS_FIRED && seen < MAX_TICKS_SEEN) {
+    while let Some(at) = tick.filter(|t| *t <= until_z && seen < MAX_TICKS_SEEN) {
+        let was_missed = to_pg(&at).is_some_and(|t| t.into_inner() < missed_before);
+        // (the budget stops only at a tick to fire: the missed are all looked at,
+        // so the last `catch_up` of them are the ones fired)
+        if !was_missed && missed.len() + fire.len() >= max_fire {
+            break;
+        }
         seen += 1;
-        if to_pg(&at).is_some_and(|t| t.into_inner() < missed_before) {
+        if was_missed {
             missed.push_back(at);
             if missed.len() > keep {
                 missed.pop_front();

@@ -89,6 +89,15 @@ CREATE INDEX _commands_due ON flow._commands
     (flow._lane(queue, CASE WHEN external THEN name ELSE '' END), priority, group_hash, next_run_at, id)
     WHERE status IN ('pending', 'waiting');
 CREATE INDEX _commands_group_running ON flow._commands (queue, group_hash) WHERE status = 'running' AND group_hash <> 0;
+-- The priorities of a queue whose commands were given groups
+-- (flow._note_priority): the ones whose groups a claim of the queue looks
+-- for (flow._groups_of); a queue that never had one reads none.
+CREATE TABLE flow._queue_groups (
+    queue     text NOT NULL,
+    priority  smallint NOT NULL,
+    PRIMARY KEY (queue, priority)
+);
+SELECT pg_catalog.pg_extension_config_dump('flow._queue_groups', '');
 CREATE TABLE flow._queue_priorities (
     queue     text NOT NULL,
     priority  smallint NOT NULL CHECK (priority <> 0),
