@@ -125,3 +125,15 @@ def test_a_dropped_queue_forgets_its_priorities(pg):
     pg.wait_for("SELECT count(*) = 0 FROM flow.commands WHERE queue = %s AND finished_at IS NULL", queue)
     assert pg.one("SELECT flow.drop_queue(%s)", queue) is True
     assert pg.one("SELECT count(*) FROM flow._queue_priorities WHERE queue = %s", queue) == 0
+
+
+def test_a_queue_holds_at_most_64_priorities_besides_0(pg):
+    queue, name = queue_and_definition(pg)
+    for p in range(1, 65):
+        pg.one("SELECT flow.enqueue(%s, '{\"tag\": \"cap\"}', priority => %s)", name, p)
+    before = pg.one("SELECT count(*) FROM flow.commands WHERE queue = %s", queue)
+    assert pg.sqlstate("SELECT flow.enqueue(%s, '{}', priority => 65)", name) == "54000"
+    # those in use and 0 are fine
+    pg.one("SELECT flow.enqueue(%s, '{\"tag\": \"cap\"}', priority => 7)", name)
+    pg.one("SELECT flow.enqueue(%s, '{\"tag\": \"cap\"}')", name)
+    assert pg.one("SELECT count(*) FROM flow.commands WHERE queue = %s", queue) == before + 2

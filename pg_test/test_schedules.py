@@ -601,3 +601,69 @@ def test_tick_counters_and_their_prometheus_lines(pg):
     assert prometheus(pg, "flow_ticks_fired_total") == counter(pg, "ticks_fired") == fired + count
     assert prometheus(pg, "flow_ticks_skipped_total") == counter(pg, "ticks_skipped") > skipped
     wait_finished(pg, [name])
+
+
+# ---------------------------------------------------------------- 9. a hostile owner
+
+def test_a_roles_open_transaction_or_slow_check_never_holds_up_other_schedules(pg):
+    """The maintenance worker serves every role: what one schedule's owner
+    holds (the run key of its next tick, in an open transaction) or slows (its
+    args_type check) costs that schedule a tick at most, never the others'."""
+    pg.all("""
+        CREATE TABLE IF NOT EXISTS app.slow_checks (on_ boolean);
+        GRANT ALL ON app.slow_checks TO PUBLIC;
+        CREATE OR REPLACE FUNCTION app.check_slowly(args jsonb) RETURNS boolean LANGUAGE plpgsql AS $$
+        BEGIN
+            IF EXISTS (SELECT 1 FROM app.slow_checks WHERE on_) THEN PERFORM pg_sleep(30); END IF;
+            RETURN true;
+        END $$;
+        DROP DOMAIN IF EXISTS app.slow_args;
+        CREATE DOMAIN app.slow_args AS jsonb CHECK (app.check_slowly(VALUE));
+        GRANT USAGE ON DOMAIN app.slow_args TO PUBLIC""")
+    pg.one("SELECT flow.define('alice_slow', 'app.tick'::regproc, args_type => 'app.slow_args')", user="alice")
+    victim, held, slow = unique("victim"), unique("held"), unique("slow")
+    pg.one(f"SELECT flow.schedule(%s, '{EVERY_SECOND}', 'tick', jsonb_build_object('tag', %s::text))", victim, victim)
+    pg.one(f"SELECT flow.schedule(%s, '{EVERY_SECOND}', 'alice_tick', jsonb_build_object('tag', %s::text))",
+           held, held, user="alice")
+    pg.one(f"SELECT flow.schedule(%s, '{EVERY_SECOND}', 'alice_slow', '{{}}')", slow, user="alice")
+    wait_runs(pg, victim, 1)
+    pg.all("INSERT INTO app.slow_checks VALUES (true)")
+    try:
+        with pg.connect(user="alice", autocommit=False) as c:
+            # alice holds the run keys of her schedule's next ticks in an open transaction
+            now = pg.one("SELECT clock_timestamp()")
+            for k in range(2, 6):
+                tick = (now + k * SECOND).replace(microsecond=0)
+                c.execute("SELECT flow.enqueue('alice_tick', jsonb_build_object('tag', %s::text), key => %s)",
+                          (held, f"schedule:{held}:{tick:%Y-%m-%dT%H:%M:%SZ}"))
+            before = count_runs(pg, victim)
+            time.sleep(4)   # (time itself: the other schedule fires each second meanwhile)
+            fired = count_runs(pg, victim) - before
+            c.rollback()
+        assert fired >= 3, fired
+        # the maintenance worker kept its pace: its schedule fired every second throughout
+        ticks = [r["tick"] for r in runs_of(pg, victim)]
+        assert consecutive(ticks), ticks
+    finally:
+        pg.all("DELETE FROM app.slow_checks")
+        pg.all("SELECT pg_cancel_backend(pid) FROM pg_stat_activity WHERE backend_type = 'flow worker'"
+               " AND wait_event = 'PgSleep'")
+
+
+def test_a_role_owns_at_most_max_schedules_per_role(pg):
+    pg.all("ALTER SYSTEM SET flow.max_schedules_per_role = 2")
+    pg.all("SELECT pg_reload_conf()")
+    try:
+        pg.wait_for("SELECT current_setting('flow.max_schedules_per_role') = '2'", user="alice")
+        names = [unique("cap") for _ in range(3)]
+        for name in names[:2]:
+            pg.one("SELECT flow.schedule(%s, '0 0 1 1 *', 'alice_tick')", name, user="alice")
+        assert pg.sqlstate("SELECT flow.schedule(%s, '0 0 1 1 *', 'alice_tick')", names[2], user="alice") == "FL018"
+        # replacing one of hers is fine; a superuser has no limit
+        pg.one("SELECT flow.schedule(%s, '0 0 2 1 *', 'alice_tick')", names[0], user="alice")
+        for name in names:
+            pg.one("SELECT flow.schedule(%s, '0 0 1 1 *', 'tick')", name)
+        assert pg.one("SELECT count(*) FROM flow._schedules WHERE owner = 'alice'::regrole") == 2
+    finally:
+        pg.all("ALTER SYSTEM RESET flow.max_schedules_per_role")
+        pg.all("SELECT pg_reload_conf()")

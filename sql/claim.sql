@@ -32,27 +32,37 @@ LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
                 ELSE (pg_catalog.hashtextextended(group_key, 0) & 9223372036854775807) | 1 END
 $$;
 
--- The groups of a lane's pending and waiting commands of one priority, as
--- flow._claim reads them: 0 (none: what has no group) and each group's
--- hash, in order. A loose scan of _commands_due: one probe per group, and
--- one more (of an empty range, in a queue without groups) to find no more.
--- (0 is not probed: its range is read from the claim's cursor, past the
--- entries of commands claimed and settled before, see flow._claim; nor is
--- anything of a queue and priority that never had groups, _queue_groups.)
-CREATE FUNCTION flow._groups_of(queue text, lane bigint, priority smallint) RETURNS TABLE (group_hash bigint)
+-- The groups of a lane's pending and waiting commands of one priority (not
+-- 0, what has no group), at most max_groups of them, in hash order from
+-- after from_hash round to it: a loose scan of _commands_due, one probe per
+-- group. None without a probe for a queue and priority that never had
+-- groups (_queue_groups). A claim reads at most as many groups as it takes
+-- commands, from a point that moves every claim, so a queue's number of
+-- groups never makes a claim longer.
+CREATE FUNCTION flow._groups_of(queue text, lane bigint, priority smallint, from_hash bigint, max_groups integer)
+RETURNS TABLE (group_hash bigint)
 LANGUAGE sql STABLE AS $$
-    WITH RECURSIVE g(h) AS (
-        SELECT 0::bigint
+    WITH RECURSIVE g(h, lap, found) AS (
+        SELECT _groups_of.from_hash, 0, false
+        WHERE EXISTS (SELECT 1 FROM flow._queue_groups x                  -- its primary key
+                      WHERE x.queue = _groups_of.queue AND x.priority = _groups_of.priority)
         UNION ALL
-        SELECT (SELECT c.group_hash FROM flow._commands c                -- index _commands_due
-                WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END) = _groups_of.lane
-                  AND c.priority = _groups_of.priority AND c.group_hash > g.h
-                  AND c.status IN ('pending', 'waiting')
-                ORDER BY c.group_hash LIMIT 1)
-        FROM g WHERE g.h IS NOT NULL
-          AND EXISTS (SELECT 1 FROM flow._queue_groups x                 -- its primary key
-                      WHERE x.queue = _groups_of.queue AND x.priority = _groups_of.priority))
-    SELECT g.h FROM g WHERE g.h IS NOT NULL
+        SELECT n.h, n.lap, true FROM g CROSS JOIN LATERAL (
+            (SELECT c.group_hash AS h, g.lap FROM flow._commands c            -- index _commands_due
+             WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END) = _groups_of.lane
+               AND c.priority = _groups_of.priority AND c.group_hash > g.h
+               AND (g.lap = 0 OR c.group_hash <= _groups_of.from_hash)
+               AND c.status IN ('pending', 'waiting')
+             ORDER BY c.group_hash LIMIT 1)
+            UNION ALL
+            -- (past the last group: round to the first, once)
+            (SELECT c.group_hash, 1 FROM flow._commands c                     -- index _commands_due
+             WHERE g.lap = 0 AND flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END) = _groups_of.lane
+               AND c.priority = _groups_of.priority AND c.group_hash > 0 AND c.group_hash <= _groups_of.from_hash
+               AND c.status IN ('pending', 'waiting')
+             ORDER BY c.group_hash LIMIT 1)
+            LIMIT 1) n)
+    SELECT g.h FROM g WHERE g.found LIMIT max_groups
 $$;
 
 -- Claim up to max_count due commands (rule 3): lock them, and say how each
@@ -162,20 +172,31 @@ BEGIN
         CROSS JOIN unnest(claimants) AS w(claimant) CROSS JOIN LATERAL (
             SELECT min(x.next_run_at) AS next_run_at
             FROM flow._priorities_of(q.name) p
-            CROSS JOIN LATERAL flow._groups_of(q.name, flow._lane(q.name, w.claimant), p.priority) g
             LEFT JOIN LATERAL (
                 SELECT a.at, a.id FROM unnest(after_queues, after_priorities, after_at, after_ids) AS a(queue, priority, at, id)
-                WHERE g.group_hash = 0 AND a.queue = q.name AND a.priority = p.priority LIMIT 1) a ON true
+                WHERE a.queue = q.name AND a.priority = p.priority LIMIT 1) a ON true
             CROSS JOIN LATERAL (
-                SELECT c.next_run_at FROM flow._commands c          -- index _commands_due
-                WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END) = flow._lane(q.name, w.claimant)
-                  AND c.priority = p.priority AND c.group_hash = g.group_hash
-                  AND c.queue = q.name AND c.external = (names IS NOT NULL)
-                  AND (CASE WHEN c.external THEN c.name ELSE '' END) = w.claimant
-                  AND c.status IN ('pending', 'waiting')
-                  AND (c.next_run_at, c.id) > (coalesce(a.at, '-infinity'), coalesce(a.id, '00000000-0000-0000-0000-000000000000'::uuid))
-                  AND (excluded IS NULL OR c.id <> ALL (excluded))
-                ORDER BY c.next_run_at LIMIT 1) x) x
+                -- the head of what has no group, from where the last claim ended
+                (SELECT c.next_run_at FROM flow._commands c          -- index _commands_due
+                 WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END) = flow._lane(q.name, w.claimant)
+                   AND c.priority = p.priority AND c.group_hash = 0
+                   AND c.queue = q.name AND c.external = (names IS NOT NULL)
+                   AND (CASE WHEN c.external THEN c.name ELSE '' END) = w.claimant
+                   AND c.status IN ('pending', 'waiting')
+                   AND (c.next_run_at, c.id) > (coalesce(a.at, '-infinity'), coalesce(a.id, '00000000-0000-0000-0000-000000000000'::uuid))
+                   AND (excluded IS NULL OR c.id <> ALL (excluded))
+                 ORDER BY c.next_run_at LIMIT 1)
+                UNION ALL
+                -- the head of all its groups (one probe, whatever their number)
+                (SELECT c.next_run_at FROM flow._commands c          -- index _commands_due_grouped
+                 WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END) = flow._lane(q.name, w.claimant)
+                   AND c.priority = p.priority AND c.group_hash <> 0
+                   AND c.queue = q.name AND c.external = (names IS NOT NULL)
+                   AND (CASE WHEN c.external THEN c.name ELSE '' END) = w.claimant
+                   AND c.status IN ('pending', 'waiting')
+                   AND EXISTS (SELECT 1 FROM flow._queue_groups x WHERE x.queue = q.name AND x.priority = p.priority)
+                   AND (excluded IS NULL OR c.id <> ALL (excluded))
+                 ORDER BY c.next_run_at LIMIT 1)) x) x
         WHERE NOT q.paused AND x.next_run_at <= now()
           AND ((q.concurrency IS NULL AND q.group_concurrency IS NULL AND q.rate IS NULL) OR names IS NULL
                OR EXISTS (SELECT 1 FROM flow._definitions d WHERE d.queue = q.name AND d.name = ANY (names)))
@@ -317,8 +338,10 @@ BEGIN
           SELECT k.* FROM flow._priorities_of(l.name) p
           CROSS JOIN LATERAL (
               SELECT g.group_hash, count(*) OVER () AS groups
-              FROM flow._groups_of(l.name, flow._lane(l.name, l.claimant), p.priority) g
-              ORDER BY g.group_hash <= group_start, g.group_hash) g
+              FROM (SELECT 0::bigint AS group_hash
+                    UNION ALL
+                    SELECT g.group_hash FROM flow._groups_of(l.name, flow._lane(l.name, l.claimant), p.priority,
+                                                             group_start, l.take) g) g) g
           LEFT JOIN LATERAL (
               SELECT a.at, a.id FROM unnest(after_queues, after_priorities, after_at, after_ids) AS a(queue, priority, at, id)
               WHERE g.group_hash = 0 AND a.queue = l.name AND a.priority = p.priority LIMIT 1) a ON true
@@ -438,24 +461,46 @@ BEGIN
                      THEN flow._rate_next(q.name, q.rate, (extract(epoch FROM q.per) * 1000000)::bigint) END))
             - clock_timestamp()) * 1000)::bigint
     FROM flow._queues q CROSS JOIN LATERAL flow._priorities_of(q.name) p
-    CROSS JOIN LATERAL flow._groups_of(q.name, flow._lane(q.name, ''), p.priority) g
     LEFT JOIN LATERAL (
         SELECT a.at, a.id FROM unnest(after_queues, after_priorities, after_at, after_ids) AS a(queue, priority, at, id)
-        WHERE g.group_hash = 0 AND a.queue = q.name AND a.priority = p.priority LIMIT 1) a ON true
+        WHERE a.queue = q.name AND a.priority = p.priority LIMIT 1) a ON true
     CROSS JOIN LATERAL (
-        SELECT c.next_run_at FROM flow._commands c                  -- index _commands_due
-        WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END) = flow._lane(q.name, '')
-          AND c.priority = p.priority AND c.group_hash = g.group_hash
-          AND c.queue = q.name AND NOT c.external
-          AND c.status IN ('pending', 'waiting') AND c.next_run_at < 'infinity'
-          AND (c.next_run_at, c.id) > (coalesce(a.at, '-infinity'), coalesce(a.id, '00000000-0000-0000-0000-000000000000'::uuid))
-        ORDER BY c.next_run_at LIMIT 1) h
+        -- the head of what has no group, after the cursor
+        (SELECT c.next_run_at FROM flow._commands c                 -- index _commands_due
+         WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END) = flow._lane(q.name, '')
+           AND c.priority = p.priority AND c.group_hash = 0
+           AND c.queue = q.name AND NOT c.external
+           AND c.status IN ('pending', 'waiting') AND c.next_run_at < 'infinity'
+           AND (c.next_run_at, c.id) > (coalesce(a.at, '-infinity'), coalesce(a.id, '00000000-0000-0000-0000-000000000000'::uuid))
+         ORDER BY c.next_run_at LIMIT 1)
+        UNION ALL
+        -- the head of all its groups, in a queue without group_concurrency
+        (SELECT c.next_run_at FROM flow._commands c                 -- index _commands_due_grouped
+         WHERE q.group_concurrency IS NULL
+           AND flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END) = flow._lane(q.name, '')
+           AND c.priority = p.priority AND c.group_hash <> 0
+           AND c.queue = q.name AND NOT c.external
+           AND c.status IN ('pending', 'waiting') AND c.next_run_at < 'infinity'
+           AND EXISTS (SELECT 1 FROM flow._queue_groups x WHERE x.queue = q.name AND x.priority = p.priority)
+         ORDER BY c.next_run_at LIMIT 1)
+        UNION ALL
+        -- with group_concurrency, the earliest head of a group with room (of
+        -- its first 1,000 groups: a queue with more may wait for its next
+        -- wake-up, a settlement or the poll interval; what frees a full group,
+        -- a settlement, wakes the workers)
+        (SELECT min(h.next_run_at) FROM flow._groups_of(q.name, flow._lane(q.name, ''), p.priority, 0, 1000) g
+         CROSS JOIN LATERAL (
+             SELECT c.next_run_at FROM flow._commands c              -- index _commands_due
+             WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END) = flow._lane(q.name, '')
+               AND c.priority = p.priority AND c.group_hash = g.group_hash
+               AND c.queue = q.name AND NOT c.external
+               AND c.status IN ('pending', 'waiting') AND c.next_run_at < 'infinity'
+             ORDER BY c.next_run_at LIMIT 1) h
+         WHERE q.group_concurrency IS NOT NULL
+           AND q.group_concurrency > (SELECT count(*) FROM flow._commands r    -- index _commands_group_running
+                                      WHERE r.queue = q.name AND r.group_hash = g.group_hash AND r.status = 'running'))) h
     WHERE NOT q.paused AND q.rate IS DISTINCT FROM 0
       AND (q.concurrency IS NULL
            OR q.concurrency > (SELECT count(*) FROM flow._commands r      -- index _commands_running
-                               WHERE r.queue = q.name AND r.status = 'running'))
-      -- (a group at its group_concurrency: what frees it, a settlement, wakes the workers)
-      AND (g.group_hash = 0 OR q.group_concurrency IS NULL
-           OR q.group_concurrency > (SELECT count(*) FROM flow._commands r    -- index _commands_group_running
-                                     WHERE r.queue = q.name AND r.group_hash = g.group_hash AND r.status = 'running')));
+                               WHERE r.queue = q.name AND r.status = 'running')));
 END $$;

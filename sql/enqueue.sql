@@ -89,6 +89,11 @@ LANGUAGE plpgsql AS $$
 BEGIN
     IF priority <> 0 AND NOT EXISTS (SELECT 1 FROM flow._queue_priorities p
                                      WHERE p.queue = _note_priority.queue AND p.priority = _note_priority.priority) THEN
+        -- (each costs every claim of the queue a probe)
+        IF (SELECT count(*) FROM flow._queue_priorities p WHERE p.queue = _note_priority.queue) >= 64 THEN
+            RAISE EXCEPTION 'flow: queue % has 64 priorities besides 0 in use already', queue
+                USING ERRCODE = '54000', HINT = 'Use fewer distinct priorities, or another queue.';
+        END IF;
         INSERT INTO flow._queue_priorities AS p (queue, priority) VALUES (queue, priority) ON CONFLICT DO NOTHING;
     END IF;
     IF grouped AND NOT EXISTS (SELECT 1 FROM flow._queue_groups g

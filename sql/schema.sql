@@ -298,6 +298,11 @@ CREATE TABLE flow._queue_groups (
 -- (lease_expires_at: an external claim finds the expired leases it must
 -- conclude first without walking every running command)
 CREATE INDEX _commands_running ON flow._commands (queue, lease_expires_at) WHERE status = 'running';
+-- The heads of a lane's grouped commands, whatever the group: a claim
+-- learns whether a queue's groups have due work with one probe.
+CREATE INDEX _commands_due_grouped ON flow._commands
+    (flow._lane(queue, CASE WHEN external THEN name ELSE '' END), priority, next_run_at)
+    WHERE status IN ('pending', 'waiting') AND group_hash <> 0;
 -- (a group's running commands, for group_concurrency)
 CREATE INDEX _commands_group_running ON flow._commands (queue, group_hash) WHERE status = 'running' AND group_hash <> 0;
 CREATE INDEX _commands_parent ON flow._commands (parent_id) WHERE parent_id IS NOT NULL;

@@ -88,6 +88,9 @@ DROP INDEX flow._commands_due;
 CREATE INDEX _commands_due ON flow._commands
     (flow._lane(queue, CASE WHEN external THEN name ELSE '' END), priority, group_hash, next_run_at, id)
     WHERE status IN ('pending', 'waiting');
+CREATE INDEX _commands_due_grouped ON flow._commands
+    (flow._lane(queue, CASE WHEN external THEN name ELSE '' END), priority, next_run_at)
+    WHERE status IN ('pending', 'waiting') AND group_hash <> 0;
 CREATE INDEX _commands_group_running ON flow._commands (queue, group_hash) WHERE status = 'running' AND group_hash <> 0;
 -- The priorities of a queue whose commands were given groups
 -- (flow._note_priority): the ones whose groups a claim of the queue looks
