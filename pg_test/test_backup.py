@@ -14,9 +14,16 @@ SELECT jsonb_build_object(
   'definitions', (SELECT jsonb_agg(jsonb_build_array(name, version, handler::text, owner::text, queue,
                                                      max_attempts, backoff::text) ORDER BY name, version)
                   FROM flow._definitions),
-  'queues', (SELECT jsonb_agg(jsonb_build_array(name, concurrency, paused) ORDER BY name) FROM flow._queues),
+  'queues', (SELECT jsonb_agg(jsonb_build_array(name, concurrency, paused, rate, per::text, group_concurrency)
+                              ORDER BY name) FROM flow._queues),
+  'schedules', (SELECT jsonb_agg(jsonb_build_array(owner::text, name, cron, timezone, definition, args, paused,
+                                                   next_tick) ORDER BY owner::text, name) FROM flow._schedules),
+  'queue_priorities', (SELECT jsonb_agg(jsonb_build_array(queue, priority) ORDER BY queue, priority)
+                       FROM flow._queue_priorities),
+  'queue_groups', (SELECT jsonb_agg(jsonb_build_array(queue, priority) ORDER BY queue, priority) FROM flow._queue_groups),
   'runs', (SELECT jsonb_agg(jsonb_build_array(id, key, owner::text, status, result) ORDER BY id) FROM flow._run_rows),
-  'commands', (SELECT jsonb_agg(jsonb_build_array(id, run_id, key, status, attempts, next_run_at) ORDER BY id)
+  'commands', (SELECT jsonb_agg(jsonb_build_array(id, run_id, key, status, attempts, next_run_at, priority, group_key)
+                                ORDER BY id)
                FROM flow._commands),
   'attempts', (SELECT count(*) FROM flow._attempts),
   'waits', (SELECT jsonb_agg(jsonb_build_array(command_id, name, key, event_position) ORDER BY command_id, name, key)
@@ -110,9 +117,12 @@ def test_a_dump_taken_mid_workflow_restores_and_completes(pg):
     # a role's own definition on its own paused queue
     with pg.connect("dump_alice") as a:
         a.execute("SELECT flow.define('held', 'app.held'::regproc, queue => 'held_q')")
-        a.execute("SELECT flow.set_queue('held_q', paused => true)")
-        held = [a.execute("SELECT flow.enqueue('held', jsonb_build_object('i', %s))", (i,)).fetchone()[0]
+        a.execute("SELECT flow.set_queue('held_q', paused => true, rate => 100, group_concurrency => 1)")
+        held = [a.execute("SELECT flow.enqueue('held', jsonb_build_object('i', %s), priority => %s, group_key => %s)",
+                          (i, 5 - i, f"g{i % 2}")).fetchone()[0]
                 for i in range(5)]
+        # and a schedule of hers (yearly: it fires nothing here)
+        a.execute("SELECT flow.schedule('report', '0 0 1 1 *', 'held', '{\"i\": 9}', timezone => 'Europe/Paris')")
     with pg.connect() as c:
         # the workflow reaches its waits; part-1 gets its event and finishes
         pg.wait_for("SELECT count(*) = 4 FROM flow._commands WHERE status = 'waiting'")
@@ -136,7 +146,8 @@ def test_a_dump_taken_mid_workflow_restores_and_completes(pg):
             for fmt, path in (("-Fc", custom), ("-Fp", plain)):
                 sh(f"{PGBIN}/pg_dump", "-h", pg.dir, "-p", str(pg.port), fmt, f"--snapshot={snapshot}",
                    "-f", str(path), "postgres")
-        assert before["commands"] and before["waits"] and before["events"]
+        assert before["commands"] and before["waits"] and before["events"] and before["schedules"]
+        assert before["queue_priorities"] and before["queue_groups"]
         c.execute("CREATE DATABASE restored")
         c.execute("CREATE DATABASE restored_plain")
     assert len(before["runs"]) == 9
@@ -173,6 +184,10 @@ def test_a_dump_taken_mid_workflow_restores_and_completes(pg):
     with connect_to(pg, "restored", "dump_alice") as a:
         assert a.execute("SELECT paused FROM flow.queues WHERE name = 'held_q'").fetchone()[0] is True
         assert a.execute("SELECT count(*) FROM flow.runs WHERE status = 'running'").fetchone()[0] == 5
+        assert a.execute("SELECT (rate, group_concurrency)::text FROM flow.queues WHERE name = 'held_q'").fetchone()[0] \
+            == "(100,1)"
+        assert a.execute("SELECT (cron, timezone, owner::text) FROM flow.schedules WHERE name = 'report'").fetchone()[0] \
+            == ("0 0 1 1 *", "Europe/Paris", "dump_alice")
         a.execute("SELECT flow.set_queue('held_q', paused => false)")
         for run in held:
             assert a.execute("SELECT status FROM flow.await(%s, '60 s')", (run,)).fetchone()[0] == "succeeded"

@@ -1633,3 +1633,17 @@ def test_a_handler_without_rights_fails_and_the_worker_goes_on(app):
     assert app.await_run(run, "10s", user="alice")[0] == "failed"
     assert app.one("SELECT last_error_code FROM flow.commands WHERE run_id = %s", run) == "42501"
     assert app.await_run(enqueue(app, define(app, "app.hello")), "10s")[0] == "succeeded"
+
+
+def test_each_backend_draws_its_own_random_ids_and_lease_tokens(pg):
+    """Every backend's first ids and lease tokens are its own: the postmaster
+    never draws from rand's thread-local generator, whose buffered output
+    every forked backend would share (the same tokens, and the same ids in
+    one millisecond, which collided)."""
+    tails, tokens = set(), set()
+    for _ in range(10):
+        with pg.connect() as c:
+            new_id, token = c.execute("SELECT flow._new_id(), flow._lease_token()").fetchone()
+            tails.add(str(new_id)[-8:])   # (its last 32 bits are random)
+            tokens.add(token)
+    assert len(tails) == 10 and len(tokens) == 10, (tails, tokens)

@@ -44,7 +44,12 @@ pub struct Buckets {
 
 impl Default for Buckets {
     fn default() -> Self {
-        Buckets { slots: [Bucket { key: 0, tat: i64::MIN }; BUCKETS], hash_keys: [rand::random(), rand::random()] }
+        // (from the OS, not rand's thread-local generator: this runs in the
+        // postmaster, and every backend forked after would start with the
+        // same buffered output of that generator, and so make the same ids)
+        use rand::RngCore;
+        let hash_keys = [rand::rngs::OsRng.next_u64(), rand::rngs::OsRng.next_u64()];
+        Buckets { slots: [Bucket { key: 0, tat: i64::MIN }; BUCKETS], hash_keys }
     }
 }
 
