@@ -3755,7 +3755,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_observe_wrapper';
 
--- src/rate_limits.rs:134
+-- src/rate_limits.rs:140
 -- flow::rate_limits::_rate_admit
 CREATE OR REPLACE FUNCTION "_rate_admit"(
 	"queue" TEXT, /* & str */
@@ -3766,7 +3766,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_rate_admit_wrapper';
 
--- src/rate_limits.rs:154
+-- src/rate_limits.rs:160
 -- flow::rate_limits::_rate_next
 CREATE OR REPLACE FUNCTION "_rate_next"(
 	"queue" TEXT, /* & str */
@@ -3777,7 +3777,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_rate_next_wrapper';
 
--- src/rate_limits.rs:114
+-- src/rate_limits.rs:120
 -- flow::rate_limits::_rate_room
 CREATE OR REPLACE FUNCTION "_rate_room"(
 	"queue" TEXT, /* & str */

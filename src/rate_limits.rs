@@ -2,9 +2,9 @@
 //! cell rate algorithm) per queue in shared memory, so a command's start
 //! costs no row write, and every claimant (in-database workers and external
 //! claims) takes from the same bucket. Each command is one cell: cells are
-//! `per / rate` apart, and a claim may take those of the last 10 ms at once
-//! (no larger burst after an idle spell), so at most `rate`, and the cells of
-//! 10 ms, start in any window of `per`. The claim peeks
+//! `per / rate` apart, and a claim may take those of the last tenth of
+//! `per` (10-200 ms) at once, no more after an idle spell, so at most `rate`
+//! and a tenth start in any window of `per`. The claim peeks
 //! (`_rate_room`) to size its scan, admits each row it locked
 //! (`_rate_admit`), and an idle worker sleeps until the next cell
 //! (`_rate_next`). The buckets are not durable: a restart forgets the cells
@@ -21,10 +21,16 @@ use std::hash::Hasher;
 /// a rate-limited queue starts nothing until one frees (`rate_limited`).
 const BUCKETS: usize = 1024;
 
-/// How far behind now a claim may take cells: the cells of a claim's own
-/// latency, not a burst after an idle spell (10 ms: a worker's wake-up and
-/// claim take 1-3 ms here).
-const TOLERANCE_US: i64 = 10_000;
+/// How far behind now a claim may take cells: a tenth of `per`, within
+/// 10-200 ms (`tolerance`), so a claim takes several at once and no cell is
+/// lost while the workers are busy (a queue of 500/s started 300-330/s with
+/// 10 ms, 480/s with 50 ms), and the burst after an idle spell is a tenth of `rate`.
+const TOLERANCE_MIN_US: i64 = 10_000;
+const TOLERANCE_MAX_US: i64 = 200_000;
+
+fn tolerance(per_us: i64) -> i64 {
+    (per_us / 10).clamp(TOLERANCE_MIN_US, TOLERANCE_MAX_US)
+}
 
 #[derive(Copy, Clone)]
 struct Bucket {
@@ -88,7 +94,7 @@ fn slot_of(buckets: &mut Buckets, queue: &str, now: i64) -> Option<usize> {
         if slot.key == key {
             return Some(index);
         }
-        if free.is_none() && (slot.key == 0 || slot.tat <= now - TOLERANCE_US) {
+        if free.is_none() && (slot.key == 0 || slot.tat <= now - TOLERANCE_MAX_US) {
             free = Some(index);
         }
         if slot.key == 0 {
@@ -109,7 +115,7 @@ fn spacing(rate: i32, per_us: i64) -> Option<i64> {
     (rate > 0 && per_us > 0).then(|| (per_us / i64::from(rate)).max(1))
 }
 
-/// How many commands of `queue` may start now: the cells from TOLERANCE_US
+/// How many commands of `queue` may start now: the cells from `tolerance`
 /// ago to now (at least one when one is free); 0 when its rate is 0. Takes nothing.
 #[pg_extern(volatile, parallel_unsafe)]
 fn _rate_room(queue: &str, rate: i32, per_us: i64) -> i32 {
@@ -118,7 +124,7 @@ fn _rate_room(queue: &str, rate: i32, per_us: i64) -> i32 {
     let mut buckets = BUCKETS_TABLE.exclusive();
     let room = match slot_of(&mut buckets, queue, now) {
         Some(slot) => {
-            let base = buckets.slots[slot].tat.max(now - TOLERANCE_US);
+            let base = buckets.slots[slot].tat.max(now - tolerance(per_us));
             if base > now { 0 } else { ((now - base) / cell + 1).min(i64::from(rate)) as i32 }
         }
         None => 0,
@@ -140,7 +146,7 @@ fn _rate_admit(queue: &str, rate: i32, per_us: i64) -> bool {
         crate::shmem::observe("rate_limited", 1);
         return false;
     };
-    let base = buckets.slots[slot].tat.max(now - TOLERANCE_US);
+    let base = buckets.slots[slot].tat.max(now - tolerance(per_us));
     if base > now {
         crate::shmem::observe("rate_limited", 1);
         return false;
