@@ -136,7 +136,9 @@ def claims_take_up_where_the_last_ended(pg):
     # (one start from the head per 250 ms the claims took, ~50 pages each:
     # a machine busy with something else may stretch them; seen at 300 in
     # two full runs of the suite)
-    allowed = max(250, 60 * (took / 0.25 + 1))
+    # (and a loaded machine's in-database workers look at their heads more:
+    # a CI run read 341; without the cursor, 10 claims read thousands)
+    allowed = max(400, 60 * (took / 0.25 + 1))
     assert read < allowed, f"10 claims of 100 read {read} pages of _commands_due in {took:.2f} s"
     assert pg.one("SELECT count(*) FROM flow.commands WHERE name = 'walked' AND status = 'succeeded'") == 7000
 
