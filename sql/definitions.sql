@@ -27,16 +27,19 @@ END $$;
 -- order; NULL when none sets one. The gateway gives it to the role's
 -- handlers and args checks ("$user" alone for NULL: src/gateway.rs).
 CREATE FUNCTION flow._search_path_of(role oid) RETURNS text
-LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
-    SELECT substr(c.setting, length('search_path=') + 1)
-    FROM pg_db_role_setting s CROSS JOIN LATERAL unnest(s.setconfig) AS c(setting)
-    WHERE s.setrole IN (0, _search_path_of.role)
-      AND s.setdatabase IN (0, (SELECT d.oid FROM pg_database d WHERE d.datname = current_database()))
-      AND (s.setrole <> 0 OR s.setdatabase <> 0)
-      AND c.setting LIKE 'search\_path=%'
-    ORDER BY s.setrole <> 0 DESC, s.setdatabase <> 0 DESC
-    LIMIT 1
-$$;
+-- (plpgsql, not sql: its plan is kept per session; an sql function with a
+-- SET clause is parsed and planned again at every call, 0.25 ms a chunk)
+LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    RETURN (SELECT substr(c.setting, length('search_path=') + 1)
+            FROM pg_db_role_setting s CROSS JOIN LATERAL unnest(s.setconfig) AS c(setting)
+            WHERE s.setrole IN (0, _search_path_of.role)
+              AND s.setdatabase IN (0, (SELECT d.oid FROM pg_database d WHERE d.datname = current_database()))
+              AND (s.setrole <> 0 OR s.setdatabase <> 0)
+              AND c.setting LIKE 'search\_path=%'
+            ORDER BY s.setrole <> 0 DESC, s.setdatabase <> 0 DESC
+            LIMIT 1);
+END $$;
 
 -- A role named in a grant: 'PUBLIC' (any case) or an existing role.
 CREATE FUNCTION flow._grantee(role text) RETURNS regrole

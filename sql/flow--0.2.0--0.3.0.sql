@@ -350,16 +350,19 @@ END $$;
 -- order; NULL when none sets one. The gateway gives it to the role's
 -- handlers and args checks ("$user" alone for NULL: src/gateway.rs).
 CREATE OR REPLACE FUNCTION flow._search_path_of(role oid) RETURNS text
-LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
-    SELECT substr(c.setting, length('search_path=') + 1)
-    FROM pg_db_role_setting s CROSS JOIN LATERAL unnest(s.setconfig) AS c(setting)
-    WHERE s.setrole IN (0, _search_path_of.role)
-      AND s.setdatabase IN (0, (SELECT d.oid FROM pg_database d WHERE d.datname = current_database()))
-      AND (s.setrole <> 0 OR s.setdatabase <> 0)
-      AND c.setting LIKE 'search\_path=%'
-    ORDER BY s.setrole <> 0 DESC, s.setdatabase <> 0 DESC
-    LIMIT 1
-$$;
+-- (plpgsql, not sql: its plan is kept per session; an sql function with a
+-- SET clause is parsed and planned again at every call, 0.25 ms a chunk)
+LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    RETURN (SELECT substr(c.setting, length('search_path=') + 1)
+            FROM pg_db_role_setting s CROSS JOIN LATERAL unnest(s.setconfig) AS c(setting)
+            WHERE s.setrole IN (0, _search_path_of.role)
+              AND s.setdatabase IN (0, (SELECT d.oid FROM pg_database d WHERE d.datname = current_database()))
+              AND (s.setrole <> 0 OR s.setdatabase <> 0)
+              AND c.setting LIKE 'search\_path=%'
+            ORDER BY s.setrole <> 0 DESC, s.setdatabase <> 0 DESC
+            LIMIT 1);
+END $$;
 
 -- A role named in a grant: 'PUBLIC' (any case) or an existing role.
 CREATE OR REPLACE FUNCTION flow._grantee(role text) RETURNS regrole
@@ -1586,8 +1589,11 @@ END $$;
 -- for a run without a row (see flow._runs) its root's row, which stands for
 -- it. wait: wait for runs locked elsewhere; otherwise skip them. Returns the
 -- runs locked.
+-- (generic plans: custom ones, which PostgreSQL keeps choosing for
+-- `= ANY (run_ids)`, planned both queries at every call, 0.2 ms a settlement)
 CREATE OR REPLACE FUNCTION flow._lock_runs(run_ids uuid[], wait boolean) RETURNS uuid[]
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp
+    SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     rows_locked uuid[];
     roots_locked uuid[];
@@ -1631,7 +1637,7 @@ END $$;
 -- transaction, another chunk settling the same runs in the other order); the
 -- worker then voids the attempt and ends its chunk, which lets its other
 -- locks go, instead of waiting without limit. Tried without waiting, then
--- every 2 ms (not lock_timeout: the engine's statements hold query cancels
+-- every millisecond (not lock_timeout: the engine's statements hold query cancels
 -- off, src/spi.rs). (200 ms: well past a sibling's settlement and commit,
 -- about a millisecond, and under deadlock_timeout.)
 CREATE OR REPLACE FUNCTION flow._lock_run_of_briefly(command_id uuid) RETURNS boolean
@@ -1644,7 +1650,7 @@ BEGIN
             RETURN true;
         END IF;
         EXIT WHEN clock_timestamp() >= give_up;
-        PERFORM pg_sleep(0.002);
+        PERFORM pg_sleep(0.001);
     END LOOP;
     RETURN false;
 END $$;
@@ -2544,9 +2550,11 @@ BEGIN
         SELECT * INTO r FROM flow._run_rows x WHERE x.id = run_id;
         PERFORM flow._require_member(caller, r.owner, 'run', run_id);
         EXIT WHEN r.status <> 'running' OR clock_timestamp() >= give_up;
-        PERFORM pg_sleep(least(pause, extract(epoch FROM give_up - clock_timestamp())));
+        -- (woken by a commit that ends runs: src/shmem.rs, _await_pause)
+        PERFORM flow._await_pause(least(pause, extract(epoch FROM give_up - clock_timestamp())));
         pause := least(pause * 2, 0.05);
     END LOOP;
+    PERFORM flow._await_done();
     RETURN ROW(r.status, r.result, r.error)::flow.run_outcome;
 END $$;
 
@@ -3485,6 +3493,22 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_args_misfit_as_wrapper';
 
+-- src/shmem.rs:282
+-- flow::shmem::_await_done
+CREATE OR REPLACE FUNCTION "_await_done"() RETURNS void
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', '_await_done_wrapper';
+
+-- src/shmem.rs:262
+-- flow::shmem::_await_pause
+CREATE OR REPLACE FUNCTION "_await_pause"(
+	"seconds" double precision /* f64 */
+) RETURNS void
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', '_await_pause_wrapper';
+
 -- src/external.rs:282
 -- flow::external::_claim_excluded
 CREATE OR REPLACE FUNCTION "_claim_excluded"() RETURNS uuid[] /* :: std :: option :: Option < Vec < pgrx :: Uuid > > */
@@ -3788,7 +3812,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_rate_room_wrapper';
 
--- src/attempt_record.rs:238
+-- src/attempt_record.rs:318
 -- flow::attempt_record::_recorded_attempts
 CREATE OR REPLACE FUNCTION "_recorded_attempts"() RETURNS TABLE (
 	"command_id" uuid,  /* pgrx :: Uuid */

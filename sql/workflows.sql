@@ -133,9 +133,11 @@ BEGIN
         SELECT * INTO r FROM flow._run_rows x WHERE x.id = run_id;
         PERFORM flow._require_member(caller, r.owner, 'run', run_id);
         EXIT WHEN r.status <> 'running' OR clock_timestamp() >= give_up;
-        PERFORM pg_sleep(least(pause, extract(epoch FROM give_up - clock_timestamp())));
+        -- (woken by a commit that ends runs: src/shmem.rs, _await_pause)
+        PERFORM flow._await_pause(least(pause, extract(epoch FROM give_up - clock_timestamp())));
         pause := least(pause * 2, 0.05);
     END LOOP;
+    PERFORM flow._await_done();
     RETURN ROW(r.status, r.result, r.error)::flow.run_outcome;
 END $$;
 

@@ -243,11 +243,85 @@ const _: () = assert!(std::mem::size_of::<ActivitySlot>() == 128);
 
 pub struct Activities {
     slots: [ActivitySlot; MAX_WORKERS],
+    /// Bumped when a worker's attempt record file is made or removed (see
+    /// attempt_record::named_elsewhere, which lists the files again then).
+    record_files: AtomicU64,
+    /// Sessions in flow.await, a bit per PGPROC number (see `await_pause`).
+    awaiting: [AtomicU64; AWAIT_WORDS],
+}
+
+/// flow.await is woken by the commits that end runs in sessions whose PGPROC
+/// number is below 64 times this (4,096); the others poll, as all did before.
+const AWAIT_WORDS: usize = 64;
+
+/// In flow.await (flow._await): wait for a commit that ends runs, at most
+/// `seconds`. The session stays marked as waiting until `_await_done`: a
+/// commit between its look at the run and this wait sets its latch, and the
+/// wait returns at once. (Before, flow.await polled every 50 ms at most: on
+/// average 25 ms after its run had ended, 2 % of a fan-out of 1.3 s.)
+#[pg_extern(volatile, parallel_unsafe)]
+fn _await_pause(seconds: f64) {
+    let procno = unsafe { (*pg_sys::MyProc).pgprocno } as usize;
+    if procno < AWAIT_WORDS * 64 {
+        ACTIVITIES.get().awaiting[procno / 64].fetch_or(1 << (procno % 64), Ordering::SeqCst);
+    }
+    unsafe {
+        pg_sys::WaitLatch(
+            pg_sys::MyLatch,
+            (pg_sys::WL_LATCH_SET | pg_sys::WL_TIMEOUT | pg_sys::WL_EXIT_ON_PM_DEATH) as std::ffi::c_int,
+            (seconds.clamp(0.0, 3600.0) * 1000.0).ceil() as std::ffi::c_long,
+            pg_sys::PG_WAIT_EXTENSION,
+        );
+        pg_sys::ResetLatch(pg_sys::MyLatch);
+    }
+    pgrx::check_for_interrupts!();
+}
+
+/// flow.await is over (an ERROR in it leaves the mark: a latch set for
+/// nothing is harmless, and the next flow.await of the session clears it).
+#[pg_extern(volatile, parallel_unsafe)]
+fn _await_done() {
+    let procno = unsafe { (*pg_sys::MyProc).pgprocno } as usize;
+    if procno < AWAIT_WORDS * 64 {
+        ACTIVITIES.get().awaiting[procno / 64].fetch_and(!(1 << (procno % 64)), Ordering::SeqCst);
+    }
+}
+
+/// A commit ended runs: wake the sessions in flow.await (post-commit: must not raise).
+fn wake_awaiters() {
+    fence(Ordering::SeqCst);
+    for (word, bits) in ACTIVITIES.get().awaiting.iter().enumerate() {
+        let mut bits = bits.load(Ordering::Relaxed);
+        while bits != 0 {
+            let procno = word * 64 + bits.trailing_zeros() as usize;
+            bits &= bits - 1;
+            unsafe {
+                if procno < (*pg_sys::ProcGlobal).allProcCount as usize {
+                    pg_sys::SetLatch(&mut (*(*pg_sys::ProcGlobal).allProcs.add(procno)).procLatch);
+                }
+            }
+        }
+    }
+}
+
+/// The counters whose increase means runs ended (see wake_awaiters).
+const RUN_ENDS: [&str; 3] = ["runs_succeeded", "runs_failed", "runs_cancelled"];
+
+/// The attempt record files changed (one was made or removed).
+pub fn note_record_files_changed() {
+    ACTIVITIES.get().record_files.fetch_add(1, Ordering::AcqRel);
+}
+
+/// How many times the attempt record files changed since the server started.
+pub fn record_files_generation() -> u64 {
+    ACTIVITIES.get().record_files.load(Ordering::Acquire)
 }
 
 impl Default for Activities {
     fn default() -> Self {
-        Activities { slots: std::array::from_fn(|_| ActivitySlot::default()) }
+        Activities { slots: std::array::from_fn(|_| ActivitySlot::default()), record_files: AtomicU64::new(0),
+            awaiting: std::array::from_fn(|_| AtomicU64::new(0)),
+        }
     }
 }
 
@@ -471,11 +545,16 @@ unsafe extern "C-unwind" fn on_xact_event(event: pg_sys::XactEvent::Type, _arg: 
                 wake_maintenance();
             }
             let counters = COUNTERS.get();
+            let mut runs_ended = false;
             PENDING.with(|p| {
                 for (index, _, n) in p.borrow_mut().drain(..) {
                     counters.values[index].fetch_add(n, Ordering::Relaxed);
+                    runs_ended |= n > 0 && RUN_ENDS.contains(&METRICS[index]);
                 }
             });
+            if runs_ended {
+                wake_awaiters();
+            }
         }
         pg_sys::XactEvent::XACT_EVENT_ABORT | pg_sys::XactEvent::XACT_EVENT_PARALLEL_ABORT => {
             WAKE_AT_COMMIT.with(|w| w.set(false));
@@ -498,20 +577,32 @@ unsafe extern "C-unwind" fn on_xact_event(event: pg_sys::XactEvent::Type, _arg: 
 /// Wake one sleeping worker (post-commit: must not raise): enough for the work of one commit, and a worker
 /// whose claim comes back full wakes the next (Worker::claim), so a burst
 /// brings in every worker while a single enqueue costs one claim, not one per
-/// worker. With no worker sleeping, every worker's latch is set: a commit
-/// that lands while a worker finishes its batch or its upkeep (after its last
-/// claim found nothing, before it waits) then makes that wait return at once,
-/// instead of the worker sleeping a whole poll interval.
+/// worker. With no worker sleeping, the latch of every worker between its
+/// chunks is set: a commit that lands while a worker finishes its upkeep
+/// (after its last claim found nothing, before it waits) then makes that wait
+/// return at once, instead of the worker sleeping a whole poll interval. A
+/// worker in a chunk is left alone: after its chunk it claims, or asks what
+/// is due (Worker::turn), and sees this commit; its latch would only cut its
+/// handler's sleeps and waits short (8 workers of a 50 ms handler: 14 wake-ups
+/// per command, a tenth of a core).
 pub fn wake_workers() {
     let table = WORKERS.share();
-    let live = || table.slots.iter().filter(|s| is_another_worker(s));
+    let live = || table.slots.iter().enumerate().filter(|(_, s)| is_another_worker(s));
     // The first one waiting on its latch: under light load the same worker
     // keeps serving, with its caches warm (a quarter of a millisecond of
     // pickup here). Not merely idle: an idle worker that is pruning or
     // recovering would claim only once that is done, while another sleeps.
-    match live().find(|s| s.sleeping) {
-        Some(idle) => set_latch(idle),
-        None => live().for_each(set_latch),
+    match live().find(|(_, s)| s.sleeping) {
+        Some((_, idle)) => set_latch(idle),
+        None => {
+            // (what this commit made due is visible before the chunks are
+            // looked at; a worker clears its command before it asks what is due)
+            fence(Ordering::SeqCst);
+            let activities = &ACTIVITIES.get().slots;
+            live()
+                .filter(|(index, _)| activities[*index].command.iter().all(|w| w.load(Ordering::Relaxed) == 0))
+                .for_each(|(_, slot)| set_latch(slot))
+        }
     }
 }
 
