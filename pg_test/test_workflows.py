@@ -166,6 +166,31 @@ def test_a_retried_spawner_does_not_duplicate_children(pg):
     assert pg.one("SELECT count(*) FROM app.effects WHERE run_id = %s", run) == 1
 
 
+def test_spawns_take_no_transaction_id_each(pg):
+    """A handler's spawns write in its own (sub)transaction: each took one of
+    its own (an exception block around the insert), and past 64 of them every
+    snapshot in the server overflowed while the handler ran."""
+    q = unique("q")
+    pg.one(f"SELECT flow.set_queue('{q}', paused => true)")   # (the children wait: their runs take no ids)
+    child = define(pg, ACT, queue=f"'{q}'")
+    pg.one(f"""CREATE OR REPLACE FUNCTION app.many_spawns(args jsonb, ctx flow.context) RETURNS jsonb
+               LANGUAGE plpgsql AS $$
+               BEGIN
+                   FOR i IN 1..100 LOOP
+                       PERFORM flow.spawn('{child}', '{{}}', key => 'c' || i);
+                   END LOOP;
+                   RETURN NULL;
+               END $$""")
+    name = define(pg, "app.many_spawns(jsonb, flow.context)")
+    before = int(pg.one("SELECT pg_current_xact_id()::text"))
+    run = enqueue(pg, name)
+    pg.wait_for("SELECT count(*) = 100 FROM flow.commands WHERE run_id = %s AND key LIKE 'c%%'", run)
+    # the enqueue, the claim, the handler's chunk and its subtransaction, this
+    # query: a few ids, not one per spawn
+    assert int(pg.one("SELECT pg_current_xact_id()::text")) - before < 20
+    pg.one("SELECT flow.cancel(%s)", run)
+
+
 def test_a_root_that_spawns_in_its_first_attempt_ends_its_run_only_with_its_child(pg):
     # A root in its first attempt is taken to have no child without a look
     # (flow._claim, flow._settle_batch's `alone`) unless its chunk spawned:

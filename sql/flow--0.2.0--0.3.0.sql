@@ -1644,9 +1644,11 @@ CREATE OR REPLACE FUNCTION flow._lock_run_of_briefly(command_id uuid) RETURNS bo
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     give_up timestamptz := clock_timestamp() + interval '200 ms';
+    -- (as flow._try_lock_run_of, without its call: once per leased settlement)
+    run_ids uuid[] := ARRAY(SELECT c.run_id FROM flow._commands c WHERE c.id = _lock_run_of_briefly.command_id);
 BEGIN
     LOOP
-        IF flow._try_lock_run_of(command_id) THEN
+        IF cardinality(flow._lock_runs(run_ids, false)) > 0 THEN
             RETURN true;
         END IF;
         EXIT WHEN clock_timestamp() >= give_up;
@@ -2639,12 +2641,21 @@ DECLARE
     promoted uuid[];
     emitter_run uuid := (SELECT c.run_id FROM flow._commands c WHERE c.id = emitter);
 BEGIN
-    PERFORM flow._require_name('event name', name);
-    IF key IS NULL THEN
-        RAISE EXCEPTION 'flow: event key must not be NULL' USING ERRCODE = 'FL002';
-    END IF;
-    PERFORM flow._require_short('event key', key);
-    PERFORM flow._require_payload('event payload', payload, false);
+    -- (the checks in a block of their own, which writes nothing: see _spawn)
+    BEGIN
+        PERFORM flow._require_name('event name', name);
+        IF key IS NULL THEN
+            RAISE EXCEPTION 'flow: event key must not be NULL' USING ERRCODE = 'FL002';
+        END IF;
+        PERFORM flow._require_short('event key', key);
+        PERFORM flow._require_payload('event payload', payload, false);
+    EXCEPTION WHEN SQLSTATE 'FL002' OR SQLSTATE 'FL003' OR SQLSTATE 'FL004' THEN
+        -- inside a handler an invalid emit is an invalid decision (see _spawn)
+        IF emitter IS NOT NULL THEN
+            PERFORM flow._decide('invalid_decision', 'invalid_decision', SQLERRM, NULL);
+        END IF;
+        RAISE;
+    END;
     PERFORM flow._lock_event_emit(name, key, caller, emitter_run);
     -- Inside a handler the event rides in the handler's transaction: it is
     -- journaled only if the attempt settles successfully.
@@ -2668,12 +2679,6 @@ BEGIN
     END LOOP;
     PERFORM flow._wake_due_from(now());   -- (a command promoted is due at now() or later)
     RETURN pos;
-EXCEPTION WHEN SQLSTATE 'FL002' OR SQLSTATE 'FL003' OR SQLSTATE 'FL004' THEN
-    -- inside a handler an invalid emit is an invalid decision (see _spawn)
-    IF emitter IS NOT NULL THEN
-        PERFORM flow._decide('invalid_decision', 'invalid_decision', SQLERRM, NULL);
-    END IF;
-    RAISE;
 END $$;
 
 -- parent_id: the command whose handler (or external worker) spawns; NULL is an error.
@@ -2701,25 +2706,38 @@ BEGIN
             HINT = 'Use flow.enqueue to start a new run.';
     END IF;
     waits := coalesce(waits, '{}');
-    p := flow._plan_enqueue(caller, name, version, queue, start_after, NULL, NULL);
-    priority := flow._priority(given_priority, p.def_priority);
-    PERFORM flow._require_name('key', key);
-    IF key = 'root' THEN
-        -- (the root's key, though not in _commands_run_key: spawning it is
-        -- spawning a declaration other than the root's)
-        RAISE EXCEPTION 'flow: child key root is the run''s root command' USING ERRCODE = 'FL016';
-    END IF;
-    PERFORM flow._require_payload('args', args);
-    PERFORM flow._require_group('group_key', group_key);
-    PERFORM flow._require_args_fit(_spawn.name, p.def_owner, p.def_args_type, args);
-    PERFORM flow._require_span('within', within);
-    FOREACH spec IN ARRAY coalesce(waits, '{}') LOOP
-        PERFORM flow._require_name('wait name', spec.name);
-        IF spec.key IS NULL THEN
-            RAISE EXCEPTION 'flow: wait key must not be NULL' USING ERRCODE = 'FL002';
+    -- The checks, in a block of their own: an invalid spawn is the handler's
+    -- decision, and fails its command even if the handler catches the error
+    -- (the first one counts, as the reference). The block writes nothing but
+    -- a queue made on first use, so its subtransaction takes no transaction
+    -- id: around the inserts too, a fan-out of 200 spawns took 200, and the
+    -- subtransactions of more than 64 overflow every snapshot in the server.
+    BEGIN
+        p := flow._plan_enqueue(caller, name, version, queue, start_after, NULL, NULL);
+        priority := flow._priority(given_priority, p.def_priority);
+        PERFORM flow._require_name('key', key);
+        IF key = 'root' THEN
+            -- (the root's key, though not in _commands_run_key: spawning it is
+            -- spawning a declaration other than the root's)
+            RAISE EXCEPTION 'flow: child key root is the run''s root command' USING ERRCODE = 'FL016';
         END IF;
-        PERFORM flow._require_short('wait key', spec.key);
-    END LOOP;
+        PERFORM flow._require_payload('args', args);
+        PERFORM flow._require_group('group_key', group_key);
+        PERFORM flow._require_args_fit(_spawn.name, p.def_owner, p.def_args_type, args);
+        PERFORM flow._require_span('within', within);
+        FOREACH spec IN ARRAY coalesce(waits, '{}') LOOP
+            PERFORM flow._require_name('wait name', spec.name);
+            IF spec.key IS NULL THEN
+                RAISE EXCEPTION 'flow: wait key must not be NULL' USING ERRCODE = 'FL002';
+            END IF;
+            PERFORM flow._require_short('wait key', spec.key);
+        END LOOP;
+    EXCEPTION WHEN SQLSTATE 'FL001' OR SQLSTATE 'FL002' OR SQLSTATE 'FL003' OR SQLSTATE 'FL004'
+                  OR SQLSTATE 'FL005' OR SQLSTATE 'FL006' OR SQLSTATE 'FL011' OR SQLSTATE 'FL016'
+                  OR SQLSTATE 'FL018' OR SQLSTATE 'FL019' THEN
+        PERFORM flow._decide('invalid_decision', 'invalid_decision', SQLERRM, NULL);
+        RAISE;
+    END;
     declared := jsonb_build_object('name', _spawn.name, 'version', p.def_version, 'args', args, 'queue', p.lane,
         'start_after', start_after, 'within', within,
         'waits', (SELECT coalesce(jsonb_agg(DISTINCT jsonb_build_object('name', w.name, 'key', w.key)), '[]')
@@ -2757,6 +2775,8 @@ BEGIN
         -- (a retried attempt re-spawns safely), another one is an invalid decision.
         SELECT * INTO existing FROM flow._commands_of(parent.run_id) c WHERE c.key = _spawn.key;
         IF existing.declaration IS DISTINCT FROM declared THEN
+            PERFORM flow._decide('invalid_decision', 'invalid_decision',
+                                 format('flow: child key %s was already spawned with another declaration', key), NULL);
             RAISE EXCEPTION 'flow: child key % was already spawned with another declaration', key
                 USING ERRCODE = 'FL016';
         END IF;
@@ -2774,13 +2794,6 @@ BEGIN
     PERFORM flow._promote_if_satisfied(child);
     PERFORM flow._wake_due_from(now());   -- (due at p.due, or when promoted: both now() or later)
     RETURN child;
-EXCEPTION WHEN SQLSTATE 'FL001' OR SQLSTATE 'FL002' OR SQLSTATE 'FL003' OR SQLSTATE 'FL004'
-              OR SQLSTATE 'FL005' OR SQLSTATE 'FL006' OR SQLSTATE 'FL011' OR SQLSTATE 'FL016'
-              OR SQLSTATE 'FL018' OR SQLSTATE 'FL019' THEN
-    -- An invalid spawn is the handler's decision: it fails the command even
-    -- if the handler catches the error (the first one counts, as the reference).
-    PERFORM flow._decide('invalid_decision', 'invalid_decision', SQLERRM, NULL);
-    RAISE;
 END $$;
 
 -- A run's commands, parent links, waits and events as Graphviz DOT or Mermaid.

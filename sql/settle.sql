@@ -72,9 +72,11 @@ CREATE FUNCTION flow._lock_run_of_briefly(command_id uuid) RETURNS boolean
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     give_up timestamptz := clock_timestamp() + interval '200 ms';
+    -- (as flow._try_lock_run_of, without its call: once per leased settlement)
+    run_ids uuid[] := ARRAY(SELECT c.run_id FROM flow._commands c WHERE c.id = _lock_run_of_briefly.command_id);
 BEGIN
     LOOP
-        IF flow._try_lock_run_of(command_id) THEN
+        IF cardinality(flow._lock_runs(run_ids, false)) > 0 THEN
             RETURN true;
         END IF;
         EXIT WHEN clock_timestamp() >= give_up;
