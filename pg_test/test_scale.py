@@ -252,7 +252,9 @@ def steady_flow(pg):
         waited = time.monotonic() - committed
         time.sleep(2.2)   # (time itself: as above)
         read = due_blocks_read(c) - before
-    assert read < 3000, f"31 runs, one at a time, read {read} pages of _commands_due"
+    # (2,000-3,200 seen here, with the engines before and after this bound was
+    # raised from 3,000; about 11,000 from the heads)
+    assert read < 5000, f"31 runs, one at a time, read {read} pages of _commands_due"
     assert waited < 0.5, f"a run due behind where the claims took up waited {waited:.2f} s"
 
 
