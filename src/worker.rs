@@ -670,8 +670,19 @@ impl Worker {
         let (since, cursor) = if full {
             // more may be due: bring in an idle worker
             shmem::wake_workers();
-            // and the next claim takes up from here, while a backlog drains
-            (kept.map_or_else(Instant::now, |(since, _)| since), ended_at)
+            // and the next claim takes up from here, while a backlog drains,
+            // and from where it started in the queues and priorities this
+            // one did not reach: a queue or priority it had emptied would
+            // otherwise be walked again from its head, through the index
+            // entries of everything claimed from it (a drain of 5 priorities
+            // claimed 15 % slower, the claims of 2 alternating queues too)
+            match kept {
+                Some((since, mut cursor)) => {
+                    cursor.take_up(ended_at.ends());
+                    (since, cursor)
+                }
+                None => (Instant::now(), ended_at),
+            }
         } else {
             // It took what was due after where it started: the next claim
             // may start after where it ended too. Otherwise every claim of a
