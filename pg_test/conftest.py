@@ -202,6 +202,18 @@ def fresh_cluster(*conf_lines):
     return cluster
 
 
+@contextlib.contextmanager
+def own_cluster(directory, port, *conf_lines):
+    """A cluster of a test's own, beside its module's, stopped after it."""
+    cluster = Cluster(directory, port)
+    cluster.start(*conf_lines)
+    try:
+        cluster.wait_ready()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
 def unique(prefix="t"):
     return f"{prefix}_{uuid.uuid4().hex[:10]}"
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from conftest import Cluster, fresh_cluster, poll
+from conftest import fresh_cluster, own_cluster, poll
 
 BURST = 30_000
 
@@ -69,13 +69,8 @@ def test_a_drain_of_several_priorities_walks_each_emptied_one_once():
     (7,500-8,600 then, 2,600 now; killed entries are not counted as entries
     read, but their pages are). (A cluster of its own: the entries it leaves
     would be in the way of the other tests' counts.)"""
-    pg = Cluster("/tmp/flow-it-priorities", 5491)
-    pg.start("flow.workers = 2", "autovacuum = off")
-    try:
-        pg.wait_ready()
+    with own_cluster("/tmp/flow-it-priorities", 5491, "flow.workers = 2", "autovacuum = off") as pg:
         several_priorities_drain(pg)
-    finally:
-        pg.stop()
 
 
 def several_priorities_drain(pg):
@@ -253,13 +248,8 @@ def test_claims_of_a_steady_flow_take_up_where_the_last_one_ended():
     out (CURSOR_SPAN, 1 s). (A cluster of its own: the workers' look at every
     queue's head, and the queues of the tests before it hold the index
     entries of hundreds of thousands of commands.)"""
-    pg = Cluster("/tmp/flow-it-steady", 5492)
-    pg.start("flow.workers = 2", "autovacuum = off")
-    try:
-        pg.wait_ready()
+    with own_cluster("/tmp/flow-it-steady", 5492, "flow.workers = 2", "autovacuum = off") as pg:
         steady_flow(pg)
-    finally:
-        pg.stop()
 
 
 def steady_flow(pg):
@@ -401,10 +391,7 @@ def test_workers_draining_one_queue_claim_after_what_the_others_hold():
     figure swing from 6.5 to 11.4. The backlog still drains completely.
     (A cluster of its own, beside the module's: fresh_cluster would replace
     that one.)"""
-    cluster = Cluster("/tmp/flow-it-six", 5494)
-    cluster.start("flow.workers = 6")
-    try:
-        cluster.wait_ready()
+    with own_cluster("/tmp/flow-it-six", 5494, "flow.workers = 6") as cluster:
         # (a stretch ends with the chunks the workers hold when the queue is
         # paused: up to six claims of 1,000 past it, so the backlog keeps
         # what three such stretches take, and some)
@@ -432,8 +419,6 @@ def test_workers_draining_one_queue_claim_after_what_the_others_hold():
         assert cluster.one("SELECT count(*) FROM flow._commands WHERE name = 'shared' AND status = 'succeeded'") == backlog
         assert sorted(per_run)[1] < 9, \
             f"{sorted(per_run)} index entries of _commands read per run in three stretches drained by six workers"
-    finally:
-        cluster.stop()
 
 
 def test_plans_made_while_the_tables_are_counted_empty_stay_driven_by_their_commands():
@@ -448,10 +433,7 @@ def test_plans_made_while_the_tables_are_counted_empty_stay_driven_by_their_comm
     command can be planned (sql/common.sql). Counted in index entries read by
     a burst drained by workers (held and leased claims) and by an external
     client. (A cluster of its own: the test empties flow's tables.)"""
-    cluster = Cluster("/tmp/flow-it-empty", 5493)
-    cluster.start("flow.workers = 2", "autovacuum = off")
-    try:
-        cluster.wait_ready()
+    with own_cluster("/tmp/flow-it-empty", 5493, "flow.workers = 2", "autovacuum = off") as cluster:
         cluster.all("""
             CREATE SCHEMA app;
             CREATE FUNCTION app.quiet(args jsonb) RETURNS void LANGUAGE plpgsql AS $$ BEGIN END $$;
@@ -487,5 +469,3 @@ def test_plans_made_while_the_tables_are_counted_empty_stay_driven_by_their_comm
         per_run = (entries_read(cluster) - before) / (3 * burst)
         assert cluster.one("SELECT count(*) FROM flow._commands WHERE status = 'succeeded'") == 3 * burst
         assert per_run < 20, f"{per_run:.2f} index entries of _runs and _commands read per run"
-    finally:
-        cluster.stop()

@@ -2697,6 +2697,7 @@ DECLARE
     declared jsonb;
     child uuid := flow._new_id();
     existing flow._commands;
+    conflict text;
     journaled bigint;
     priority smallint;
 BEGIN
@@ -2775,10 +2776,9 @@ BEGIN
         -- (a retried attempt re-spawns safely), another one is an invalid decision.
         SELECT * INTO existing FROM flow._commands_of(parent.run_id) c WHERE c.key = _spawn.key;
         IF existing.declaration IS DISTINCT FROM declared THEN
-            PERFORM flow._decide('invalid_decision', 'invalid_decision',
-                                 format('flow: child key %s was already spawned with another declaration', key), NULL);
-            RAISE EXCEPTION 'flow: child key % was already spawned with another declaration', key
-                USING ERRCODE = 'FL016';
+            conflict := format('flow: child key %s was already spawned with another declaration', key);
+            PERFORM flow._decide('invalid_decision', 'invalid_decision', conflict, NULL);
+            RAISE EXCEPTION USING MESSAGE = conflict, ERRCODE = 'FL016';
         END IF;
         RETURN existing.id;
     END IF;
@@ -3506,7 +3506,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_args_misfit_as_wrapper';
 
--- src/shmem.rs:282
+-- src/shmem.rs:281
 -- flow::shmem::_await_done
 CREATE OR REPLACE FUNCTION "_await_done"() RETURNS void
 STRICT VOLATILE PARALLEL UNSAFE
@@ -3792,7 +3792,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_observe_wrapper';
 
--- src/rate_limits.rs:140
+-- src/rate_limits.rs:146
 -- flow::rate_limits::_rate_admit
 CREATE OR REPLACE FUNCTION "_rate_admit"(
 	"queue" TEXT, /* & str */
@@ -3803,7 +3803,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_rate_admit_wrapper';
 
--- src/rate_limits.rs:160
+-- src/rate_limits.rs:166
 -- flow::rate_limits::_rate_next
 CREATE OR REPLACE FUNCTION "_rate_next"(
 	"queue" TEXT, /* & str */
@@ -3814,7 +3814,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_rate_next_wrapper';
 
--- src/rate_limits.rs:120
+-- src/rate_limits.rs:126
 -- flow::rate_limits::_rate_room
 CREATE OR REPLACE FUNCTION "_rate_room"(
 	"queue" TEXT, /* & str */
@@ -3825,7 +3825,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_rate_room_wrapper';
 
--- src/attempt_record.rs:318
+-- src/attempt_record.rs:320
 -- flow::attempt_record::_recorded_attempts
 CREATE OR REPLACE FUNCTION "_recorded_attempts"() RETURNS TABLE (
 	"command_id" uuid,  /* pgrx :: Uuid */

@@ -278,6 +278,7 @@ DECLARE
     declared jsonb;
     child uuid := flow._new_id();
     existing flow._commands;
+    conflict text;
     journaled bigint;
     priority smallint;
 BEGIN
@@ -356,10 +357,9 @@ BEGIN
         -- (a retried attempt re-spawns safely), another one is an invalid decision.
         SELECT * INTO existing FROM flow._commands_of(parent.run_id) c WHERE c.key = _spawn.key;
         IF existing.declaration IS DISTINCT FROM declared THEN
-            PERFORM flow._decide('invalid_decision', 'invalid_decision',
-                                 format('flow: child key %s was already spawned with another declaration', key), NULL);
-            RAISE EXCEPTION 'flow: child key % was already spawned with another declaration', key
-                USING ERRCODE = 'FL016';
+            conflict := format('flow: child key %s was already spawned with another declaration', key);
+            PERFORM flow._decide('invalid_decision', 'invalid_decision', conflict, NULL);
+            RAISE EXCEPTION USING MESSAGE = conflict, ERRCODE = 'FL016';
         END IF;
         RETURN existing.id;
     END IF;

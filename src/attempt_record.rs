@@ -173,16 +173,22 @@ fn parse(bytes: &[u8]) -> Vec<Recorded> {
 /// last: the attempt it is or was in); `last_only`: that one alone.
 fn read_entries(writer: &Writer, last_only: bool) -> Vec<Recorded> {
     let Ok(file) = File::open(writer.path()) else { return Vec::new() };
+    entries_read_by(|offset, into| file.read_at(into, offset as u64).ok(), last_only)
+}
+
+/// What a record names (see `read_entries`), its bytes read by `read`
+/// (offset, buffer; how many it read, None on an error).
+fn entries_read_by(read: impl Fn(usize, &mut [u8]) -> Option<usize>, last_only: bool) -> Vec<Recorded> {
     let mut count = [0u8; COUNT];
-    if file.read_at(&mut count, 0).ok() != Some(COUNT) {
+    if read(0, &mut count) != Some(COUNT) {
         return Vec::new();
     }
     let count = (u32::from_le_bytes(count) as usize).min(CAPACITY);
     let first = if last_only { count.saturating_sub(1) } else { 0 };
     let mut entries = vec![0u8; (count - first) * ENTRY];
-    match file.read_at(&mut entries, (COUNT + first * ENTRY) as u64) {
-        Ok(n) => parse(&entries[..n - n % ENTRY]),
-        Err(_) => Vec::new(),
+    match read(COUNT + first * ENTRY, &mut entries) {
+        Some(n) => parse(&entries[..n - n % ENTRY]),
+        None => Vec::new(),
     }
 }
 
@@ -278,23 +284,19 @@ impl Mapped {
         (at != libc::MAP_FAILED).then(|| Mapped { writer, at: at.cast::<u8>() })
     }
 
-    fn read(&self, offset: usize, into: &mut [u8]) {
-        for (i, b) in into.iter_mut().enumerate() {
-            // SAFETY: `at` maps SIZE bytes and offset + i < SIZE (callers);
-            // volatile: its writer changes them
-            *b = unsafe { self.at.add(offset + i).read_volatile() };
-        }
-    }
-
     /// As `read_entries`.
     fn entries(&self, last_only: bool) -> Vec<Recorded> {
-        let mut count = [0u8; COUNT];
-        self.read(0, &mut count);
-        let count = (u32::from_le_bytes(count) as usize).min(CAPACITY);
-        let first = if last_only { count.saturating_sub(1) } else { 0 };
-        let mut entries = vec![0u8; (count - first) * ENTRY];
-        self.read(COUNT + first * ENTRY, &mut entries);
-        parse(&entries)
+        entries_read_by(
+            |offset, into| {
+                for (i, b) in into.iter_mut().enumerate() {
+                    // SAFETY: `at` maps SIZE bytes, and a record's reads stay
+                    // within them; volatile: its writer changes them
+                    *b = unsafe { self.at.add(offset + i).read_volatile() };
+                }
+                Some(into.len())
+            },
+            last_only,
+        )
     }
 }
 

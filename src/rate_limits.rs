@@ -110,6 +110,12 @@ fn now_us() -> i64 {
     unsafe { pg_sys::GetCurrentTimestamp() }
 }
 
+/// The earliest free cell of bucket `slot` a claim may take now: its next
+/// one, or `tolerance` ago if that is later (after `now`: none is free).
+fn first_free(buckets: &Buckets, slot: usize, now: i64, per_us: i64) -> i64 {
+    buckets.slots[slot].tat.max(now - tolerance(per_us))
+}
+
 /// A cell's spacing (µs), for a rate of `rate` per `per_us`.
 fn spacing(rate: i32, per_us: i64) -> Option<i64> {
     (rate > 0 && per_us > 0).then(|| (per_us / i64::from(rate)).max(1))
@@ -124,7 +130,7 @@ fn _rate_room(queue: &str, rate: i32, per_us: i64) -> i32 {
     let mut buckets = BUCKETS_TABLE.exclusive();
     let room = match slot_of(&mut buckets, queue, now) {
         Some(slot) => {
-            let base = buckets.slots[slot].tat.max(now - tolerance(per_us));
+            let base = first_free(&buckets, slot, now, per_us);
             if base > now { 0 } else { ((now - base) / cell + 1).min(i64::from(rate)) as i32 }
         }
         None => 0,
@@ -146,7 +152,7 @@ fn _rate_admit(queue: &str, rate: i32, per_us: i64) -> bool {
         crate::shmem::observe("rate_limited", 1);
         return false;
     };
-    let base = buckets.slots[slot].tat.max(now - tolerance(per_us));
+    let base = first_free(&buckets, slot, now, per_us);
     if base > now {
         crate::shmem::observe("rate_limited", 1);
         return false;

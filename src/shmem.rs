@@ -261,9 +261,8 @@ const AWAIT_WORDS: usize = 64;
 /// average 25 ms after its run had ended, 2 % of a fan-out of 1.3 s.)
 #[pg_extern(volatile, parallel_unsafe)]
 fn _await_pause(seconds: f64) {
-    let procno = unsafe { (*pg_sys::MyProc).pgprocno } as usize;
-    if procno < AWAIT_WORDS * 64 {
-        ACTIVITIES.get().awaiting[procno / 64].fetch_or(1 << (procno % 64), Ordering::SeqCst);
+    if let Some((word, bit)) = my_await_bit() {
+        word.fetch_or(bit, Ordering::SeqCst);
     }
     unsafe {
         pg_sys::WaitLatch(
@@ -281,10 +280,15 @@ fn _await_pause(seconds: f64) {
 /// nothing is harmless, and the next flow.await of the session clears it).
 #[pg_extern(volatile, parallel_unsafe)]
 fn _await_done() {
-    let procno = unsafe { (*pg_sys::MyProc).pgprocno } as usize;
-    if procno < AWAIT_WORDS * 64 {
-        ACTIVITIES.get().awaiting[procno / 64].fetch_and(!(1 << (procno % 64)), Ordering::SeqCst);
+    if let Some((word, bit)) = my_await_bit() {
+        word.fetch_and(!bit, Ordering::SeqCst);
     }
+}
+
+/// This session's bit in `awaiting`: its word and mask (None past AWAIT_WORDS).
+fn my_await_bit() -> Option<(&'static AtomicU64, u64)> {
+    let procno = unsafe { (*pg_sys::MyProc).pgprocno } as usize;
+    (procno < AWAIT_WORDS * 64).then(|| (&ACTIVITIES.get().awaiting[procno / 64], 1 << (procno % 64)))
 }
 
 /// A commit ended runs: wake the sessions in flow.await (post-commit: must not raise).
@@ -295,11 +299,7 @@ fn wake_awaiters() {
         while bits != 0 {
             let procno = word * 64 + bits.trailing_zeros() as usize;
             bits &= bits - 1;
-            unsafe {
-                if procno < (*pg_sys::ProcGlobal).allProcCount as usize {
-                    pg_sys::SetLatch(&mut (*(*pg_sys::ProcGlobal).allProcs.add(procno)).procLatch);
-                }
-            }
+            set_proc_latch(procno);
         }
     }
 }
@@ -619,9 +619,15 @@ fn is_another_worker(slot: &WorkerSlot) -> bool {
 }
 
 pub(crate) fn set_latch(slot: &WorkerSlot) {
+    set_proc_latch(slot.procno as usize);
+}
+
+/// Set the latch of the process with this PGPROC number (none past the last).
+fn set_proc_latch(procno: usize) {
     unsafe {
-        let proc_ = (*pg_sys::ProcGlobal).allProcs.add(slot.procno as usize);
-        pg_sys::SetLatch(&mut (*proc_).procLatch);
+        if procno < (*pg_sys::ProcGlobal).allProcCount as usize {
+            pg_sys::SetLatch(&mut (*(*pg_sys::ProcGlobal).allProcs.add(procno)).procLatch);
+        }
     }
 }
 
@@ -709,10 +715,7 @@ pub fn wake_maintenance_at_commit() {
 pub fn wake_maintenance() {
     let procno = WORKERS.share().maintenance_procno;
     if procno >= 0 {
-        unsafe {
-            let proc_ = (*pg_sys::ProcGlobal).allProcs.add(procno as usize);
-            pg_sys::SetLatch(&mut (*proc_).procLatch);
-        }
+        set_proc_latch(procno as usize);
     }
 }
 
