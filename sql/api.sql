@@ -656,7 +656,7 @@ BEGIN
              WHERE p.pronamespace = 'flow'::regnamespace
                AND p.proname = ANY (ARRAY['_claim', '_lease', '_next_due_ms', '_run_row_needed', '_leased',
                    '_prepare_external_claim', '_complete_many', '_recover', '_prune', '_retire_events',
-                   '_lock_runs', '_lock_runs_of', '_lock_run_of_briefly', '_try_lock_run_of', '_close_open_commands', '_conclude_record',
+                   '_lock_runs', '_lock_runs_of', '_try_lock_run_of', '_close_open_commands', '_conclude_record',
                    '_expire_runs', '_conclude_expired_lease', '_gone_workers',
                    '_release', '_void_held', '_settle_batch', '_settle_failure', '_lock_run_and_commands',
                    '_promote_if_satisfied', '_fire_schedules', '_next_tick_ms']) LOOP

@@ -1631,35 +1631,10 @@ BEGIN
     PERFORM flow._lock_runs(ARRAY(SELECT DISTINCT c.run_id FROM flow._commands c WHERE c.id = ANY (command_ids)), true);
 END $$;
 
--- Lock the run of a command, waiting 200 ms at most: a worker's leased
--- settlement (src/settle.rs), whose chunk may hold other runs' locks
--- already. false: the run is locked elsewhere longer (a client idle in its
--- transaction, another chunk settling the same runs in the other order); the
--- worker then voids the attempt and ends its chunk, which lets its other
--- locks go, instead of waiting without limit. Tried without waiting, then
--- every millisecond (not lock_timeout: the engine's statements hold query cancels
--- off, src/spi.rs). (200 ms: well past a sibling's settlement and commit,
--- about a millisecond, and under deadlock_timeout.)
-CREATE OR REPLACE FUNCTION flow._lock_run_of_briefly(command_id uuid) RETURNS boolean
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
-DECLARE
-    give_up timestamptz := clock_timestamp() + interval '200 ms';
-    -- (as flow._try_lock_run_of, without its call: once per leased settlement)
-    run_ids uuid[] := ARRAY(SELECT c.run_id FROM flow._commands c WHERE c.id = _lock_run_of_briefly.command_id);
-BEGIN
-    LOOP
-        IF cardinality(flow._lock_runs(run_ids, false)) > 0 THEN
-            RETURN true;
-        END IF;
-        EXIT WHEN clock_timestamp() >= give_up;
-        PERFORM pg_sleep(0.001);
-    END LOOP;
-    RETURN false;
-END $$;
-
 -- Lock the run of a command unless another transaction holds it (then
 -- false): for work that can wait for a later round, such as concluding an
--- attempt whose owner is gone.
+-- attempt whose owner is gone; a leased settlement tries it for a while
+-- (src/settle.rs, lock_run_briefly).
 CREATE OR REPLACE FUNCTION flow._try_lock_run_of(command_id uuid) RETURNS boolean
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
@@ -4620,7 +4595,7 @@ BEGIN
              WHERE p.pronamespace = 'flow'::regnamespace
                AND p.proname = ANY (ARRAY['_claim', '_lease', '_next_due_ms', '_run_row_needed', '_leased',
                    '_prepare_external_claim', '_complete_many', '_recover', '_prune', '_retire_events',
-                   '_lock_runs', '_lock_runs_of', '_lock_run_of_briefly', '_try_lock_run_of', '_close_open_commands', '_conclude_record',
+                   '_lock_runs', '_lock_runs_of', '_try_lock_run_of', '_close_open_commands', '_conclude_record',
                    '_expire_runs', '_conclude_expired_lease', '_gone_workers',
                    '_release', '_void_held', '_settle_batch', '_settle_failure', '_lock_run_and_commands',
                    '_promote_if_satisfied', '_fire_schedules', '_next_tick_ms']) LOOP
