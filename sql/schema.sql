@@ -306,6 +306,15 @@ CREATE INDEX _commands_due_grouped ON flow._commands
 -- (a group's running commands, for group_concurrency)
 CREATE INDEX _commands_group_running ON flow._commands (queue, group_hash) WHERE status = 'running' AND group_hash <> 0;
 CREATE INDEX _commands_parent ON flow._commands (parent_id) WHERE parent_id IS NOT NULL;
+-- A run's unfinished children: a settlement learns whether its run has
+-- any left with one probe (flow._settle_batch). Not deduplicated: a run's
+-- entries in one posting list could not be marked dead until all its children
+-- had finished, and each probe read the finished ones again. (The
+-- predicate names parent_id, not id <> run_id, so that _commands_run_key,
+-- whose cost ties with it, cannot serve the probe: the planner keeps the
+-- first index of a tie.)
+CREATE INDEX _commands_open_children ON flow._commands (run_id) WITH (deduplicate_items = off)
+    WHERE finished_at IS NULL AND parent_id IS NOT NULL;
 -- (the maintenance worker's look for runs past their deadline: flow._expire_runs)
 CREATE INDEX _commands_deadline ON flow._commands (deadline) WHERE finished_at IS NULL AND deadline IS NOT NULL;
 

@@ -318,7 +318,16 @@ BEGIN
         UPDATE flow._runs r SET status = 'succeeded', finished_at = clock_timestamp(),
             result = (SELECT c.result FROM flow._commands_of(r.id) c WHERE c.parent_id IS NULL)
         WHERE r.id = ANY (other_runs) AND r.status = 'running'
-          AND NOT EXISTS (SELECT 1 FROM flow._commands_of(r.id) c WHERE c.finished_at IS NULL);
+          -- (none of its commands unfinished: its root, by id; its children,
+          -- by their own index, whatever the number finished; a root made
+          -- before 0.2.0, by its key. Through flow._commands_of, the children
+          -- were read in key order up to the first unfinished one: under the
+          -- run's lock, 2.3 ms a settlement when 4,000 were half done.)
+          AND NOT EXISTS (SELECT 1 FROM flow._commands c WHERE c.id = r.id AND c.finished_at IS NULL)
+          AND NOT EXISTS (SELECT 1 FROM flow._commands c                  -- index _commands_open_children
+                          WHERE c.run_id = r.id AND c.parent_id IS NOT NULL AND c.finished_at IS NULL)
+          AND NOT EXISTS (SELECT 1 FROM flow._commands c                  -- index _commands_run_key
+                          WHERE c.run_id = r.id AND c.key = 'root' AND c.id <> c.run_id AND c.finished_at IS NULL);
         GET DIAGNOSTICS more = ROW_COUNT;
         finished := finished + more;
     END IF;

@@ -92,6 +92,9 @@ CREATE INDEX _commands_due_grouped ON flow._commands
     (flow._lane(queue, CASE WHEN external THEN name ELSE '' END), priority, next_run_at)
     WHERE status IN ('pending', 'waiting') AND group_hash <> 0;
 CREATE INDEX _commands_group_running ON flow._commands (queue, group_hash) WHERE status = 'running' AND group_hash <> 0;
+-- A run's unfinished children (see sql/schema.sql).
+CREATE INDEX _commands_open_children ON flow._commands (run_id) WITH (deduplicate_items = off)
+    WHERE finished_at IS NULL AND parent_id IS NOT NULL;
 -- The priorities of a queue whose commands were given groups
 -- (flow._note_priority): the ones whose groups a claim of the queue looks
 -- for (flow._groups_of); a queue that never had one reads none.
