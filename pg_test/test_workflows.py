@@ -191,6 +191,36 @@ def test_spawns_take_no_transaction_id_each(pg):
     pg.one("SELECT flow.cancel(%s)", run)
 
 
+def test_a_fan_out_of_fast_children_runs_without_waiting_for_the_claims_cursors(pg):
+    """The children of a run are held by one worker's chunk at a time, with
+    the run's lock. The other workers' claims locked some of them, could not
+    lock the run and left them out, still locked: the claims of the worker
+    holding the run went on after them, and they waited a second for the
+    claims' cursors to run out (1,000 no-op children took 0.4-2 s, in stretches
+    a second apart). Now those claims leave the run's commands alone
+    (shmem::publish_busy_runs), and a command one still leaves out is due again
+    at its end (flow._left_behind): the children end without such a gap."""
+    q = unique("q")
+    child = define(pg, "flow.noop", queue=f"'{q}'")
+    pg.one(f"""CREATE OR REPLACE FUNCTION app.fast_fan(args jsonb, ctx flow.context) RETURNS jsonb
+               LANGUAGE plpgsql AS $$
+               BEGIN
+                   FOR i IN 1..1000 LOOP
+                       PERFORM flow.spawn('{child}', '{{}}', key => 'c' || i);
+                   END LOOP;
+                   RETURN NULL;
+               END $$""")
+    name = define(pg, "app.fast_fan(jsonb, flow.context)")
+    for _ in range(3):
+        run = enqueue(pg, name)
+        assert pg.await_run(run, "60s")[0] == "succeeded"
+        ends = [row[0] for row in pg.all("SELECT extract(epoch FROM finished_at)::float8 FROM flow.commands"
+                                          " WHERE run_id = %s ORDER BY finished_at", run)]
+        assert len(ends) == 1001
+        gap = max(b - a for a, b in zip(ends, ends[1:]))
+        assert gap < 0.5, f"the children of a fan-out ended with a gap of {gap:.3f} s"
+
+
 def test_a_root_that_spawns_in_its_first_attempt_ends_its_run_only_with_its_child(pg):
     # A root in its first attempt is taken to have no child without a look
     # (flow._claim, flow._settle_batch's `alone`) unless its chunk spawned:

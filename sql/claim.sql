@@ -92,7 +92,8 @@ $$;
 -- claim of 1,000 held commands: 3.9 ms, 2.5 ms now).
 -- `excluded`: commands other workers' records name, or whose abandoned held
 -- attempts wait for the maintenance worker, or that the caller's transaction holds already,
--- left alone.
+-- left alone. `busy_runs`: runs whose locks other workers' chunks hold; their
+-- commands are left alone too (src/shmem.rs, publish_busy_runs).
 -- In-database workers pass no names (they claim commands with an SQL
 -- handler); external workers pass definition names.
 -- Fairness (rule 2): every unpaused queue with due work offers its head, in
@@ -121,7 +122,7 @@ CREATE FUNCTION flow._claim(max_count integer, names text[], turn integer,
     fast_handlers oid[] DEFAULT NULL, excluded uuid[] DEFAULT NULL,
     after_queues text[] DEFAULT NULL, after_priorities smallint[] DEFAULT NULL,
     after_at timestamptz[] DEFAULT NULL, after_ids uuid[] DEFAULT NULL,
-    hold boolean DEFAULT false)
+    hold boolean DEFAULT false, busy_runs uuid[] DEFAULT NULL)
 RETURNS SETOF flow.claimed_command
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp
     SET plan_cache_mode = force_generic_plan AS $$
@@ -363,6 +364,9 @@ BEGIN
               AND c.status IN ('pending', 'waiting') AND c.next_run_at <= now()
               AND (c.next_run_at, c.id) > (coalesce(a.at, '-infinity'), coalesce(a.id, '00000000-0000-0000-0000-000000000000'::uuid))
               AND (excluded IS NULL OR c.id <> ALL (excluded))
+              -- (runs other workers' chunks hold: a command of one would be
+              -- locked here and left out below, see shmem::publish_busy_runs)
+              AND (busy_runs IS NULL OR c.run_id <> ALL (busy_runs))
             ORDER BY c.next_run_at, c.id
             LIMIT CASE WHEN g.group_hash = 0 OR l.group_concurrency IS NULL THEN greatest(1, l.take / g.groups)
                        ELSE least(greatest(1, l.take / g.groups), flow._group_room(l.group_concurrency - (
@@ -376,7 +380,8 @@ BEGIN
         WHERE l.take > 0
     ) h
     -- A held command is held with its run locked too (a run locked elsewhere,
-    -- by a cancel or another chunk, leaves its command for a later claim). A
+    -- by a cancel or another chunk, leaves its command for a later claim: see
+    -- flow._left_behind; busy_runs spares most of them the lock). A
     -- run's root with no child yet is held without its run's lock: only its
     -- own handler can add to the run (spawn), and its chunk never waits for
     -- the run's lock (a success of such a root writes no run; a failure takes
@@ -397,7 +402,9 @@ BEGIN
                     AND (h.attempts = 0
                          OR NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = h.id))  -- alone: docs/DESIGN.md
                THEN true
-               ELSE EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = h.run_id FOR UPDATE SKIP LOCKED) END);
+               ELSE EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = h.run_id FOR UPDATE SKIP LOCKED)
+                    -- (or it is left out, and due again at the claim's end)
+                    OR flow._left_behind(h.next_run_at) END);
 END $$;
 
 -- Lease commands this transaction's claim locked (flow._claim, held = false):

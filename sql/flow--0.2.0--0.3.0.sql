@@ -1156,7 +1156,8 @@ $$;
 -- claim of 1,000 held commands: 3.9 ms, 2.5 ms now).
 -- `excluded`: commands other workers' records name, or whose abandoned held
 -- attempts wait for the maintenance worker, or that the caller's transaction holds already,
--- left alone.
+-- left alone. `busy_runs`: runs whose locks other workers' chunks hold; their
+-- commands are left alone too (src/shmem.rs, publish_busy_runs).
 -- In-database workers pass no names (they claim commands with an SQL
 -- handler); external workers pass definition names.
 -- Fairness (rule 2): every unpaused queue with due work offers its head, in
@@ -1185,7 +1186,7 @@ CREATE OR REPLACE FUNCTION flow._claim(max_count integer, names text[], turn int
     fast_handlers oid[] DEFAULT NULL, excluded uuid[] DEFAULT NULL,
     after_queues text[] DEFAULT NULL, after_priorities smallint[] DEFAULT NULL,
     after_at timestamptz[] DEFAULT NULL, after_ids uuid[] DEFAULT NULL,
-    hold boolean DEFAULT false)
+    hold boolean DEFAULT false, busy_runs uuid[] DEFAULT NULL)
 RETURNS SETOF flow.claimed_command
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp
     SET plan_cache_mode = force_generic_plan AS $$
@@ -1427,6 +1428,9 @@ BEGIN
               AND c.status IN ('pending', 'waiting') AND c.next_run_at <= now()
               AND (c.next_run_at, c.id) > (coalesce(a.at, '-infinity'), coalesce(a.id, '00000000-0000-0000-0000-000000000000'::uuid))
               AND (excluded IS NULL OR c.id <> ALL (excluded))
+              -- (runs other workers' chunks hold: a command of one would be
+              -- locked here and left out below, see shmem::publish_busy_runs)
+              AND (busy_runs IS NULL OR c.run_id <> ALL (busy_runs))
             ORDER BY c.next_run_at, c.id
             LIMIT CASE WHEN g.group_hash = 0 OR l.group_concurrency IS NULL THEN greatest(1, l.take / g.groups)
                        ELSE least(greatest(1, l.take / g.groups), flow._group_room(l.group_concurrency - (
@@ -1440,7 +1444,8 @@ BEGIN
         WHERE l.take > 0
     ) h
     -- A held command is held with its run locked too (a run locked elsewhere,
-    -- by a cancel or another chunk, leaves its command for a later claim). A
+    -- by a cancel or another chunk, leaves its command for a later claim: see
+    -- flow._left_behind; busy_runs spares most of them the lock). A
     -- run's root with no child yet is held without its run's lock: only its
     -- own handler can add to the run (spawn), and its chunk never waits for
     -- the run's lock (a success of such a root writes no run; a failure takes
@@ -1461,7 +1466,9 @@ BEGIN
                     AND (h.attempts = 0
                          OR NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = h.id))  -- alone: docs/DESIGN.md
                THEN true
-               ELSE EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = h.run_id FOR UPDATE SKIP LOCKED) END);
+               ELSE EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = h.run_id FOR UPDATE SKIP LOCKED)
+                    -- (or it is left out, and due again at the claim's end)
+                    OR flow._left_behind(h.next_run_at) END);
 END $$;
 
 -- Lease commands this transaction's claim locked (flow._claim, held = false):
@@ -3509,14 +3516,14 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_args_misfit_as_wrapper';
 
--- src/shmem.rs:281
+-- src/shmem.rs:286
 -- flow::shmem::_await_done
 CREATE OR REPLACE FUNCTION "_await_done"() RETURNS void
 STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_await_done_wrapper';
 
--- src/shmem.rs:262
+-- src/shmem.rs:267
 -- flow::shmem::_await_pause
 CREATE OR REPLACE FUNCTION "_await_pause"(
 	"seconds" double precision /* f64 */
@@ -3536,7 +3543,7 @@ AS 'MODULE_PATHNAME', '_claim_excluded_wrapper';
 -- flow::invariants::_command_row_is_consistent
 -- Skipped due to `#[pgrx(sql = false)]`
 
--- src/api.rs:200
+-- src/api.rs:212
 -- flow::api::_counters
 CREATE OR REPLACE FUNCTION "_counters"() RETURNS TABLE (
 	"name" TEXT,  /* String */
@@ -3557,7 +3564,7 @@ IMMUTABLE STRICT PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', 'next_tick_wrapper';
 
--- src/api.rs:160
+-- src/api.rs:172
 -- flow::api::_current_command
 CREATE OR REPLACE FUNCTION "_current_command"() RETURNS uuid /* Option < pgrx :: Uuid > */
 STRICT VOLATILE PARALLEL UNSAFE
@@ -3622,7 +3629,7 @@ VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_external_cursor_start_wrapper';
 
--- src/api.rs:118
+-- src/api.rs:130
 -- flow::api::_group_room
 CREATE OR REPLACE FUNCTION "_group_room"(
 	"free" INT /* i32 */
@@ -3674,7 +3681,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_in_transaction_block_wrapper';
 
--- src/api.rs:135
+-- src/api.rs:147
 -- flow::api::_interrupt_run
 CREATE OR REPLACE FUNCTION "_interrupt_run"(
 	"run" uuid /* pgrx :: Uuid */
@@ -3683,7 +3690,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_interrupt_run_wrapper';
 
--- src/api.rs:154
+-- src/api.rs:166
 -- flow::api::_lease_duration_s
 CREATE OR REPLACE FUNCTION "_lease_duration_s"() RETURNS INT /* i32 */
 STRICT STABLE PARALLEL SAFE
@@ -3696,6 +3703,15 @@ CREATE OR REPLACE FUNCTION "_lease_token"() RETURNS uuid /* pgrx :: Uuid */
 STRICT VOLATILE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_lease_token_wrapper';
+
+-- src/api.rs:121
+-- flow::api::_left_behind
+CREATE OR REPLACE FUNCTION "_left_behind"(
+	"due" timestamp with time zone /* TimestampWithTimeZone */
+) RETURNS bool /* bool */
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', '_left_behind_wrapper';
 
 -- src/api.rs:44
 -- flow::api::_left_out
@@ -3749,7 +3765,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_lock_queue_name_wrapper';
 
--- src/api.rs:148
+-- src/api.rs:160
 -- flow::api::_max_payload_bytes
 CREATE OR REPLACE FUNCTION "_max_payload_bytes"() RETURNS INT /* i32 */
 STRICT STABLE PARALLEL SAFE
@@ -3785,7 +3801,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_note_spawn_wrapper';
 
--- src/api.rs:206
+-- src/api.rs:218
 -- flow::api::_observe
 CREATE OR REPLACE FUNCTION "_observe"(
 	"metric" TEXT, /* & str */
@@ -3882,7 +3898,7 @@ AS 'MODULE_PATHNAME', '_schedule_problem_wrapper';
 -- flow::spans::_span_ok
 -- Skipped due to `#[pgrx(sql = false)]`
 
--- src/api.rs:142
+-- src/api.rs:154
 -- flow::api::_stop_workers_of
 CREATE OR REPLACE FUNCTION "_stop_workers_of"(
 	"run" uuid /* pgrx :: Uuid */
@@ -3923,14 +3939,14 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_wake_due_from_wrapper';
 
--- src/api.rs:128
+-- src/api.rs:140
 -- flow::api::_wake_maintenance
 CREATE OR REPLACE FUNCTION "_wake_maintenance"() RETURNS void
 STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_wake_maintenance_wrapper';
 
--- src/api.rs:168
+-- src/api.rs:180
 -- flow::api::_worker_states
 CREATE OR REPLACE FUNCTION "_worker_states"() RETURNS TABLE (
 	"worker" INT,  /* i32 */

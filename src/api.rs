@@ -113,6 +113,18 @@ fn _wake_due_from(due: TimestampWithTimeZone) {
     shmem::wake_at_commit(due.into_inner());
 }
 
+/// A command flow._claim locked and leaves out, its run locked elsewhere:
+/// due again at `due` when the claim's transaction ends, so the workers'
+/// next claims start before it (see shmem::DueFloors) instead of going on
+/// after it, as they would from where theirs ended (it waited a second for
+/// the cursors to run out). Returns false.
+#[pg_extern(volatile, parallel_unsafe)]
+fn _left_behind(due: TimestampWithTimeZone) -> bool {
+    // (a microsecond before: see claim::keep_what_starts_now)
+    shmem::wake_at_commit(due.into_inner() - 1);
+    false
+}
+
 /// What a group may start, `free` of its group_concurrency being free:
 /// none below 0, counted as `group_limited` when none (flow._claim).
 #[pg_extern(volatile, parallel_unsafe)]

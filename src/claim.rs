@@ -159,9 +159,14 @@ impl ClaimCursor {
         self.0.iter().map(|(queue, priority, at, id)| (queue.clone(), *priority, at.into_inner(), *id.as_bytes())).collect()
     }
 
-    /// The earliest of its ends' due times (TimestampTz µs); None: no ends.
-    pub fn earliest(&self) -> Option<i64> {
-        self.0.iter().map(|(_, _, at, _)| at.into_inner()).min()
+    /// The latest of its ends' due times (TimestampTz µs); None: no ends.
+    /// Claims may take up from it while nothing was made due before this:
+    /// a command made due before any end may be behind it. (By the earliest
+    /// end, a cursor that ended in a queue long ago, the root's of a fan-out,
+    /// kept its end in the children's queue past children made due again
+    /// behind it: they waited a second.)
+    pub fn latest(&self) -> Option<i64> {
+        self.0.iter().map(|(_, _, at, _)| at.into_inner()).max()
     }
 
     /// As flow._claim and flow._next_due_ms take it: queues, priorities, due
@@ -224,7 +229,7 @@ const CLAIM_SQL: &str = "SELECT command_id, run_id, attempt,
         (extract(epoch FROM attempt_timeout) * 1000000)::bigint,
         handler, handler_owner, args, args_type::oid, held,
         context, queue, due_at, claim_order, row_at, deadline, priority, grouped
- FROM flow._claim($1, NULL, $2, $3, $4, $5, $6, $7, $8)";
+ FROM flow._claim($1, NULL, $2, $3, $4, $5, $6, $7, $8, false, $9)";
 /// The types of its columns (a composite: PgOid::Invalid), in Col's order.
 const CLAIM_TYPES: [PgOid; 18] = [
     UUID,
@@ -263,14 +268,17 @@ struct ToLease {
 /// claim order: held ones, of the handlers known to be fast
 /// (`FAST_HANDLERS`), which must run in this same transaction, and leased
 /// ones, whose leases are written here too (flow._lease) and commit with the
-/// claim. Commands named in `excluded` are left alone; the claim takes up
-/// after `after`'s ends in their queues.
+/// claim. Commands named in `excluded`, and those of `busy_runs` (their locks
+/// held by other workers' chunks), are left alone; the claim takes up after
+/// `after`'s ends in their queues.
+#[allow(clippy::too_many_arguments)]
 pub fn claim(
     owner: &str,
     backend_start: Option<TimestampWithTimeZone>,
     max: i32,
     turn: i32,
     excluded: Vec<pgrx::Uuid>,
+    busy_runs: Vec<pgrx::Uuid>,
     after: Option<&ClaimCursor>,
     recorded_elsewhere: &dyn Fn() -> Vec<pgrx::Uuid>,
 ) -> Claim {
@@ -278,7 +286,7 @@ pub fn claim(
     let fast: Vec<pg_sys::Oid> = FAST_HANDLERS.with(|f| f.borrow().iter().map(|oid| pg_sys::Oid::from(*oid)).collect());
     let (mut commands, to_lease, interleaved) = engine_query(
         CLAIM_SQL,
-        &[INT4, INT4, OID_ARRAY, UUID_ARRAY, TEXT_ARRAY, INT2_ARRAY, TIMESTAMPTZ_ARRAY, UUID_ARRAY],
+        &[INT4, INT4, OID_ARRAY, UUID_ARRAY, TEXT_ARRAY, INT2_ARRAY, TIMESTAMPTZ_ARRAY, UUID_ARRAY, UUID_ARRAY],
         &[
             max.into(),
             turn.into(),
@@ -288,6 +296,8 @@ pub fn claim(
             after_priorities.into(),
             after_at.into(),
             after_ids.into(),
+            // (NULL when there are none: the claim's test of each command is then one of NULL)
+            (!busy_runs.is_empty()).then_some(busy_runs).into(),
         ],
         |rows| {
             // A claim from one queue has no claim order (NULL): its rows come

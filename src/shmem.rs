@@ -102,6 +102,9 @@ pub struct WorkerSlot {
     pub cursor: [CursorEnd; CURSOR_QUEUES],
     pub cursor_len: usize,
     pub cursor_until: i64,
+    /// The runs whose locks its open chunk holds (see `publish_busy_runs`).
+    pub busy_runs: [[u8; 16]; BUSY_RUNS],
+    pub busy_runs_len: usize,
 }
 
 impl Default for WorkerSlot {
@@ -115,6 +118,8 @@ impl Default for WorkerSlot {
             cursor: [CursorEnd::NONE; CURSOR_QUEUES],
             cursor_len: 0,
             cursor_until: 0,
+            busy_runs: [[0; 16]; BUSY_RUNS],
+            busy_runs_len: 0,
         }
     }
 }
@@ -667,6 +672,36 @@ pub fn cursors_of_others(index: usize) -> (Vec<End>, i64) {
     (ends, good().map(|(_, s)| s.cursor_until).min().unwrap_or(i64::MAX))
 }
 
+/// The most runs a worker's open chunk says it holds (see `publish_busy_runs`).
+const BUSY_RUNS: usize = 8;
+
+/// Say which runs worker `index`'s open chunk holds the locks of (none: it
+/// ended), so that the other workers' claims leave those runs' commands
+/// alone (flow._claim's `busy_runs`). Claiming one, they locked its row, could
+/// not lock its run, and left it out, locked for the rest of their
+/// transaction: the claims of the worker holding the run skipped it and went
+/// on after it, and it waited a second. More than BUSY_RUNS: none is said,
+/// and those claims go on as before.
+pub fn publish_busy_runs(index: usize, runs: &[[u8; 16]]) {
+    let mut table = WORKERS.exclusive();
+    let slot = &mut table.slots[index];
+    let len = if runs.len() <= BUSY_RUNS { runs.len() } else { 0 };
+    slot.busy_runs[..len].copy_from_slice(&runs[..len]);
+    slot.busy_runs_len = len;
+}
+
+/// The runs the other live workers' open chunks hold (see `publish_busy_runs`).
+pub fn busy_runs_of_others(index: usize) -> Vec<pgrx::Uuid> {
+    let table = WORKERS.share();
+    table
+        .slots
+        .iter()
+        .enumerate()
+        .filter(|(i, s)| *i != index && s.procno >= 0)
+        .flat_map(|(_, s)| s.busy_runs[..s.busy_runs_len].iter().map(|id| pgrx::Uuid::from_bytes(*id)))
+        .collect()
+}
+
 /// Claim the slot for worker number `index` in this process.
 pub fn register_worker(index: usize) {
     let mut table = WORKERS.exclusive();
@@ -682,6 +717,7 @@ pub fn register_worker(index: usize) {
 fn clear_activity(index: usize, slot: &mut WorkerSlot) {
     slot.cancel_runs = [[0; 16]; CANCEL_SLOTS];
     slot.next_cancel = 0;
+    slot.busy_runs_len = 0;
     let activity = &ACTIVITIES.get().slots[index];
     activity.cancels.store(0, Ordering::SeqCst);
     write_activity(activity, |a| {

@@ -197,6 +197,8 @@ struct Worker {
     /// Since when claims have taken up from a cursor, and where the last full
     /// claim ended in each queue (None: the next claim starts at the heads).
     cursor: RefCell<Option<(Instant, ClaimCursor)>>,
+    /// Its open chunk said which runs it holds (shmem::publish_busy_runs).
+    published_busy: Cell<bool>,
     /// How many commands the next chunk locks runs for and may run (see run_batch).
     chunk_window: usize,
     /// Until when chunks hold one command each (see ISOLATION_PERIOD).
@@ -227,6 +229,7 @@ impl Worker {
             took_all_due: Cell::new(false),
             slept: Cell::new(false),
             cursor: RefCell::new(None),
+            published_busy: Cell::new(false),
         }
     }
 
@@ -266,7 +269,7 @@ impl Worker {
             .cursor
             .borrow()
             .as_ref()
-            .filter(|(since, c)| !cursor_time_left(*since).is_zero() && c.earliest().is_some_and(|at| at <= floor))
+            .filter(|(since, c)| !cursor_time_left(*since).is_zero() && c.latest().is_some_and(|at| at <= floor))
             .cloned();
         let sleep = match transaction(|| next_due_ms(cursor.as_ref().map(|(_, at)| at))) {
             Some(Some(ms)) if ms > 0 => idle.min(Duration::from_millis(ms as u64)),
@@ -345,6 +348,17 @@ impl Worker {
             let owner = held.first().map(|c| c.owner);
             let (held, others): (Vec<_>, Vec<_>) = held.into_iter().partition(|c| Some(c.owner) == owner);
             leased.extend(claim::lease_instead(&self.name, self.backend_start, others));
+            // The runs the claim locked for its held commands (all but a
+            // root's, held alone: see flow._claim), for the other workers'
+            // claims to leave alone while the chunk runs.
+            let mut busy: Vec<[u8; 16]> =
+                held.iter().filter(|c| c.command_id != c.run_id).map(|c| *c.run_id.as_bytes()).collect();
+            busy.sort_unstable();
+            busy.dedup();
+            if !busy.is_empty() {
+                shmem::publish_busy_runs(self.index, &busy);
+                self.published_busy.set(true);
+            }
             if owner.is_none() && !leased.is_empty() {
                 commit_leases_without_flush();
             }
@@ -368,6 +382,9 @@ impl Worker {
         });
         // committed or rolled back: the held attempts are over either way
         attempt_record::clear();
+        if self.published_busy.replace(false) {
+            shmem::publish_busy_runs(self.index, &[]);
+        }
         shmem::set_worker_state(self.index, true, None, 0);
         if outcome.is_err() {
             self.forget_cursor(); // its claims rolled back: they are behind it
@@ -636,7 +653,7 @@ impl Worker {
         // after they were claimed; another transaction's, due at that same
         // microsecond with a smaller id, would wait for the span's end).
         let floor = shmem::take_due_floor(self.index);
-        let before_floor = |cursor: &ClaimCursor| cursor.earliest().is_some_and(|at| at <= floor);
+        let before_floor = |cursor: &ClaimCursor| cursor.latest().is_some_and(|at| at <= floor);
         let (others, others_until) = shmem::cursors_of_others(self.index);
         let mut kept =
             self.cursor.take().filter(|(since, cursor)| !cursor_time_left(*since).is_zero() && before_floor(cursor));
@@ -661,9 +678,16 @@ impl Worker {
         }
         gucs::inject_fault("claim");
         let claim::Claim { commands: claimed, ended_at, interleaved, left_some } =
-            claim::claim(&self.name, self.backend_start, size, turn, excluded, kept.as_ref().map(|(_, at)| at), &|| {
-                attempt_record::named_elsewhere(self.index)
-            });
+            claim::claim(
+                &self.name,
+                self.backend_start,
+                size,
+                turn,
+                excluded,
+                shmem::busy_runs_of_others(self.index),
+                kept.as_ref().map(|(_, at)| at),
+                &|| attempt_record::named_elsewhere(self.index),
+            );
         // (a claim from several queues took each one's share only, and one
         // that left commands it locked left them due: more may be due)
         let full = claimed.len() >= size as usize || interleaved || left_some;
@@ -693,7 +717,7 @@ impl Worker {
             cursor.take_up(ended_at.ends());
             (since, cursor)
         };
-        if cursor.earliest().is_some() {
+        if cursor.latest().is_some() {
             let left = cursor_time_left(since).as_micros() as i64;
             shmem::publish_cursor(self.index, &cursor.ends(), unsafe { pg_sys::GetCurrentTimestamp() } + left);
             self.cursor.replace(Some((since, cursor)));
@@ -814,7 +838,7 @@ fn warm_plans(owner: &str, backend_start: Option<TimestampWithTimeZone>) {
     if !spi::take_plans_stale() {
         return;
     }
-    claim::claim(owner, backend_start, 0, 0, Vec::new(), None, &Vec::new);
+    claim::claim(owner, backend_start, 0, 0, Vec::new(), Vec::new(), None, &Vec::new);
     let none: [DatumWithOid; 8] = [
         Vec::<pgrx::Uuid>::new().into(),
         Vec::<pgrx::Uuid>::new().into(),
