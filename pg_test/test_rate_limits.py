@@ -94,9 +94,12 @@ def test_an_idle_worker_sleeps_until_the_next_cell(pg):
     pg.one("SELECT flow.enqueue_many(%s, array_fill('{}'::jsonb, ARRAY[6]))", name)
     pg.wait_for("SELECT count(*) = 6 FROM app.started WHERE queue = %s", queue, timeout=10)
     ats = [r[0] for r in pg.all("SELECT at FROM app.started WHERE queue = %s ORDER BY at", queue)]
-    # one every half second, each close to its cell: no burst after the idle spell
+    # one every half second, each close to its cell: no burst after the idle
+    # spell. (The first cell may be a tenth of `per` in the past, src/rate_limits.rs's
+    # tolerance: the first gap is then 0.4 s, give or take a few hundred
+    # microseconds of the handlers' own clocks; 0.3995-0.3999 s failed 0.4.)
     gaps = [(b - a).total_seconds() for a, b in zip(ats, ats[1:])]
-    assert all(0.4 <= g <= 0.7 for g in gaps), gaps
+    assert all(0.39 <= g <= 0.7 for g in gaps), gaps
     claims = pg.one("SELECT value FROM flow.stats WHERE name = 'claims_empty'")
     assert claims is not None
 
