@@ -158,6 +158,34 @@ def test_only_the_workflows_roles_can_satisfy_its_waits(pg):
 
 # ---------------------------------------------------------------- spawn: children once, and invalid spawns
 
+def test_await_refuses_a_run_its_transaction_cannot_see_end(pg):
+    """A run enqueued by the awaiting transaction cannot end before it
+    commits, and a REPEATABLE READ snapshot never sees a run end: flow.await
+    waited out its whole timeout for either. Now it refuses at once (55000)."""
+    import psycopg
+    name = define(pg, "flow.noop")
+    with pg.connect(autocommit=False) as c:
+        run = c.execute(f"SELECT flow.enqueue('{name}')").fetchone()[0]
+        started = time.monotonic()
+        with pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState):
+            c.execute("SELECT flow.await(%s, '5 s')", (run,))
+        assert time.monotonic() - started < 1
+    q = unique("q")
+    pg.one(f"SELECT flow.set_queue('{q}', paused => true)")   # (the run stays running)
+    run = enqueue(pg, define(pg, "flow.noop", queue=f"'{q}'"))
+    with pg.connect(autocommit=False) as c:
+        c.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        with pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState):
+            c.execute("SELECT flow.await(%s, '5 s')", (run,))
+    # an ended run is answered in any transaction
+    done = enqueue(pg, name)
+    assert pg.await_run(done, "20s")[0] == "succeeded"
+    with pg.connect(autocommit=False) as c:
+        c.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        assert c.execute("SELECT (flow.await(%s, '5 s')).status", (done,)).fetchone()[0] == "succeeded"
+    pg.one("SELECT flow.cancel(%s)", run)
+
+
 def test_a_retried_spawner_does_not_duplicate_children(pg):
     run = pg.one("SELECT flow.enqueue('respawn')")
     assert pg.await_run(run, "20s")[0] == "succeeded"

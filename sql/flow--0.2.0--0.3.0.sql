@@ -2542,6 +2542,7 @@ DECLARE
     r flow._runs;
     give_up timestamptz;
     pause double precision := 0.001;
+    first boolean := true;
 BEGIN
     PERFORM flow._require_span('await timeout', timeout, zero_ok => true);
     give_up := clock_timestamp() + coalesce(timeout, interval '0');
@@ -2549,6 +2550,22 @@ BEGIN
         SELECT * INTO r FROM flow._run_rows x WHERE x.id = run_id;
         PERFORM flow._require_member(caller, r.owner, 'run', run_id);
         EXIT WHEN r.status <> 'running' OR clock_timestamp() >= give_up;
+        -- A run this transaction enqueued (or made running again) cannot
+        -- end before it commits, and one whose end this transaction's
+        -- snapshot cannot see would not be seen to end: refused, not
+        -- waited for until the timeout.
+        IF first THEN
+            first := false;
+            IF EXISTS (SELECT 1 FROM flow._commands c WHERE c.id = _await.run_id AND flow._written_here(c.xmin::text::bigint)) THEN
+                RAISE EXCEPTION 'flow: run % was enqueued or changed by this transaction, and cannot end before it commits', run_id
+                    USING ERRCODE = '55000', HINT = 'Commit first, then call flow.await.';
+            END IF;
+            IF current_setting('transaction_isolation') <> 'read committed' THEN
+                RAISE EXCEPTION 'flow: flow.await cannot see run % end in a % transaction', run_id,
+                    current_setting('transaction_isolation')
+                    USING ERRCODE = '55000', HINT = 'Call flow.await in a READ COMMITTED transaction, or outside one.';
+            END IF;
+        END IF;
         -- (woken by a commit that ends runs: src/shmem.rs, _await_pause)
         PERFORM flow._await_pause(least(pause, extract(epoch FROM give_up - clock_timestamp())));
         pause := least(pause * 2, 0.05);
@@ -3543,7 +3560,7 @@ AS 'MODULE_PATHNAME', '_claim_excluded_wrapper';
 -- flow::invariants::_command_row_is_consistent
 -- Skipped due to `#[pgrx(sql = false)]`
 
--- src/api.rs:212
+-- src/api.rs:220
 -- flow::api::_counters
 CREATE OR REPLACE FUNCTION "_counters"() RETURNS TABLE (
 	"name" TEXT,  /* String */
@@ -3564,7 +3581,7 @@ IMMUTABLE STRICT PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', 'next_tick_wrapper';
 
--- src/api.rs:172
+-- src/api.rs:180
 -- flow::api::_current_command
 CREATE OR REPLACE FUNCTION "_current_command"() RETURNS uuid /* Option < pgrx :: Uuid > */
 STRICT VOLATILE PARALLEL UNSAFE
@@ -3629,7 +3646,7 @@ VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_external_cursor_start_wrapper';
 
--- src/api.rs:130
+-- src/api.rs:138
 -- flow::api::_group_room
 CREATE OR REPLACE FUNCTION "_group_room"(
 	"free" INT /* i32 */
@@ -3681,7 +3698,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_in_transaction_block_wrapper';
 
--- src/api.rs:147
+-- src/api.rs:155
 -- flow::api::_interrupt_run
 CREATE OR REPLACE FUNCTION "_interrupt_run"(
 	"run" uuid /* pgrx :: Uuid */
@@ -3690,7 +3707,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_interrupt_run_wrapper';
 
--- src/api.rs:166
+-- src/api.rs:174
 -- flow::api::_lease_duration_s
 CREATE OR REPLACE FUNCTION "_lease_duration_s"() RETURNS INT /* i32 */
 STRICT STABLE PARALLEL SAFE
@@ -3704,7 +3721,7 @@ STRICT VOLATILE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_lease_token_wrapper';
 
--- src/api.rs:121
+-- src/api.rs:129
 -- flow::api::_left_behind
 CREATE OR REPLACE FUNCTION "_left_behind"(
 	"due" timestamp with time zone /* TimestampWithTimeZone */
@@ -3765,7 +3782,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_lock_queue_name_wrapper';
 
--- src/api.rs:160
+-- src/api.rs:168
 -- flow::api::_max_payload_bytes
 CREATE OR REPLACE FUNCTION "_max_payload_bytes"() RETURNS INT /* i32 */
 STRICT STABLE PARALLEL SAFE
@@ -3801,7 +3818,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_note_spawn_wrapper';
 
--- src/api.rs:218
+-- src/api.rs:226
 -- flow::api::_observe
 CREATE OR REPLACE FUNCTION "_observe"(
 	"metric" TEXT, /* & str */
@@ -3898,7 +3915,7 @@ AS 'MODULE_PATHNAME', '_schedule_problem_wrapper';
 -- flow::spans::_span_ok
 -- Skipped due to `#[pgrx(sql = false)]`
 
--- src/api.rs:154
+-- src/api.rs:162
 -- flow::api::_stop_workers_of
 CREATE OR REPLACE FUNCTION "_stop_workers_of"(
 	"run" uuid /* pgrx :: Uuid */
@@ -3939,14 +3956,14 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_wake_due_from_wrapper';
 
--- src/api.rs:140
+-- src/api.rs:148
 -- flow::api::_wake_maintenance
 CREATE OR REPLACE FUNCTION "_wake_maintenance"() RETURNS void
 STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_wake_maintenance_wrapper';
 
--- src/api.rs:180
+-- src/api.rs:188
 -- flow::api::_worker_states
 CREATE OR REPLACE FUNCTION "_worker_states"() RETURNS TABLE (
 	"worker" INT,  /* i32 */
@@ -3959,6 +3976,15 @@ CREATE OR REPLACE FUNCTION "_worker_states"() RETURNS TABLE (
 STRICT VOLATILE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_worker_states_wrapper';
+
+-- src/api.rs:119
+-- flow::api::_written_here
+CREATE OR REPLACE FUNCTION "_written_here"(
+	"xmin" bigint /* i64 */
+) RETURNS bool /* bool */
+STRICT STABLE PARALLEL SAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', '_written_here_wrapper';
 
 -- src/handlers.rs:13
 -- flow::handlers::noop

@@ -126,6 +126,7 @@ DECLARE
     r flow._runs;
     give_up timestamptz;
     pause double precision := 0.001;
+    first boolean := true;
 BEGIN
     PERFORM flow._require_span('await timeout', timeout, zero_ok => true);
     give_up := clock_timestamp() + coalesce(timeout, interval '0');
@@ -133,6 +134,22 @@ BEGIN
         SELECT * INTO r FROM flow._run_rows x WHERE x.id = run_id;
         PERFORM flow._require_member(caller, r.owner, 'run', run_id);
         EXIT WHEN r.status <> 'running' OR clock_timestamp() >= give_up;
+        -- A run this transaction enqueued (or made running again) cannot
+        -- end before it commits, and one whose end this transaction's
+        -- snapshot cannot see would not be seen to end: refused, not
+        -- waited for until the timeout.
+        IF first THEN
+            first := false;
+            IF EXISTS (SELECT 1 FROM flow._commands c WHERE c.id = _await.run_id AND flow._written_here(c.xmin::text::bigint)) THEN
+                RAISE EXCEPTION 'flow: run % was enqueued or changed by this transaction, and cannot end before it commits', run_id
+                    USING ERRCODE = '55000', HINT = 'Commit first, then call flow.await.';
+            END IF;
+            IF current_setting('transaction_isolation') <> 'read committed' THEN
+                RAISE EXCEPTION 'flow: flow.await cannot see run % end in a % transaction', run_id,
+                    current_setting('transaction_isolation')
+                    USING ERRCODE = '55000', HINT = 'Call flow.await in a READ COMMITTED transaction, or outside one.';
+            END IF;
+        END IF;
         -- (woken by a commit that ends runs: src/shmem.rs, _await_pause)
         PERFORM flow._await_pause(least(pause, extract(epoch FROM give_up - clock_timestamp())));
         pause := least(pause * 2, 0.05);

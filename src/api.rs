@@ -113,6 +113,14 @@ fn _wake_due_from(due: TimestampWithTimeZone) {
     shmem::wake_at_commit(due.into_inner());
 }
 
+/// Whether a row version whose xmin is `xmin` (as text, then bigint) was
+/// written by the current transaction or one of its subtransactions: its
+/// changes cannot be seen by the workers before it commits (flow._await).
+#[pg_extern(stable, parallel_safe)]
+fn _written_here(xmin: i64) -> bool {
+    u32::try_from(xmin).is_ok_and(|xid| unsafe { pg_sys::TransactionIdIsCurrentTransactionId(xid.into()) })
+}
+
 /// A command flow._claim locked and leaves out, its run locked elsewhere:
 /// due again at `due` when the claim's transaction ends, so the workers'
 /// next claims start before it (see shmem::DueFloors) instead of going on
