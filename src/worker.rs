@@ -197,8 +197,6 @@ struct Worker {
     /// Since when claims have taken up from a cursor, and where the last full
     /// claim ended in each queue (None: the next claim starts at the heads).
     cursor: RefCell<Option<(Instant, ClaimCursor)>>,
-    /// Its open chunk said which runs it holds (shmem::publish_busy_runs).
-    published_busy: Cell<bool>,
     /// How many commands the next chunk locks runs for and may run (see run_batch).
     chunk_window: usize,
     /// Until when chunks hold one command each (see ISOLATION_PERIOD).
@@ -229,7 +227,6 @@ impl Worker {
             took_all_due: Cell::new(false),
             slept: Cell::new(false),
             cursor: RefCell::new(None),
-            published_busy: Cell::new(false),
         }
     }
 
@@ -339,6 +336,8 @@ impl Worker {
     fn claim_and_run_held(&mut self) -> Option<(usize, Vec<Claimed>)> {
         let isolating = self.isolating();
         let entered = RefCell::new(Vec::new());
+        // (the chunk said which runs it holds: shmem::publish_busy_runs)
+        let published_busy = Cell::new(false);
         let outcome = try_transaction(|| {
             let claimed = self.claim();
             let count = claimed.len();
@@ -357,7 +356,7 @@ impl Worker {
             busy.dedup();
             if !busy.is_empty() {
                 shmem::publish_busy_runs(self.index, &busy);
-                self.published_busy.set(true);
+                published_busy.set(true);
             }
             if owner.is_none() && !leased.is_empty() {
                 commit_leases_without_flush();
@@ -382,7 +381,7 @@ impl Worker {
         });
         // committed or rolled back: the held attempts are over either way
         attempt_record::clear();
-        if self.published_busy.replace(false) {
+        if published_busy.get() {
             shmem::publish_busy_runs(self.index, &[]);
         }
         shmem::set_worker_state(self.index, true, None, 0);
