@@ -194,22 +194,26 @@ def test_a_retried_spawner_does_not_duplicate_children(pg):
     assert pg.one("SELECT count(*) FROM app.effects WHERE run_id = %s", run) == 1
 
 
+def spawner(pg, child, n):
+    """A new definition whose handler spawns n commands of `child`, keyed c1..cn."""
+    function = unique("spawner")
+    pg.one(f"""CREATE FUNCTION app.{function}(args jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
+               BEGIN
+                   FOR i IN 1..{n} LOOP
+                       PERFORM flow.spawn('{child}', '{{}}', key => 'c' || i);
+                   END LOOP;
+                   RETURN NULL;
+               END $$""")
+    return define(pg, f"app.{function}")
+
+
 def test_spawns_take_no_transaction_id_each(pg):
     """A handler's spawns write in its own (sub)transaction: each took one of
     its own (an exception block around the insert), and past 64 of them every
     snapshot in the server overflowed while the handler ran."""
     q = unique("q")
     pg.one(f"SELECT flow.set_queue('{q}', paused => true)")   # (the children wait: their runs take no ids)
-    child = define(pg, ACT, queue=f"'{q}'")
-    pg.one(f"""CREATE OR REPLACE FUNCTION app.many_spawns(args jsonb, ctx flow.context) RETURNS jsonb
-               LANGUAGE plpgsql AS $$
-               BEGIN
-                   FOR i IN 1..100 LOOP
-                       PERFORM flow.spawn('{child}', '{{}}', key => 'c' || i);
-                   END LOOP;
-                   RETURN NULL;
-               END $$""")
-    name = define(pg, "app.many_spawns(jsonb, flow.context)")
+    name = spawner(pg, define(pg, ACT, queue=f"'{q}'"), 100)
     before = int(pg.one("SELECT pg_current_xact_id()::text"))
     run = enqueue(pg, name)
     pg.wait_for("SELECT count(*) = 100 FROM flow.commands WHERE run_id = %s AND key LIKE 'c%%'", run)
@@ -229,16 +233,7 @@ def test_a_fan_out_of_fast_children_runs_without_waiting_for_the_claims_cursors(
     (shmem::publish_busy_runs), and a command one still leaves out is due again
     at its end (flow._left_behind): the children end without such a gap."""
     q = unique("q")
-    child = define(pg, "flow.noop", queue=f"'{q}'")
-    pg.one(f"""CREATE OR REPLACE FUNCTION app.fast_fan(args jsonb, ctx flow.context) RETURNS jsonb
-               LANGUAGE plpgsql AS $$
-               BEGIN
-                   FOR i IN 1..1000 LOOP
-                       PERFORM flow.spawn('{child}', '{{}}', key => 'c' || i);
-                   END LOOP;
-                   RETURN NULL;
-               END $$""")
-    name = define(pg, "app.fast_fan(jsonb, flow.context)")
+    name = spawner(pg, define(pg, "flow.noop", queue=f"'{q}'"), 1000)
     for _ in range(3):
         run = enqueue(pg, name)
         assert pg.await_run(run, "60s")[0] == "succeeded"
