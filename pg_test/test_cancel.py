@@ -12,7 +12,7 @@ import pytest
 
 from conftest import (ACT, ACT_APP, ENGINE_APP, EXTERNAL_APP, QUICK, WORKFLOW_APP, app_cluster, barrier, claim,
                       command, command_attempts, command_row, commands, define, enqueue, external, hold,
-                      hold_or_none, root, seen_fast, unique)
+                      hold_or_none, poll, root, seen_fast, unique)
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +162,30 @@ def test_a_cancel_interrupts_a_held_handler_at_once(app):
     assert time.monotonic() - started < 3.0
     assert app.one("SELECT count(*) FROM app.effects WHERE run_key = 'held_interrupted'") == 0
     app.wait_for("SELECT count(*) = 0 FROM flow.workers WHERE command_id IS NOT NULL")
+
+
+def test_a_cancel_while_a_failed_chunk_is_counted_counts_its_started_attempt(app):
+    """A held chunk that fails outside its handlers rolls back the attempts
+    it started, and its worker counts them (voided) in a transaction of its
+    own. A cancel that takes the run in between still finds the attempt in
+    the worker's record and counts it (rule 3); it used to close the command
+    with no attempt counted. (chunk_failed:stall holds that moment open.)"""
+    name = define(app, "app.decides")
+    seen_fast(app, name)
+    failures = app.log().count("fault injected at settle_success")
+    app.configure("flow.fault_points", "settle_success:error, chunk_failed:stall", settle=0.3)
+    try:
+        run = enqueue(app, name, '{"tag": "contained"}')
+        poll(lambda: app.log().count("fault injected at settle_success") > failures,
+             what="the held chunk failed at its settlement")
+        assert app.one("SELECT flow.cancel(%s)", run) is True
+    finally:
+        app.configure("flow.fault_points", settle=0.3)
+    assert app.await_run(run, "5s")[0] == "cancelled"
+    cmd = app.one("SELECT id FROM flow.commands WHERE run_id = %s", run)
+    assert command_row(app, cmd)[:2] == ("cancelled", 1)
+    assert [a[:2] for a in command_attempts(app, cmd)] == [(1, "cancelled")]
+    assert app.one("SELECT count(*) FROM app.effects WHERE run_key = 'contained'") == 0
 
 
 def test_a_handler_that_ignores_cancel_is_stopped(pg):

@@ -154,7 +154,7 @@ pub fn init() {
     GucRegistry::define_string_guc(
         c"flow.fault_points",
         c"Fault injection for chaos tests: comma-separated point[:error|:die|:stall|:transient|:invalid][@N|%P].",
-        c"Points: claim, handler_start, handler_return, settle_success, settle_failure, before_settle (default action die). error raises an ERROR there, die exits the worker process, stall sleeps 2 s, transient raises a serialization failure, invalid an invalid-value error; @N fires on the Nth hit in each worker process only, %P with probability P percent. Empty (the default) costs nothing.",
+        c"Points: claim, handler_start, handler_return, settle_success, settle_failure, chunk_failed (a chunk rolled back, before its attempts are counted), before_settle (default action die). error raises an ERROR there, die exits the worker process, stall sleeps 2 s, transient raises a serialization failure, invalid an invalid-value error; @N fires on the Nth hit in each worker process only, %P with probability P percent. Empty (the default) costs nothing.",
         &FAULT_POINTS,
         GucContext::Suset,
         GucFlags::default(),

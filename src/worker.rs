@@ -379,8 +379,12 @@ impl Worker {
                 not_run: held.into_iter().skip(run.ran).collect(),
             }
         });
-        // committed or rolled back: the held attempts are over either way
-        attempt_record::clear();
+        // Committed: the held attempts are over. Rolled back: the record names
+        // them until `contain` has counted them, for a cancel that takes their
+        // run meanwhile counts what the record names (flow._close_open_commands).
+        if outcome.is_ok() {
+            attempt_record::clear();
+        }
         if published_busy.get() {
             shmem::publish_busy_runs(self.index, &[]);
         }
@@ -412,12 +416,16 @@ impl Worker {
                 Some((claimed, leased))
             }
             // The claim itself failed (the extension is being changed, ...).
-            Err(_) if entered.borrow().is_empty() => None,
+            Err(_) if entered.borrow().is_empty() => {
+                attempt_record::clear();
+                None
+            }
             Err((message, sqlstate)) => {
                 // A held handler's chunk failed outside the handler. Everything
                 // the transaction did rolled back: the held commands and the
                 // leased claims alike are due again, uncharged.
                 self.contain(&entered.borrow(), &message, &sqlstate, &[]);
+                attempt_record::clear();
                 Some((1, Vec::new()))
             }
         }
@@ -474,6 +482,7 @@ impl Worker {
     /// retried by its policy.
     fn contain(&mut self, entered: &[AttemptId], message: &str, sqlstate: &str, batch: &[AttemptId]) {
         self.forget_cursor(); // what goes back to its queue is behind it
+        gucs::inject_fault("chunk_failed");
         let culprit = if self.isolating() { entered.last().copied() } else { None };
         self.isolate_until = Some(Instant::now() + ISOLATION_PERIOD);
         let name = self.name.clone();
@@ -567,8 +576,10 @@ impl Worker {
                 let finished = chunk.finish();
                 (run, finished.handed_back, finished.released_now)
             });
-            // committed or rolled back: its attempts are over either way
-            attempt_record::clear();
+            // (rolled back: cleared once `contain` has counted its attempts)
+            if ran.is_ok() {
+                attempt_record::clear();
+            }
             match ran {
                 Ok((run, handed_back, released_now)) => {
                     self.next_window(run);
@@ -582,6 +593,7 @@ impl Worker {
                 Err((message, sqlstate)) => {
                     let batch: Vec<AttemptId> = rest.iter().map(|c| c.id()).collect();
                     self.contain(&entered.borrow(), &message, &sqlstate, &batch);
+                    attempt_record::clear();
                     break;
                 }
             }
