@@ -55,6 +55,29 @@ def enqueue_group(pg, name, group, n, sleep=0):
                   " ARRAY[%s]), group_key => %s)", name, group, sleep, n, group)
 
 
+def test_the_views_show_a_leased_command_as_of_the_readers_snapshot(pg):
+    """flow.commands takes a held attempt from the workers' shared memory
+    (nothing in the table says it runs), a leased one from its row. A
+    worker's word on a leased command, read after the reader's snapshot,
+    showed it running beside the group's command before it (which the
+    snapshot still saw running): group_concurrency 1 seemed broken."""
+    queue, name = grouped_queue(pg)
+    run = pg.one("SELECT flow.enqueue(%s, '{\"g\": \"view\", \"sleep\": 3}', start_after => '1 s')", name)
+    pg.one("SELECT flow.set_queue(%s, paused => false)", queue)
+    with pg.connect() as reader:
+        reader.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        assert reader.execute("SELECT status FROM flow.commands WHERE run_id = %s", (run,)).fetchone()[0] == "pending"
+        # (its first run in each worker: leased, its row says running once its claim commits)
+        pg.wait_for("SELECT count(*) = 1 FROM flow.workers w JOIN flow._commands c ON c.id = w.command_id"
+                    " WHERE c.run_id = %s AND c.status = 'running'", run)
+        assert reader.execute("SELECT status, attempts FROM flow.commands WHERE run_id = %s",
+                              (run,)).fetchone() == ("pending", 0)
+        assert reader.execute("SELECT count(*) FROM flow.attempts WHERE run_id = %s", (run,)).fetchone()[0] == 0
+        reader.execute("COMMIT")
+    assert pg.one("SELECT status FROM flow.commands WHERE run_id = %s", run) == "running"
+    assert pg.await_run(run)[0] == "succeeded"
+
+
 def test_a_groups_backlog_delays_another_group_by_one_turn_at_most(pg):
     queue, name = grouped_queue(pg)
     enqueue_group(pg, name, "big", 3000)

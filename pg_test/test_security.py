@@ -271,9 +271,10 @@ def test_internal_functions_are_not_callable_by_ordinary_roles(pg):
         "SELECT p.proname FROM pg_proc p WHERE p.pronamespace = 'flow'::regnamespace AND p.proname LIKE '\\_%'"
         " AND has_function_privilege('mallory', p.oid, 'EXECUTE')")}
     assert "_ticket" in callable_   # (runs in the caller's context: everyone's)
-    assert callable_ <= {"_ticket", "_left_out", "_decide", "_worker_rows", "_counters", "_args_misfit", "_among",
-                         "_lane", "_span_ok"}
-    assert "_worker_states" not in callable_   # (other roles' commands: flow._worker_rows hides them)
+    assert callable_ <= {"_ticket", "_left_out", "_decide", "_worker_rows", "_held_rows", "_counters", "_args_misfit",
+                         "_among", "_lane", "_span_ok"}
+    # (other roles' commands: flow._worker_rows and flow._held_rows hide them)
+    assert "_worker_states" not in callable_ and "_held_states" not in callable_
     for name in ("_lease_token", "_claim", "_lease", "_settle_batch", "_complete_many", "_lock_runs",
                  "_external_cursor_end", "_rate_admit", "_fire_schedules", "_schedule_due"):
         assert pg.one("SELECT count(*) FROM pg_proc p WHERE p.pronamespace = 'flow'::regnamespace"
@@ -1431,6 +1432,8 @@ def test_the_workers_raw_state_is_not_for_ordinary_roles(pg):
     assert pg.sqlstate("SELECT * FROM flow._worker_states()", user="mallory") == "42501"
     # a forged ticket names nobody
     assert pg.sqlstate("SELECT * FROM flow._worker_rows(42)", user="mallory") == "42501"
+    assert pg.sqlstate("SELECT * FROM flow._held_rows(42)", user="mallory") == "42501"
+    assert pg.sqlstate("SELECT * FROM flow._held_states()", user="mallory") == "42501"
     assert pg.one("SELECT count(*) FROM flow.workers", user="mallory") == 2
 
 

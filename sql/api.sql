@@ -448,13 +448,28 @@ LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
     FROM flow._worker_states() w CROSS JOIN me
 $$;
 
+-- The commands in-database workers hold now, as flow._worker_rows names
+-- them: only the caller's.
+CREATE FUNCTION flow._held_rows(caller_ticket bigint DEFAULT flow._ticket())
+RETURNS TABLE (command_id uuid, pid integer, since timestamptz)
+LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    WITH me AS MATERIALIZED (SELECT flow._redeem(caller_ticket) AS caller)
+    SELECT h.command_id, h.pid, h.since
+    FROM flow._held_states() h CROSS JOIN me
+    WHERE EXISTS (SELECT 1 FROM flow._commands c
+                  WHERE c.id = h.command_id AND pg_has_role(me.caller, c.owner, 'MEMBER'))
+$$;
+
 -- The attempts in-database workers are in now, of commands they hold (see
 -- flow._claim): nothing in the table says so until the attempt is settled,
--- so the views take it from the workers' shared memory.
+-- so the views take it from the workers' shared memory. Held only: a leased
+-- command's row says it runs, as of the reader's snapshot, and a worker's
+-- word on it, read later, could show it running beside the command that
+-- ran before it in a limited queue.
 CREATE VIEW flow._held_attempts AS
 SELECT c.id AS command_id, c.attempts + 1 AS attempt, format('%s:%s', current_database(), w.pid) AS owner,
        w.since AS started_at
-FROM flow._worker_rows() w JOIN flow._commands c ON c.id = w.command_id
+FROM flow._held_rows() w JOIN flow._commands c ON c.id = w.command_id
 WHERE c.status IN ('pending', 'waiting');
 
 CREATE VIEW flow.commands WITH (security_barrier) AS
@@ -631,7 +646,7 @@ DECLARE
 BEGIN
     FOR f IN SELECT p.oid::regprocedure FROM pg_proc p
              WHERE p.pronamespace = 'flow'::regnamespace AND p.proname LIKE '\_%'
-               AND p.proname NOT IN ('_ticket', '_left_out', '_decide', '_worker_rows', '_counters', '_args_misfit', '_among', '_lane', '_span_ok') LOOP
+               AND p.proname NOT IN ('_ticket', '_left_out', '_decide', '_worker_rows', '_held_rows', '_counters', '_args_misfit', '_among', '_lane', '_span_ok') LOOP
         EXECUTE format('REVOKE ALL ON FUNCTION %s FROM PUBLIC', f);
     END LOOP;
 END $$;

@@ -3533,14 +3533,14 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_args_misfit_as_wrapper';
 
--- src/shmem.rs:286
+-- src/shmem.rs:289
 -- flow::shmem::_await_done
 CREATE OR REPLACE FUNCTION "_await_done"() RETURNS void
 STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_await_done_wrapper';
 
--- src/shmem.rs:267
+-- src/shmem.rs:270
 -- flow::shmem::_await_pause
 CREATE OR REPLACE FUNCTION "_await_pause"(
 	"seconds" double precision /* f64 */
@@ -3560,7 +3560,7 @@ AS 'MODULE_PATHNAME', '_claim_excluded_wrapper';
 -- flow::invariants::_command_row_is_consistent
 -- Skipped due to `#[pgrx(sql = false)]`
 
--- src/api.rs:220
+-- src/api.rs:242
 -- flow::api::_counters
 CREATE OR REPLACE FUNCTION "_counters"() RETURNS TABLE (
 	"name" TEXT,  /* String */
@@ -3654,6 +3654,17 @@ CREATE OR REPLACE FUNCTION "_group_room"(
 STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_group_room_wrapper';
+
+-- src/api.rs:223
+-- flow::api::_held_states
+CREATE OR REPLACE FUNCTION "_held_states"() RETURNS TABLE (
+	"command_id" uuid,  /* pgrx :: Uuid */
+	"pid" INT,  /* i32 */
+	"since" timestamp with time zone  /* Option < TimestampWithTimeZone > */
+)
+STRICT VOLATILE PARALLEL SAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', '_held_states_wrapper';
 
 -- src/external.rs:232
 -- flow::external::_holding_attempts
@@ -3818,7 +3829,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_note_spawn_wrapper';
 
--- src/api.rs:226
+-- src/api.rs:248
 -- flow::api::_observe
 CREATE OR REPLACE FUNCTION "_observe"(
 	"metric" TEXT, /* & str */
@@ -4457,13 +4468,28 @@ LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
     FROM flow._worker_states() w CROSS JOIN me
 $$;
 
+-- The commands in-database workers hold now, as flow._worker_rows names
+-- them: only the caller's.
+CREATE OR REPLACE FUNCTION flow._held_rows(caller_ticket bigint DEFAULT flow._ticket())
+RETURNS TABLE (command_id uuid, pid integer, since timestamptz)
+LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    WITH me AS MATERIALIZED (SELECT flow._redeem(caller_ticket) AS caller)
+    SELECT h.command_id, h.pid, h.since
+    FROM flow._held_states() h CROSS JOIN me
+    WHERE EXISTS (SELECT 1 FROM flow._commands c
+                  WHERE c.id = h.command_id AND pg_has_role(me.caller, c.owner, 'MEMBER'))
+$$;
+
 -- The attempts in-database workers are in now, of commands they hold (see
 -- flow._claim): nothing in the table says so until the attempt is settled,
--- so the views take it from the workers' shared memory.
+-- so the views take it from the workers' shared memory. Held only: a leased
+-- command's row says it runs, as of the reader's snapshot, and a worker's
+-- word on it, read later, could show it running beside the command that
+-- ran before it in a limited queue.
 CREATE OR REPLACE VIEW flow._held_attempts AS
 SELECT c.id AS command_id, c.attempts + 1 AS attempt, format('%s:%s', current_database(), w.pid) AS owner,
        w.since AS started_at
-FROM flow._worker_rows() w JOIN flow._commands c ON c.id = w.command_id
+FROM flow._held_rows() w JOIN flow._commands c ON c.id = w.command_id
 WHERE c.status IN ('pending', 'waiting');
 
 CREATE OR REPLACE VIEW flow.commands WITH (security_barrier) AS
@@ -4640,7 +4666,7 @@ DECLARE
 BEGIN
     FOR f IN SELECT p.oid::regprocedure FROM pg_proc p
              WHERE p.pronamespace = 'flow'::regnamespace AND p.proname LIKE '\_%'
-               AND p.proname NOT IN ('_ticket', '_left_out', '_decide', '_worker_rows', '_counters', '_args_misfit', '_among', '_lane', '_span_ok') LOOP
+               AND p.proname NOT IN ('_ticket', '_left_out', '_decide', '_worker_rows', '_held_rows', '_counters', '_args_misfit', '_among', '_lane', '_span_ok') LOOP
         EXECUTE format('REVOKE ALL ON FUNCTION %s FROM PUBLIC', f);
     END LOOP;
 END $$;

@@ -216,6 +216,28 @@ fn _worker_states() -> TableIterator<
     TableIterator::new(rows)
 }
 
+/// The commands workers hold now (run in their claim's transaction: nothing
+/// in the table says they run), with the worker's pid and since when (the
+/// engine's: the views read them through flow._held_rows). A leased command
+/// is not among them: its row says it runs, as of the reader's snapshot.
+#[pg_extern(volatile, parallel_safe)]
+fn _held_states() -> TableIterator<
+    'static,
+    (name!(command_id, pgrx::Uuid), name!(pid, i32), name!(since, Option<TimestampWithTimeZone>)),
+> {
+    let table = *shmem::WORKERS.share();
+    let rows: Vec<_> = (0..gucs::workers())
+        .filter_map(|i| {
+            let slot = table.slots[i];
+            let now = shmem::activity(i);
+            (slot.procno >= 0 && now.busy && now.held && now.command != [0; 16]).then(|| {
+                (pgrx::Uuid::from_bytes(now.command), slot.pid, crate::spans::timestamp_from_pg(now.since))
+            })
+        })
+        .collect();
+    TableIterator::new(rows)
+}
+
 /// The engine's counters, one row each (see shmem::METRICS).
 #[pg_extern(volatile, parallel_safe)]
 fn _counters() -> TableIterator<'static, (name!(name, String), name!(value, i64))> {

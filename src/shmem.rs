@@ -235,13 +235,16 @@ pub struct ActivitySlot {
     since: AtomicI64,
     /// Handlers this process has run since it started.
     handled: AtomicU64,
+    /// The command is held (run in the claim's transaction, nothing in the
+    /// table says it runs), not leased.
+    held: AtomicBool,
     /// How many of WorkerSlot::cancel_runs are set (changed under the WORKERS
     /// lock; read without it: none set, no cancel to look for).
     cancels: AtomicU32,
     /// How many statement cancels flow.cancel has sent this worker since it
     /// started (see `cancel_signals`).
     cancel_signals: AtomicU32,
-    _pad: [u64; 7],
+    _pad: [u64; 6],
 }
 
 const _: () = assert!(std::mem::size_of::<ActivitySlot>() == 128);
@@ -340,6 +343,7 @@ pub struct Activity {
     pub run: [u8; 16],
     pub since: i64,
     pub handled: u64,
+    pub held: bool,
 }
 
 fn id_words(id: &[u8; 16]) -> [u64; 2] {
@@ -723,6 +727,7 @@ fn clear_activity(index: usize, slot: &mut WorkerSlot) {
     write_activity(activity, |a| {
         a.handled.store(0, Ordering::Relaxed);
         set_activity(a, false, [0; 16], [0; 16]);
+        a.held.store(false, Ordering::Relaxed);
         a.since.store(unsafe { pg_sys::GetCurrentTimestamp() }, Ordering::Relaxed);
     });
 }
@@ -755,14 +760,18 @@ pub fn wake_maintenance() {
     }
 }
 
-/// Record what worker `index` is doing now: the command (and its run) it is
-/// about to run, or none.
+/// A command a worker is about to run: its id, its run's, and whether it is held.
+pub type Running = ([u8; 16], [u8; 16], bool);
+
+/// Record what worker `index` is doing now: the command it is about to run,
+/// or none.
 /// (Called by that worker only: the one writer of its activity.)
-pub fn set_worker_state(index: usize, busy: bool, command: Option<([u8; 16], [u8; 16])>, handled: u64) {
-    let (command, run) = command.unwrap_or(([0; 16], [0; 16]));
+pub fn set_worker_state(index: usize, busy: bool, command: Option<Running>, handled: u64) {
+    let (command, run, held) = command.unwrap_or(([0; 16], [0; 16], false));
     write_activity(&ACTIVITIES.get().slots[index], |a| {
         a.handled.fetch_add(handled, Ordering::Relaxed);
         set_activity(a, busy, command, run);
+        a.held.store(held, Ordering::Relaxed);
     });
 }
 
@@ -806,6 +815,7 @@ pub fn activity(index: usize) -> Activity {
             run: id_bytes(&a.run),
             since: a.since.load(Ordering::Relaxed),
             handled: a.handled.load(Ordering::Relaxed),
+            held: a.held.load(Ordering::Relaxed),
         };
         fence(Ordering::Acquire);
         if a.seq.load(Ordering::Relaxed) == seq {

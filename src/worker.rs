@@ -446,7 +446,7 @@ impl Worker {
         let _noted = RunningTime(&self.running, chunk_started);
         for command in window {
             let (id, run) = (*command.command_id.as_bytes(), *command.run_id.as_bytes());
-            shmem::set_worker_state(self.index, true, Some((id, run)), 1);
+            shmem::set_worker_state(self.index, true, Some((id, run, command.held_attempt.is_some())), 1);
             // Order matters: a cancel sets its flag before it signals, so
             // either the chunk sees the flag or its SIGINT reaches the handler.
             unsafe { pg_sys::QueryCancelPending = 0 };
