@@ -232,9 +232,10 @@ def test_a_fan_out_of_fast_children_runs_without_waiting_for_the_claims_cursors(
     a second apart). Now those claims leave the run's commands alone
     (shmem::publish_busy_runs), and a command one still leaves out is due again
     at its end (flow._left_behind): the children end without such a gap.
-    (Still, about one fan-out in 25 in this module has one such gap, cause
-    not found yet: two of eight may; the engine before had one in about
-    every other fan-out.)"""
+    (One fan-out in about 25 in this module still had one: a worker took up
+    another's published cursor, made before children were made due again
+    behind it, after its own claim had taken that note; now a note expires
+    the published cursors it could pass, shmem::note_due_again.)"""
     q = unique("q")
     name = spawner(pg, define(pg, "flow.noop", queue=f"'{q}'"), 1000)
     gaps = []
@@ -245,7 +246,7 @@ def test_a_fan_out_of_fast_children_runs_without_waiting_for_the_claims_cursors(
                                           " WHERE run_id = %s ORDER BY finished_at", run)]
         assert len(ends) == 1001
         gaps.append(round(max(b - a for a, b in zip(ends, ends[1:])), 3))
-    assert sum(gap >= 0.5 for gap in gaps) <= 2, f"the children of fan-outs ended with gaps of {gaps} s"
+    assert max(gaps) < 0.5, f"the children of fan-outs ended with gaps of {gaps} s"
 
 
 def test_a_root_that_spawns_in_its_first_attempt_ends_its_run_only_with_its_child(pg):

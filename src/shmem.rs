@@ -526,8 +526,27 @@ pub fn note_due_again(due_from: i64) {
         for value in &DUE_FLOORS.get().values {
             value.fetch_min(due_from, Ordering::AcqRel);
         }
+        // (after the floors: see publish_cursor)
+        expire_cursors_after(due_from);
     }
     wake_workers();
+}
+
+/// The published cursors (see `publish_cursor`) with an end after
+/// `due_from` may pass commands just made due again: no claim takes them up
+/// any more. A worker takes its floor once per claim, so one whose floor
+/// said nothing when it took up another's cursor, published before a note,
+/// went on past what the note made due (children of a fan-out waited a
+/// second for the cursors to run out, one fan-out in about 25).
+fn expire_cursors_after(due_from: i64) {
+    let stale = |slot: &WorkerSlot| slot.cursor[..slot.cursor_len].iter().any(|end| end.due_at > due_from);
+    if !WORKERS.share().slots.iter().any(stale) {
+        return;
+    }
+    let mut table = WORKERS.exclusive();
+    for slot in table.slots.iter_mut().filter(|slot| stale(slot)) {
+        (slot.cursor_len, slot.cursor_until) = (0, 0);
+    }
 }
 
 /// The earliest due time made due by the commits since worker `index` last
@@ -662,6 +681,13 @@ pub fn publish_cursor(index: usize, ends: &[End], until: i64) {
         len += 1;
     }
     let mut table = WORKERS.exclusive();
+    // A note since this worker took its floor (its claim's start) that its
+    // cursor may pass: not published (its own next claim drops it too). The
+    // note lowers the floors before it expires the published cursors under
+    // this lock, so a cursor published past it is expired by it or not
+    // published at all.
+    let floor = DUE_FLOORS.get().values[index].load(Ordering::Acquire);
+    let (len, until) = if shared[..len].iter().any(|end| end.due_at > floor) { (0, 0) } else { (len, until) };
     let slot = &mut table.slots[index];
     (slot.cursor, slot.cursor_len, slot.cursor_until) = (shared, len, until);
 }
