@@ -125,6 +125,35 @@ mod tests {
         assert_eq!(grows, Ok(Some(true)));
     }
 
+    /// A due-again note expires the cursors published past it, and a worker
+    /// whose floor moved since its claim took it publishes none: a cursor
+    /// made before the note, taken up by a worker that had already taken
+    /// the note, went on past what it made due (fan-out children waited a
+    /// second). (Slot 0 is the test server's one worker's: it publishes
+    /// nothing of its own in this empty database.)
+    #[pg_test]
+    fn a_due_again_note_expires_the_cursors_published_past_it() {
+        use crate::shmem::{note_due_again, publish_cursor, take_due_floor, WORKERS};
+        let end = |due: i64| vec![("q".to_string(), 0i16, due, [7u8; 16])];
+        let published = || WORKERS.share().slots[0].cursor_len > 0;
+        take_due_floor(0);
+        publish_cursor(0, &end(1_000), i64::MAX - 1);
+        assert!(published());
+        note_due_again(1_000); // (at the end's own time: after it)
+        assert!(published());
+        note_due_again(999);
+        assert!(!published());
+        // published after a note its worker's claim did not take: not at all
+        take_due_floor(0);
+        note_due_again(500);
+        publish_cursor(0, &end(1_000), i64::MAX - 1);
+        assert!(!published());
+        take_due_floor(0);
+        publish_cursor(0, &end(1_000), i64::MAX - 1);
+        assert!(published());
+        publish_cursor(0, &[], 0);
+    }
+
     #[pg_test]
     fn ids_are_time_ordered_v7() {
         let ordered = Spi::get_one::<bool>(
