@@ -3560,7 +3560,7 @@ AS 'MODULE_PATHNAME', '_claim_excluded_wrapper';
 -- flow::invariants::_command_row_is_consistent
 -- Skipped due to `#[pgrx(sql = false)]`
 
--- src/api.rs:242
+-- src/api.rs:237
 -- flow::api::_counters
 CREATE OR REPLACE FUNCTION "_counters"() RETURNS TABLE (
 	"name" TEXT,  /* String */
@@ -3655,7 +3655,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_group_room_wrapper';
 
--- src/api.rs:223
+-- src/api.rs:221
 -- flow::api::_held_states
 CREATE OR REPLACE FUNCTION "_held_states"() RETURNS TABLE (
 	"command_id" uuid,  /* pgrx :: Uuid */
@@ -3829,7 +3829,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_note_spawn_wrapper';
 
--- src/api.rs:248
+-- src/api.rs:243
 -- flow::api::_observe
 CREATE OR REPLACE FUNCTION "_observe"(
 	"metric" TEXT, /* & str */

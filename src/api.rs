@@ -197,20 +197,18 @@ fn _worker_states() -> TableIterator<
         name!(handled, i64),
     ),
 > {
-    let table = *shmem::WORKERS.share();
-    let rows: Vec<_> = (0..gucs::workers())
-        .map(|i| {
-            let slot = table.slots[i];
-            let now = shmem::activity(i);
-            let alive = slot.procno >= 0;
-            let state = match (alive, now.busy) {
-                (false, _) => "stopped",
-                (true, false) => "idle",
-                (true, true) => "busy",
+    let rows: Vec<_> = shmem::worker_activities()
+        .into_iter()
+        .enumerate()
+        .map(|(i, (pid, now))| {
+            let state = match (pid, now.busy) {
+                (None, _) => "stopped",
+                (Some(_), false) => "idle",
+                (Some(_), true) => "busy",
             };
             let command = (now.command != [0; 16]).then(|| pgrx::Uuid::from_bytes(now.command));
-            let since = alive.then(|| crate::spans::timestamp_from_pg(now.since)).flatten();
-            (i as i32, alive.then_some(slot.pid), state.to_string(), command, since, now.handled as i64)
+            let since = pid.and_then(|_| crate::spans::timestamp_from_pg(now.since));
+            (i as i32, pid, state.to_string(), command, since, now.handled as i64)
         })
         .collect();
     TableIterator::new(rows)
@@ -225,14 +223,11 @@ fn _held_states() -> TableIterator<
     'static,
     (name!(command_id, pgrx::Uuid), name!(pid, i32), name!(since, Option<TimestampWithTimeZone>)),
 > {
-    let table = *shmem::WORKERS.share();
-    let rows: Vec<_> = (0..gucs::workers())
-        .filter_map(|i| {
-            let slot = table.slots[i];
-            let now = shmem::activity(i);
-            (slot.procno >= 0 && now.busy && now.held && now.command != [0; 16]).then(|| {
-                (pgrx::Uuid::from_bytes(now.command), slot.pid, crate::spans::timestamp_from_pg(now.since))
-            })
+    let rows: Vec<_> = shmem::worker_activities()
+        .into_iter()
+        .filter_map(|(pid, now)| {
+            let pid = pid.filter(|_| now.busy && now.held && now.command != [0; 16])?;
+            Some((pgrx::Uuid::from_bytes(now.command), pid, crate::spans::timestamp_from_pg(now.since)))
         })
         .collect();
     TableIterator::new(rows)

@@ -827,6 +827,17 @@ fn write_activity(a: &ActivitySlot, write: impl FnOnce(&ActivitySlot)) {
 }
 
 /// What worker `index` is doing, as one consistent reading.
+/// Each configured worker's pid (None: its slot is empty) and activity.
+pub fn worker_activities() -> Vec<(Option<i32>, Activity)> {
+    let table = WORKERS.share();
+    (0..crate::gucs::workers())
+        .map(|i| {
+            let slot = &table.slots[i];
+            ((slot.procno >= 0).then_some(slot.pid), activity(i))
+        })
+        .collect()
+}
+
 pub fn activity(index: usize) -> Activity {
     let a = &ACTIVITIES.get().slots[index];
     loop {

@@ -379,12 +379,6 @@ impl Worker {
                 not_run: held.into_iter().skip(run.ran).collect(),
             }
         });
-        // Committed: the held attempts are over. Rolled back: the record names
-        // them until `contain` has counted them, for a cancel that takes their
-        // run meanwhile counts what the record names (flow._close_open_commands).
-        if outcome.is_ok() {
-            attempt_record::clear();
-        }
         if published_busy.get() {
             shmem::publish_busy_runs(self.index, &[]);
         }
@@ -392,7 +386,7 @@ impl Worker {
         if outcome.is_err() {
             self.forget_cursor(); // its claims rolled back: they are behind it
         }
-        match outcome {
+        let turn = match outcome {
             Ok(HeldTurn { claimed, held, run, runs, leased, not_run }) => {
                 if !not_run.is_empty() {
                     // the held commands not run stay due: the next claim
@@ -416,19 +410,20 @@ impl Worker {
                 Some((claimed, leased))
             }
             // The claim itself failed (the extension is being changed, ...).
-            Err(_) if entered.borrow().is_empty() => {
-                attempt_record::clear();
-                None
-            }
+            Err(_) if entered.borrow().is_empty() => None,
             Err((message, sqlstate)) => {
                 // A held handler's chunk failed outside the handler. Everything
                 // the transaction did rolled back: the held commands and the
                 // leased claims alike are due again, uncharged.
                 self.contain(&entered.borrow(), &message, &sqlstate, &[]);
-                attempt_record::clear();
                 Some((1, Vec::new()))
             }
-        }
+        };
+        // Committed: the held attempts are over. Rolled back: the record named
+        // them until `contain` counted them, for a cancel that takes their run
+        // meanwhile counts what the record names (flow._close_open_commands).
+        attempt_record::clear();
+        turn
     }
 
     /// Run the commands of `window` in `chunk`, in the current transaction,
@@ -576,11 +571,7 @@ impl Worker {
                 let finished = chunk.finish();
                 (run, finished.handed_back, finished.released_now)
             });
-            // (rolled back: cleared once `contain` has counted its attempts)
-            if ran.is_ok() {
-                attempt_record::clear();
-            }
-            match ran {
+            let failed = match ran {
                 Ok((run, handed_back, released_now)) => {
                     self.next_window(run);
                     self.release_later(handed_back, false);
@@ -589,13 +580,18 @@ impl Worker {
                     shmem::clear_cancels(self.index, &runs);
                     rest = &rest[run.ran..];
                     ran_in_all += run.ran;
+                    false
                 }
                 Err((message, sqlstate)) => {
                     let batch: Vec<AttemptId> = rest.iter().map(|c| c.id()).collect();
                     self.contain(&entered.borrow(), &message, &sqlstate, &batch);
-                    attempt_record::clear();
-                    break;
+                    true
                 }
+            };
+            // its attempts are over (rolled back: once `contain` counted them)
+            attempt_record::clear();
+            if failed {
+                break;
             }
         }
         shmem::set_worker_state(self.index, true, None, 0);
