@@ -317,7 +317,7 @@ BEGIN
                 -- From one queue and for one definition (the common claim),
                 -- what the claim locked, in due order (nothing sorted).
                 SELECT k.command_id, k.run_id, k.name, k.version, k.queue, k.args, k.attempt, k.deadline, k.context,
-                       k.due_at, k.row_at, k.held, k.held_token, k.priority, k.grouped
+                       k.due_at, k.row_at, k.held, k.held_token, k.priority, k.group_hash
                 FROM locked k WHERE k.claim_order IS NULL
                 UNION ALL
                 -- From several (claim_order 0), the queues interleaved
@@ -325,7 +325,7 @@ BEGIN
                 -- limited lane keeps its earliest up to its room (a claim
                 -- naming several definitions locked up to the room for each).
                 (SELECT k.command_id, k.run_id, k.name, k.version, k.queue, k.args, k.attempt, k.deadline, k.context,
-                        k.due_at, k.row_at, k.held, k.held_token, k.priority, k.grouped
+                        k.due_at, k.row_at, k.held, k.held_token, k.priority, k.group_hash
                  FROM (SELECT k.*, row_number() OVER (PARTITION BY k.lane_order ORDER BY k.priority, k.due_at, k.command_id) AS rank
                        FROM locked k WHERE k.claim_order IS NOT NULL) k
                  WHERE k.rank <= k.lane_room
@@ -352,7 +352,7 @@ BEGIN
             -- commands stay in the due index, locked, until its client's
             -- transaction ends, and the next claims would skip each of them again.)
             -- (a claim that took grouped commands notes nothing: cursors are of the ungrouped)
-            WHERE (SELECT flow._external_cursor_end(CASE WHEN bool_or(k.grouped) THEN NULL ELSE alone END, wanted, array_agg(k.queue), array_agg(k.priority),
+            WHERE (SELECT flow._external_cursor_end(CASE WHEN bool_or(k.group_hash <> 0) THEN NULL ELSE alone END, wanted, array_agg(k.queue), array_agg(k.priority),
                                                      array_agg(k.due_at), array_agg(k.command_id))
                    FROM picked k)
               -- (each held claim noted for the transaction's end: src/external.rs)

@@ -319,7 +319,7 @@ BEGIN
            -- claim order 0, so the worker claims again at once)
            CASE WHEN cardinality(slot_queues) <> 1 OR (other_owners_due AND names IS NULL) THEN 0 END,
            h.args_type, h.next_run_at, h.row_at,
-           h.held, h.lane_order, h.room, h.priority, h.grouped
+           h.held, h.lane_order, h.room, h.priority, h.group_hash
     FROM (
         -- (an attempt's deadlines: flow._deadline never raises, whatever one
         -- row holds, so no row can fail the claim for every role: src/spans.rs)
@@ -350,7 +350,7 @@ BEGIN
             -- (the columns a caller needs, not the whole row: a row carried
             -- as one composite value is built, copied and taken apart again
             -- for every command)
-            SELECT c.id, c.priority, c.group_hash <> 0 AS grouped, c.run_id, c.key, c.name, c.version, c.queue, c.args, c.status, c.attempts, c.next_run_at,
+            SELECT c.id, c.priority, c.group_hash, c.run_id, c.key, c.name, c.version, c.queue, c.args, c.status, c.attempts, c.next_run_at,
                    c.deadline, c.wait_timed_out, c.created_at, c.ctid AS row_at,
                    d.handler::oid AS handler, d.owner::oid AS owner, d.takes_context,
                    d.timeout, d.max_elapsed, d.args_type,

@@ -115,7 +115,7 @@ ALTER TYPE flow.claimed_command ADD ATTRIBUTE priority smallint;
 -- Groups (flow._claim, flow._groups_of): round-robin and group_concurrency within a queue.
 ALTER TABLE flow._commands ADD COLUMN group_key text CHECK (group_key <> '' AND octet_length(group_key) <= 1024),
     ADD COLUMN group_hash bigint NOT NULL DEFAULT 0;
-ALTER TYPE flow.claimed_command ADD ATTRIBUTE grouped boolean;
+ALTER TYPE flow.claimed_command ADD ATTRIBUTE group_hash bigint;
 DROP INDEX flow._commands_due;
 CREATE INDEX _commands_due ON flow._commands
     (flow._lane(queue, CASE WHEN external THEN name ELSE '' END), priority, group_hash, next_run_at, id)
@@ -1383,7 +1383,7 @@ BEGIN
            -- claim order 0, so the worker claims again at once)
            CASE WHEN cardinality(slot_queues) <> 1 OR (other_owners_due AND names IS NULL) THEN 0 END,
            h.args_type, h.next_run_at, h.row_at,
-           h.held, h.lane_order, h.room, h.priority, h.grouped
+           h.held, h.lane_order, h.room, h.priority, h.group_hash
     FROM (
         -- (an attempt's deadlines: flow._deadline never raises, whatever one
         -- row holds, so no row can fail the claim for every role: src/spans.rs)
@@ -1414,7 +1414,7 @@ BEGIN
             -- (the columns a caller needs, not the whole row: a row carried
             -- as one composite value is built, copied and taken apart again
             -- for every command)
-            SELECT c.id, c.priority, c.group_hash <> 0 AS grouped, c.run_id, c.key, c.name, c.version, c.queue, c.args, c.status, c.attempts, c.next_run_at,
+            SELECT c.id, c.priority, c.group_hash, c.run_id, c.key, c.name, c.version, c.queue, c.args, c.status, c.attempts, c.next_run_at,
                    c.deadline, c.wait_timed_out, c.created_at, c.ctid AS row_at,
                    d.handler::oid AS handler, d.owner::oid AS owner, d.takes_context,
                    d.timeout, d.max_elapsed, d.args_type,
@@ -4337,7 +4337,7 @@ BEGIN
                 -- From one queue and for one definition (the common claim),
                 -- what the claim locked, in due order (nothing sorted).
                 SELECT k.command_id, k.run_id, k.name, k.version, k.queue, k.args, k.attempt, k.deadline, k.context,
-                       k.due_at, k.row_at, k.held, k.held_token, k.priority, k.grouped
+                       k.due_at, k.row_at, k.held, k.held_token, k.priority, k.group_hash
                 FROM locked k WHERE k.claim_order IS NULL
                 UNION ALL
                 -- From several (claim_order 0), the queues interleaved
@@ -4345,7 +4345,7 @@ BEGIN
                 -- limited lane keeps its earliest up to its room (a claim
                 -- naming several definitions locked up to the room for each).
                 (SELECT k.command_id, k.run_id, k.name, k.version, k.queue, k.args, k.attempt, k.deadline, k.context,
-                        k.due_at, k.row_at, k.held, k.held_token, k.priority, k.grouped
+                        k.due_at, k.row_at, k.held, k.held_token, k.priority, k.group_hash
                  FROM (SELECT k.*, row_number() OVER (PARTITION BY k.lane_order ORDER BY k.priority, k.due_at, k.command_id) AS rank
                        FROM locked k WHERE k.claim_order IS NOT NULL) k
                  WHERE k.rank <= k.lane_room
@@ -4372,7 +4372,7 @@ BEGIN
             -- commands stay in the due index, locked, until its client's
             -- transaction ends, and the next claims would skip each of them again.)
             -- (a claim that took grouped commands notes nothing: cursors are of the ungrouped)
-            WHERE (SELECT flow._external_cursor_end(CASE WHEN bool_or(k.grouped) THEN NULL ELSE alone END, wanted, array_agg(k.queue), array_agg(k.priority),
+            WHERE (SELECT flow._external_cursor_end(CASE WHEN bool_or(k.group_hash <> 0) THEN NULL ELSE alone END, wanted, array_agg(k.queue), array_agg(k.priority),
                                                      array_agg(k.due_at), array_agg(k.command_id))
                    FROM picked k)
               -- (each held claim noted for the transaction's end: src/external.rs)

@@ -76,7 +76,8 @@ CREATE TYPE flow.claimed_command AS (
     lane_order        integer,        -- its queue's place in the claim's round-robin turn
     lane_room         integer,        -- how many its queue may start (a limited queue's free concurrency)
     priority          smallint,       -- its priority (lower runs first): where the next claim may start, with due_at
-    grouped           boolean         -- it has a group: it moves no claim cursor (those are of the ungrouped, see flow._claim)
+    group_hash        bigint          -- its group's hash, 0 for none: a grouped command moves no claim cursor
+                                      -- (those are of the ungrouped, see flow._claim)
 );
 
 -- What flow.await returns.

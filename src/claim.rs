@@ -50,9 +50,9 @@ pub struct Claimed {
     pub queue: String,
     pub priority: i16,
     pub due_at: TimestampWithTimeZone,
-    /// It has a group: claims read a group's commands from its head, and it
-    /// moves no cursor (see flow._claim).
-    pub grouped: bool,
+    /// Its group's hash (0: it has none). A grouped command's claims read its
+    /// group from its head, and it moves no cursor (see flow._claim).
+    pub group: i64,
     /// The attempt's deadline as the claim computed it (what a lease expires at).
     pub attempt_deadline: Option<TimestampWithTimeZone>,
 }
@@ -138,7 +138,7 @@ impl ClaimCursor {
         let id = u128::from_be_bytes(*command.command_id.as_bytes()).saturating_sub(1);
         let before = pgrx::Uuid::from_bytes(id.to_be_bytes());
         let at = self.0.iter_mut().find(|(q, p, _, _)| *q == command.queue && *p == command.priority);
-        if let Some(end) = at.filter(|_| !command.grouped) {
+        if let Some(end) = at.filter(|_| command.group == 0) {
             if claim_position(end.2, &end.3) >= claim_position(command.due_at, &before) {
                 (end.2, end.3) = (command.due_at, before);
             }
@@ -219,7 +219,7 @@ enum Col {
     RowAt,
     AttemptDeadline,
     Priority,
-    Grouped,
+    GroupHash,
 }
 
 /// The claim's statement: flow._claim's rows, with the two durations an
@@ -228,7 +228,7 @@ const CLAIM_SQL: &str = "SELECT command_id, run_id, attempt,
         (extract(epoch FROM hard_deadline) * 1000000)::bigint - 946684800000000,
         (extract(epoch FROM attempt_timeout) * 1000000)::bigint,
         handler, handler_owner, args, args_type::oid, held,
-        context, queue, due_at, claim_order, row_at, deadline, priority, grouped
+        context, queue, due_at, claim_order, row_at, deadline, priority, group_hash
  FROM flow._claim($1, NULL, $2, $3, $4, $5, $6, $7, $8, false, $9)";
 /// The types of its columns (a composite: PgOid::Invalid), in Col's order.
 const CLAIM_TYPES: [PgOid; 18] = [
@@ -249,7 +249,7 @@ const CLAIM_TYPES: [PgOid; 18] = [
     TID,
     TIMESTAMPTZ,
     INT2,
-    BOOL,
+    INT8,
 ];
 
 fn get<T: pgrx::FromDatum>(row: &spi::Row, col: Col) -> Option<T> {
@@ -340,7 +340,7 @@ pub fn claim(
                     context: get(row, Col::Context),
                     queue,
                     priority: get(row, Col::Priority).unwrap_or(0),
-                    grouped: get(row, Col::Grouped).unwrap_or(false),
+                    group: get(row, Col::GroupHash).unwrap_or(0),
                     due_at,
                     row_at: held.then_some(row_at),
                     attempt_deadline,
@@ -354,7 +354,7 @@ pub fn claim(
     let left_some = commands.len() < claimed;
     // (where the commands kept end: those left are claimed again)
     let mut ended_at = ClaimCursor::default();
-    for command in commands.iter().filter(|c| !c.grouped) {
+    for command in commands.iter().filter(|c| c.group == 0) {
         ended_at.advance(command.queue.clone(), command.priority, command.due_at, command.command_id);
     }
     if !to_lease.ids.is_empty() {

@@ -26,6 +26,7 @@ use pgrx::bgworkers::{BackgroundWorker, BackgroundWorkerBuilder, SignalWakeFlags
 use pgrx::datum::DatumWithOid;
 use pgrx::prelude::*;
 use std::cell::{Cell, RefCell};
+use std::collections::HashSet;
 use std::ffi::{c_int, CString};
 use std::time::{Duration, Instant};
 
@@ -47,6 +48,13 @@ const CLAIM_TARGET: Duration = Duration::from_millis(100);
 /// A chunk of claimed commands commits once this much time has been spent on
 /// it (its handlers' results become visible together at commit).
 const CHUNK_BUDGET: Duration = Duration::from_millis(50);
+
+/// A chunk that runs a group's backlog (a second command of one group) ends
+/// once it has run this long if commands became due since its claim (another
+/// group's, maybe): the claim after it goes round the groups again. (A whole
+/// CHUNK_BUDGET of one group's backlog made a new group's first command wait
+/// up to 50 ms for its turn: 999 new groups' p99 39-105 ms against 100.)
+const GROUP_TURN: Duration = Duration::from_millis(10);
 
 /// After a chunk failed outside its handlers, commands run one per chunk for this long, so a command that makes the
 /// engine's SQL fail is found and settled alone.
@@ -439,6 +447,7 @@ impl Worker {
         let chunk_started = Instant::now();
         let mut ran = 0;
         let _noted = RunningTime(&self.running, chunk_started);
+        let mut groups_run = HashSet::new();
         for command in window {
             let (id, run) = (*command.command_id.as_bytes(), *command.run_id.as_bytes());
             shmem::set_worker_state(self.index, true, Some((id, run, command.held_attempt.is_some())), 1);
@@ -451,6 +460,10 @@ impl Worker {
             if isolating
                 || chunk.must_end()
                 || chunk_started.elapsed() >= CHUNK_BUDGET
+                || (command.group != 0
+                    && !groups_run.insert(command.group)
+                    && chunk_started.elapsed() >= GROUP_TURN
+                    && shmem::peek_due_floor(self.index) < i64::MAX)
                 || execute::subxid_cache_nearly_full()
                 || gateway::constraint_state_changed()
             {

@@ -83,7 +83,7 @@ ALTER TYPE flow.claimed_command ADD ATTRIBUTE priority smallint;
 -- Groups (flow._claim, flow._groups_of): round-robin and group_concurrency within a queue.
 ALTER TABLE flow._commands ADD COLUMN group_key text CHECK (group_key <> '' AND octet_length(group_key) <= 1024),
     ADD COLUMN group_hash bigint NOT NULL DEFAULT 0;
-ALTER TYPE flow.claimed_command ADD ATTRIBUTE grouped boolean;
+ALTER TYPE flow.claimed_command ADD ATTRIBUTE group_hash bigint;
 DROP INDEX flow._commands_due;
 CREATE INDEX _commands_due ON flow._commands
     (flow._lane(queue, CASE WHEN external THEN name ELSE '' END), priority, group_hash, next_run_at, id)
