@@ -826,7 +826,6 @@ fn write_activity(a: &ActivitySlot, write: impl FnOnce(&ActivitySlot)) {
     fence(Ordering::SeqCst);
 }
 
-/// What worker `index` is doing, as one consistent reading.
 /// Each configured worker's pid (None: its slot is empty) and activity.
 pub fn worker_activities() -> Vec<(Option<i32>, Activity)> {
     let table = WORKERS.share();
@@ -838,6 +837,7 @@ pub fn worker_activities() -> Vec<(Option<i32>, Activity)> {
         .collect()
 }
 
+/// What worker `index` is doing, as one consistent reading.
 pub fn activity(index: usize) -> Activity {
     let a = &ACTIVITIES.get().slots[index];
     loop {
