@@ -14,13 +14,11 @@ SELECT jsonb_build_object(
   'definitions', (SELECT jsonb_agg(jsonb_build_array(name, version, handler::text, owner::text, queue,
                                                      max_attempts, backoff::text) ORDER BY name, version)
                   FROM flow._definitions),
-  'queues', (SELECT jsonb_agg(jsonb_build_array(name, concurrency, paused, rate, per::text, group_concurrency)
+  'queues', (SELECT jsonb_agg(jsonb_build_array(name, concurrency, paused, rate, per::text, group_concurrency,
+                                                priorities, grouped_priorities)
                               ORDER BY name) FROM flow._queues),
   'schedules', (SELECT jsonb_agg(jsonb_build_array(owner::text, name, cron, timezone, definition, args, paused,
                                                    next_tick) ORDER BY owner::text, name) FROM flow._schedules),
-  'queue_priorities', (SELECT jsonb_agg(jsonb_build_array(queue, priority) ORDER BY queue, priority)
-                       FROM flow._queue_priorities),
-  'queue_groups', (SELECT jsonb_agg(jsonb_build_array(queue, priority) ORDER BY queue, priority) FROM flow._queue_groups),
   'runs', (SELECT jsonb_agg(jsonb_build_array(id, key, owner::text, status, result) ORDER BY id) FROM flow._run_rows),
   'commands', (SELECT jsonb_agg(jsonb_build_array(id, run_id, key, status, attempts, next_run_at, priority, group_key)
                                 ORDER BY id)
@@ -147,7 +145,7 @@ def test_a_dump_taken_mid_workflow_restores_and_completes(pg):
                 sh(f"{PGBIN}/pg_dump", "-h", pg.dir, "-p", str(pg.port), fmt, f"--snapshot={snapshot}",
                    "-f", str(path), "postgres")
         assert before["commands"] and before["waits"] and before["events"] and before["schedules"]
-        assert before["queue_priorities"] and before["queue_groups"]
+        assert any(q[6] != [0] for q in before["queues"]) and any(q[7] for q in before["queues"])
         c.execute("CREATE DATABASE restored")
         c.execute("CREATE DATABASE restored_plain")
     assert len(before["runs"]) == 9

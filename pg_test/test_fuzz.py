@@ -96,7 +96,6 @@ STATE = """SELECT (SELECT count(*) FROM flow._definitions), (SELECT count(*) FRO
                   (SELECT count(*) FROM flow._commands), (SELECT count(*) FROM flow._attempts),
                   (SELECT count(*) FROM flow._events), (SELECT count(*) FROM flow._waits),
                   (SELECT md5(string_agg(x::text, ',' ORDER BY x::text)) FROM flow._schedules x),
-                  (SELECT count(*) FROM flow._queue_priorities),
                   (SELECT md5(string_agg(x::text, ',' ORDER BY x::text)) FROM flow._queues x),
                   (SELECT md5(string_agg(x::text, ',' ORDER BY x::text)) FROM flow._commands x
                    WHERE x.status = 'running')"""

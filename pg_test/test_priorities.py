@@ -1,5 +1,5 @@
 """Priorities: within a queue, due commands are claimed by (priority, due
-time), lower first (sql/claim.sql, flow._claim and flow._priorities_of), for
+time), lower first (sql/claim.sql, flow._claim; a queue's priorities are in _queues.priorities), for
 in-database workers and external claims alike."""
 import pytest
 
@@ -111,7 +111,7 @@ def test_a_bad_priority_is_refused_and_changes_nothing(pg):
     assert pg.sqlstate(f"SELECT flow.define('{unique('d')}', 'app.note'::regproc, priority => 32768)") == "22003"
     assert pg.sqlstate(f"SELECT flow.define('{unique('d')}', 'app.note'::regproc, priority => NULL)") == "22004"
     assert pg.one("SELECT count(*) FROM flow.commands WHERE queue = %s", queue) == before
-    assert pg.one("SELECT count(*) FROM flow._queue_priorities WHERE queue = %s", queue) == 0
+    assert pg.one("SELECT priorities FROM flow._queues WHERE name = %s", queue) == [0]
 
 
 def test_a_dropped_queue_forgets_its_priorities(pg):
@@ -120,11 +120,11 @@ def test_a_dropped_queue_forgets_its_priorities(pg):
     pg.one(f"SELECT flow.define('{name}', 'app.note'::regproc, queue => '{queue}', priority => 3)")
     run = pg.one("SELECT flow.enqueue(%s, '{\"tag\": \"gone\"}')", name)
     assert pg.await_run(run)[0] == "succeeded"
-    assert pg.all("SELECT priority FROM flow._queue_priorities WHERE queue = %s", queue) == [(3,)]
+    assert pg.one("SELECT priorities FROM flow._queues WHERE name = %s", queue) == [0, 3]
     pg.one(f"SELECT flow.define('{name}', 'app.note'::regproc, queue => 'default', version => 1)")
     pg.wait_for("SELECT count(*) = 0 FROM flow.commands WHERE queue = %s AND finished_at IS NULL", queue)
     assert pg.one("SELECT flow.drop_queue(%s)", queue) is True
-    assert pg.one("SELECT count(*) FROM flow._queue_priorities WHERE queue = %s", queue) == 0
+    assert pg.one("SELECT count(*) FROM flow._queues WHERE name = %s", queue) == 0
 
 
 def test_a_queue_holds_at_most_64_priorities_besides_0(pg):

@@ -13,17 +13,6 @@ LANGUAGE sql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
                   * (0.75 + random() * 0.5)))::double precision)
 $$;
 
--- The priorities a claim of `queue` reads, lowest first: 0, and those its
--- commands were given (flow._note_priority).
-CREATE FUNCTION flow._priorities_of(queue text) RETURNS TABLE (priority smallint)
-LANGUAGE sql STABLE AS $$
-    SELECT p.priority FROM (SELECT 0::smallint AS priority
-                            UNION ALL
-                            SELECT q.priority FROM flow._queue_priorities q            -- its primary key
-                            WHERE q.queue = _priorities_of.queue) p
-    ORDER BY p.priority
-$$;
-
 -- A group key's hash, as _commands.group_hash keeps it: 0 for none, else
 -- positive (flow._groups_of reads a lane's groups after 0).
 CREATE FUNCTION flow._group_hash(group_key text) RETURNS bigint
@@ -35,17 +24,19 @@ $$;
 -- The groups of a lane's pending and waiting commands of one priority (not
 -- 0, what has no group), at most max_groups of them, in hash order from
 -- after from_hash round to it: a loose scan of _commands_due, one probe per
--- group. None without a probe for a queue and priority that never had
--- groups (_queue_groups). A claim reads at most as many groups as it takes
+-- group. (Called only for a priority whose commands had groups,
+-- _queues.grouped_priorities; PL/pgSQL, not inlined: the plan of every claim
+-- need not carry its nodes, each set up by every claim, groups or none: 12 %
+-- of the claim of one command.) A claim reads at most as many groups as it takes
 -- commands, from a point that moves every claim, so a queue's number of
 -- groups never makes a claim longer.
 CREATE FUNCTION flow._groups_of(queue text, lane bigint, priority smallint, from_hash bigint, max_groups integer)
 RETURNS TABLE (group_hash bigint)
-LANGUAGE sql STABLE AS $$
+LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    RETURN QUERY
     WITH RECURSIVE g(h, lap, found) AS (
         SELECT _groups_of.from_hash, 0, false
-        WHERE EXISTS (SELECT 1 FROM flow._queue_groups x                  -- its primary key
-                      WHERE x.queue = _groups_of.queue AND x.priority = _groups_of.priority)
         UNION ALL
         SELECT n.h, n.lap, true FROM g CROSS JOIN LATERAL (
             (SELECT c.group_hash AS h, g.lap FROM flow._commands c            -- index _commands_due
@@ -62,8 +53,8 @@ LANGUAGE sql STABLE AS $$
                AND c.status IN ('pending', 'waiting')
              ORDER BY c.group_hash LIMIT 1)
             LIMIT 1) n)
-    SELECT g.h FROM g WHERE g.found LIMIT max_groups
-$$;
+    SELECT g.h FROM g WHERE g.found LIMIT max_groups;
+END $$;
 
 -- Claim up to max_count due commands (rule 3): lock them, and say how each
 -- is to be run. A command is claimed in one of two ways:
@@ -102,7 +93,7 @@ $$;
 -- place in this claim's round-robin turn (from queue number `turn`), and a
 -- claim from several (claim_order 0) is put in that order by its caller.
 -- Priorities: within a queue, due commands are claimed by (priority, due
--- time): each of the queue's priorities (flow._priorities_of) is read in
+-- time): each of the queue's priorities (_queues.priorities) is read in
 -- turn, lowest first, each an index range of its own, so a queue whose
 -- commands all have priority 0 reads what it read before priorities.
 -- A worker draining a backlog passes where its last claim ended in each
@@ -172,7 +163,7 @@ BEGIN
         FROM flow._queues q
         CROSS JOIN unnest(claimants) AS w(claimant) CROSS JOIN LATERAL (
             SELECT min(x.next_run_at) AS next_run_at
-            FROM flow._priorities_of(q.name) p
+            FROM unnest(q.priorities) AS p(priority)
             LEFT JOIN LATERAL (
                 SELECT a.at, a.id FROM unnest(after_queues, after_priorities, after_at, after_ids) AS a(queue, priority, at, id)
                 WHERE a.queue = q.name AND a.priority = p.priority LIMIT 1) a ON true
@@ -195,7 +186,7 @@ BEGIN
                    AND c.queue = q.name AND c.external = (names IS NOT NULL)
                    AND (CASE WHEN c.external THEN c.name ELSE '' END) = w.claimant
                    AND c.status IN ('pending', 'waiting')
-                   AND EXISTS (SELECT 1 FROM flow._queue_groups x WHERE x.queue = q.name AND x.priority = p.priority)
+                   AND p.priority = ANY (q.grouped_priorities)
                    AND (excluded IS NULL OR c.id <> ALL (excluded))
                  ORDER BY c.next_run_at LIMIT 1)) x) x
         WHERE NOT q.paused AND x.next_run_at <= now()
@@ -251,7 +242,7 @@ BEGIN
                               WHERE r.queue = q.name AND r.status = 'running'))::integer
                      END,
                      CASE WHEN q.rate IS NOT NULL THEN flow._rate_room(q.name, q.rate, x.per_us) END) AS room,
-               q.rate, x.per_us, q.group_concurrency
+               q.rate, x.per_us, q.group_concurrency, q.priorities, q.grouped_priorities
         FROM flow._queues q CROSS JOIN LATERAL (SELECT (extract(epoch FROM q.per) * 1000000)::bigint AS per_us) x
         WHERE q.name = ANY (lanes)
     ), share AS (
@@ -336,13 +327,14 @@ BEGIN
           -- and within group_concurrency; the ungrouped read from where the
           -- last claim ended; until the slot has its share: the LIMIT stops
           -- the scans, so every row locked is returned)
-          SELECT k.* FROM flow._priorities_of(l.name) p
+          SELECT k.* FROM unnest(l.priorities) AS p(priority)
           CROSS JOIN LATERAL (
               SELECT g.group_hash, count(*) OVER () AS groups
               FROM (SELECT 0::bigint AS group_hash
                     UNION ALL
                     SELECT g.group_hash FROM flow._groups_of(l.name, flow._lane(l.name, l.claimant), p.priority,
-                                                             group_start, l.take) g) g) g
+                                                             group_start, l.take) g
+                    WHERE p.priority = ANY (l.grouped_priorities)) g) g
           LEFT JOIN LATERAL (
               SELECT a.at, a.id FROM unnest(after_queues, after_priorities, after_at, after_ids) AS a(queue, priority, at, id)
               WHERE g.group_hash = 0 AND a.queue = l.name AND a.priority = p.priority LIMIT 1) a ON true
@@ -470,7 +462,7 @@ BEGIN
                 CASE WHEN q.rate IS NOT NULL
                      THEN flow._rate_next(q.name, q.rate, (extract(epoch FROM q.per) * 1000000)::bigint) END))
             - clock_timestamp()) * 1000)::bigint
-    FROM flow._queues q CROSS JOIN LATERAL flow._priorities_of(q.name) p
+    FROM flow._queues q CROSS JOIN LATERAL unnest(q.priorities) AS p(priority)
     LEFT JOIN LATERAL (
         SELECT a.at, a.id FROM unnest(after_queues, after_priorities, after_at, after_ids) AS a(queue, priority, at, id)
         WHERE a.queue = q.name AND a.priority = p.priority LIMIT 1) a ON true
@@ -491,7 +483,7 @@ BEGIN
            AND c.priority = p.priority AND c.group_hash <> 0
            AND c.queue = q.name AND NOT c.external
            AND c.status IN ('pending', 'waiting') AND c.next_run_at < 'infinity'
-           AND EXISTS (SELECT 1 FROM flow._queue_groups x WHERE x.queue = q.name AND x.priority = p.priority)
+           AND p.priority = ANY (q.grouped_priorities)
          ORDER BY c.next_run_at LIMIT 1)
         UNION ALL
         -- with group_concurrency, the earliest head of a group with room (of
@@ -507,6 +499,7 @@ BEGIN
                AND c.status IN ('pending', 'waiting') AND c.next_run_at < 'infinity'
              ORDER BY c.next_run_at LIMIT 1) h
          WHERE q.group_concurrency IS NOT NULL
+           AND p.priority = ANY (q.grouped_priorities)
            AND q.group_concurrency > (SELECT count(*) FROM flow._commands r    -- index _commands_group_running
                                       WHERE r.queue = q.name AND r.group_hash = g.group_hash AND r.status = 'running'))) h
     WHERE NOT q.paused AND q.rate IS DISTINCT FROM 0

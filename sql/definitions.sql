@@ -426,8 +426,6 @@ BEGIN
             USING ERRCODE = '2BP01';
     END IF;
     DELETE FROM flow._queues x WHERE x.name = q.name;
-    DELETE FROM flow._queue_priorities p WHERE p.queue = q.name;
-    DELETE FROM flow._queue_groups g WHERE g.queue = q.name;
     IF q.owner IS NOT NULL AND NOT flow._owns_anything(q.owner) THEN
         PERFORM flow._unmark_owner(q.owner);
     END IF;

@@ -81,24 +81,29 @@ BEGIN
 END $$;
 
 -- Note that `queue` has commands of `priority`, with groups if `grouped`,
--- for its claims (flow._priorities_of, flow._groups_of; priority 0 without
--- groups is always read). Called for each enqueue and spawn of a priority
--- other than 0 or with a group: an index probe or two once they are known.
+-- for its claims (_queues.priorities and grouped_priorities; priority 0
+-- without groups is always read). Called for each enqueue and spawn of a
+-- priority other than 0 or with a group: a probe of the queue's row once
+-- they are known, a write of it the first time. (A concurrent enqueue that
+-- notes the same waits for this one's transaction, then finds it noted.)
 CREATE FUNCTION flow._note_priority(queue text, priority smallint, grouped boolean) RETURNS void
 LANGUAGE plpgsql AS $$
+DECLARE
+    priorities integer;
 BEGIN
-    IF priority <> 0 AND NOT EXISTS (SELECT 1 FROM flow._queue_priorities p
-                                     WHERE p.queue = _note_priority.queue AND p.priority = _note_priority.priority) THEN
-        -- (each costs every claim of the queue a probe)
-        IF (SELECT count(*) FROM flow._queue_priorities p WHERE p.queue = _note_priority.queue) >= 64 THEN
-            RAISE EXCEPTION 'flow: queue % has 64 priorities besides 0 in use already', queue
-                USING ERRCODE = '54000', HINT = 'Use fewer distinct priorities, or another queue.';
-        END IF;
-        INSERT INTO flow._queue_priorities AS p (queue, priority) VALUES (queue, priority) ON CONFLICT DO NOTHING;
-    END IF;
-    IF grouped AND NOT EXISTS (SELECT 1 FROM flow._queue_groups g
-                               WHERE g.queue = _note_priority.queue AND g.priority = _note_priority.priority) THEN
-        INSERT INTO flow._queue_groups AS g (queue, priority) VALUES (queue, priority) ON CONFLICT DO NOTHING;
+    UPDATE flow._queues q
+    SET priorities = ARRAY(SELECT DISTINCT p FROM unnest(q.priorities || _note_priority.priority) AS p ORDER BY p),
+        grouped_priorities = CASE WHEN grouped
+                                  THEN ARRAY(SELECT DISTINCT p FROM unnest(q.grouped_priorities || _note_priority.priority) AS p ORDER BY p)
+                                  ELSE q.grouped_priorities END
+    WHERE q.name = _note_priority.queue
+      AND (_note_priority.priority <> ALL (q.priorities)
+           OR (grouped AND _note_priority.priority <> ALL (q.grouped_priorities)))
+    RETURNING cardinality(q.priorities) INTO priorities;
+    -- (each costs every claim of the queue a probe)
+    IF priorities > 65 THEN
+        RAISE EXCEPTION 'flow: queue % has 64 priorities besides 0 in use already', queue
+            USING ERRCODE = '54000', HINT = 'Use fewer distinct priorities, or another queue.';
     END IF;
 END $$;
 

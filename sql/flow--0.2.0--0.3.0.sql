@@ -127,21 +127,6 @@ CREATE INDEX _commands_group_running ON flow._commands (queue, group_hash) WHERE
 -- A run's unfinished children (see sql/schema.sql).
 CREATE INDEX _commands_open_children ON flow._commands (run_id) WITH (deduplicate_items = off)
     WHERE finished_at IS NULL AND parent_id IS NOT NULL;
--- The priorities of a queue whose commands were given groups
--- (flow._note_priority): the ones whose groups a claim of the queue looks
--- for (flow._groups_of); a queue that never had one reads none.
-CREATE TABLE flow._queue_groups (
-    queue     text NOT NULL,
-    priority  smallint NOT NULL,
-    PRIMARY KEY (queue, priority)
-);
-SELECT pg_catalog.pg_extension_config_dump('flow._queue_groups', '');
-CREATE TABLE flow._queue_priorities (
-    queue     text NOT NULL,
-    priority  smallint NOT NULL CHECK (priority <> 0),
-    PRIMARY KEY (queue, priority)
-);
-SELECT pg_catalog.pg_extension_config_dump('flow._queue_priorities', '');
 DROP FUNCTION flow._claim(integer, text[], integer, oid[], uuid[], text[], timestamptz[], uuid[], boolean);
 DROP FUNCTION flow._next_due_ms(text[], timestamptz[], uuid[]);
 -- (enqueue, enqueue_many, spawn and define take a priority)
@@ -163,6 +148,10 @@ DROP FUNCTION flow._external_claim_ended(text, integer, text[], timestamptz[], u
 ALTER TABLE flow._queues ADD COLUMN rate integer CHECK (rate >= 0),
     ADD COLUMN per interval NOT NULL DEFAULT '1 second' CHECK (flow._span_ok(per, false));
 ALTER TABLE flow._queues ADD COLUMN group_concurrency integer CHECK (group_concurrency >= 1);
+-- The priorities and grouped priorities a queue's commands were given (see sql/schema.sql).
+ALTER TABLE flow._queues
+    ADD COLUMN priorities smallint[] NOT NULL DEFAULT '{0}' CHECK (0 = ANY (priorities)),
+    ADD COLUMN grouped_priorities smallint[] NOT NULL DEFAULT '{}';
 DROP FUNCTION flow.set_queue(text, integer, boolean, bigint);
 
 -- src/lib.rs:59
@@ -752,8 +741,6 @@ BEGIN
             USING ERRCODE = '2BP01';
     END IF;
     DELETE FROM flow._queues x WHERE x.name = q.name;
-    DELETE FROM flow._queue_priorities p WHERE p.queue = q.name;
-    DELETE FROM flow._queue_groups g WHERE g.queue = q.name;
     IF q.owner IS NOT NULL AND NOT flow._owns_anything(q.owner) THEN
         PERFORM flow._unmark_owner(q.owner);
     END IF;
@@ -910,24 +897,29 @@ BEGIN
 END $$;
 
 -- Note that `queue` has commands of `priority`, with groups if `grouped`,
--- for its claims (flow._priorities_of, flow._groups_of; priority 0 without
--- groups is always read). Called for each enqueue and spawn of a priority
--- other than 0 or with a group: an index probe or two once they are known.
+-- for its claims (_queues.priorities and grouped_priorities; priority 0
+-- without groups is always read). Called for each enqueue and spawn of a
+-- priority other than 0 or with a group: a probe of the queue's row once
+-- they are known, a write of it the first time. (A concurrent enqueue that
+-- notes the same waits for this one's transaction, then finds it noted.)
 CREATE OR REPLACE FUNCTION flow._note_priority(queue text, priority smallint, grouped boolean) RETURNS void
 LANGUAGE plpgsql AS $$
+DECLARE
+    priorities integer;
 BEGIN
-    IF priority <> 0 AND NOT EXISTS (SELECT 1 FROM flow._queue_priorities p
-                                     WHERE p.queue = _note_priority.queue AND p.priority = _note_priority.priority) THEN
-        -- (each costs every claim of the queue a probe)
-        IF (SELECT count(*) FROM flow._queue_priorities p WHERE p.queue = _note_priority.queue) >= 64 THEN
-            RAISE EXCEPTION 'flow: queue % has 64 priorities besides 0 in use already', queue
-                USING ERRCODE = '54000', HINT = 'Use fewer distinct priorities, or another queue.';
-        END IF;
-        INSERT INTO flow._queue_priorities AS p (queue, priority) VALUES (queue, priority) ON CONFLICT DO NOTHING;
-    END IF;
-    IF grouped AND NOT EXISTS (SELECT 1 FROM flow._queue_groups g
-                               WHERE g.queue = _note_priority.queue AND g.priority = _note_priority.priority) THEN
-        INSERT INTO flow._queue_groups AS g (queue, priority) VALUES (queue, priority) ON CONFLICT DO NOTHING;
+    UPDATE flow._queues q
+    SET priorities = ARRAY(SELECT DISTINCT p FROM unnest(q.priorities || _note_priority.priority) AS p ORDER BY p),
+        grouped_priorities = CASE WHEN grouped
+                                  THEN ARRAY(SELECT DISTINCT p FROM unnest(q.grouped_priorities || _note_priority.priority) AS p ORDER BY p)
+                                  ELSE q.grouped_priorities END
+    WHERE q.name = _note_priority.queue
+      AND (_note_priority.priority <> ALL (q.priorities)
+           OR (grouped AND _note_priority.priority <> ALL (q.grouped_priorities)))
+    RETURNING cardinality(q.priorities) INTO priorities;
+    -- (each costs every claim of the queue a probe)
+    IF priorities > 65 THEN
+        RAISE EXCEPTION 'flow: queue % has 64 priorities besides 0 in use already', queue
+            USING ERRCODE = '54000', HINT = 'Use fewer distinct priorities, or another queue.';
     END IF;
 END $$;
 
@@ -1080,17 +1072,6 @@ LANGUAGE sql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
                   * (0.75 + random() * 0.5)))::double precision)
 $$;
 
--- The priorities a claim of `queue` reads, lowest first: 0, and those its
--- commands were given (flow._note_priority).
-CREATE OR REPLACE FUNCTION flow._priorities_of(queue text) RETURNS TABLE (priority smallint)
-LANGUAGE sql STABLE AS $$
-    SELECT p.priority FROM (SELECT 0::smallint AS priority
-                            UNION ALL
-                            SELECT q.priority FROM flow._queue_priorities q            -- its primary key
-                            WHERE q.queue = _priorities_of.queue) p
-    ORDER BY p.priority
-$$;
-
 -- A group key's hash, as _commands.group_hash keeps it: 0 for none, else
 -- positive (flow._groups_of reads a lane's groups after 0).
 CREATE OR REPLACE FUNCTION flow._group_hash(group_key text) RETURNS bigint
@@ -1102,17 +1083,19 @@ $$;
 -- The groups of a lane's pending and waiting commands of one priority (not
 -- 0, what has no group), at most max_groups of them, in hash order from
 -- after from_hash round to it: a loose scan of _commands_due, one probe per
--- group. None without a probe for a queue and priority that never had
--- groups (_queue_groups). A claim reads at most as many groups as it takes
+-- group. (Called only for a priority whose commands had groups,
+-- _queues.grouped_priorities; PL/pgSQL, not inlined: the plan of every claim
+-- need not carry its nodes, each set up by every claim, groups or none: 12 %
+-- of the claim of one command.) A claim reads at most as many groups as it takes
 -- commands, from a point that moves every claim, so a queue's number of
 -- groups never makes a claim longer.
 CREATE OR REPLACE FUNCTION flow._groups_of(queue text, lane bigint, priority smallint, from_hash bigint, max_groups integer)
 RETURNS TABLE (group_hash bigint)
-LANGUAGE sql STABLE AS $$
+LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    RETURN QUERY
     WITH RECURSIVE g(h, lap, found) AS (
         SELECT _groups_of.from_hash, 0, false
-        WHERE EXISTS (SELECT 1 FROM flow._queue_groups x                  -- its primary key
-                      WHERE x.queue = _groups_of.queue AND x.priority = _groups_of.priority)
         UNION ALL
         SELECT n.h, n.lap, true FROM g CROSS JOIN LATERAL (
             (SELECT c.group_hash AS h, g.lap FROM flow._commands c            -- index _commands_due
@@ -1129,8 +1112,8 @@ LANGUAGE sql STABLE AS $$
                AND c.status IN ('pending', 'waiting')
              ORDER BY c.group_hash LIMIT 1)
             LIMIT 1) n)
-    SELECT g.h FROM g WHERE g.found LIMIT max_groups
-$$;
+    SELECT g.h FROM g WHERE g.found LIMIT max_groups;
+END $$;
 
 -- Claim up to max_count due commands (rule 3): lock them, and say how each
 -- is to be run. A command is claimed in one of two ways:
@@ -1169,7 +1152,7 @@ $$;
 -- place in this claim's round-robin turn (from queue number `turn`), and a
 -- claim from several (claim_order 0) is put in that order by its caller.
 -- Priorities: within a queue, due commands are claimed by (priority, due
--- time): each of the queue's priorities (flow._priorities_of) is read in
+-- time): each of the queue's priorities (_queues.priorities) is read in
 -- turn, lowest first, each an index range of its own, so a queue whose
 -- commands all have priority 0 reads what it read before priorities.
 -- A worker draining a backlog passes where its last claim ended in each
@@ -1239,7 +1222,7 @@ BEGIN
         FROM flow._queues q
         CROSS JOIN unnest(claimants) AS w(claimant) CROSS JOIN LATERAL (
             SELECT min(x.next_run_at) AS next_run_at
-            FROM flow._priorities_of(q.name) p
+            FROM unnest(q.priorities) AS p(priority)
             LEFT JOIN LATERAL (
                 SELECT a.at, a.id FROM unnest(after_queues, after_priorities, after_at, after_ids) AS a(queue, priority, at, id)
                 WHERE a.queue = q.name AND a.priority = p.priority LIMIT 1) a ON true
@@ -1262,7 +1245,7 @@ BEGIN
                    AND c.queue = q.name AND c.external = (names IS NOT NULL)
                    AND (CASE WHEN c.external THEN c.name ELSE '' END) = w.claimant
                    AND c.status IN ('pending', 'waiting')
-                   AND EXISTS (SELECT 1 FROM flow._queue_groups x WHERE x.queue = q.name AND x.priority = p.priority)
+                   AND p.priority = ANY (q.grouped_priorities)
                    AND (excluded IS NULL OR c.id <> ALL (excluded))
                  ORDER BY c.next_run_at LIMIT 1)) x) x
         WHERE NOT q.paused AND x.next_run_at <= now()
@@ -1318,7 +1301,7 @@ BEGIN
                               WHERE r.queue = q.name AND r.status = 'running'))::integer
                      END,
                      CASE WHEN q.rate IS NOT NULL THEN flow._rate_room(q.name, q.rate, x.per_us) END) AS room,
-               q.rate, x.per_us, q.group_concurrency
+               q.rate, x.per_us, q.group_concurrency, q.priorities, q.grouped_priorities
         FROM flow._queues q CROSS JOIN LATERAL (SELECT (extract(epoch FROM q.per) * 1000000)::bigint AS per_us) x
         WHERE q.name = ANY (lanes)
     ), share AS (
@@ -1403,13 +1386,14 @@ BEGIN
           -- and within group_concurrency; the ungrouped read from where the
           -- last claim ended; until the slot has its share: the LIMIT stops
           -- the scans, so every row locked is returned)
-          SELECT k.* FROM flow._priorities_of(l.name) p
+          SELECT k.* FROM unnest(l.priorities) AS p(priority)
           CROSS JOIN LATERAL (
               SELECT g.group_hash, count(*) OVER () AS groups
               FROM (SELECT 0::bigint AS group_hash
                     UNION ALL
                     SELECT g.group_hash FROM flow._groups_of(l.name, flow._lane(l.name, l.claimant), p.priority,
-                                                             group_start, l.take) g) g) g
+                                                             group_start, l.take) g
+                    WHERE p.priority = ANY (l.grouped_priorities)) g) g
           LEFT JOIN LATERAL (
               SELECT a.at, a.id FROM unnest(after_queues, after_priorities, after_at, after_ids) AS a(queue, priority, at, id)
               WHERE g.group_hash = 0 AND a.queue = l.name AND a.priority = p.priority LIMIT 1) a ON true
@@ -1537,7 +1521,7 @@ BEGIN
                 CASE WHEN q.rate IS NOT NULL
                      THEN flow._rate_next(q.name, q.rate, (extract(epoch FROM q.per) * 1000000)::bigint) END))
             - clock_timestamp()) * 1000)::bigint
-    FROM flow._queues q CROSS JOIN LATERAL flow._priorities_of(q.name) p
+    FROM flow._queues q CROSS JOIN LATERAL unnest(q.priorities) AS p(priority)
     LEFT JOIN LATERAL (
         SELECT a.at, a.id FROM unnest(after_queues, after_priorities, after_at, after_ids) AS a(queue, priority, at, id)
         WHERE a.queue = q.name AND a.priority = p.priority LIMIT 1) a ON true
@@ -1558,7 +1542,7 @@ BEGIN
            AND c.priority = p.priority AND c.group_hash <> 0
            AND c.queue = q.name AND NOT c.external
            AND c.status IN ('pending', 'waiting') AND c.next_run_at < 'infinity'
-           AND EXISTS (SELECT 1 FROM flow._queue_groups x WHERE x.queue = q.name AND x.priority = p.priority)
+           AND p.priority = ANY (q.grouped_priorities)
          ORDER BY c.next_run_at LIMIT 1)
         UNION ALL
         -- with group_concurrency, the earliest head of a group with room (of
@@ -1574,6 +1558,7 @@ BEGIN
                AND c.status IN ('pending', 'waiting') AND c.next_run_at < 'infinity'
              ORDER BY c.next_run_at LIMIT 1) h
          WHERE q.group_concurrency IS NOT NULL
+           AND p.priority = ANY (q.grouped_priorities)
            AND q.group_concurrency > (SELECT count(*) FROM flow._commands r    -- index _commands_group_running
                                       WHERE r.queue = q.name AND r.group_hash = g.group_hash AND r.status = 'running'))) h
     WHERE NOT q.paused AND q.rate IS DISTINCT FROM 0

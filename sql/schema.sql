@@ -107,7 +107,15 @@ CREATE TABLE flow._queues (
     -- start), counted in shared memory (src/rate_limits.rs)
     rate         integer CHECK (rate >= 0),
     per          interval NOT NULL DEFAULT '1 second' CHECK (flow._span_ok(per, false)),
-    group_concurrency integer CHECK (group_concurrency >= 1)  -- at most this many of one group run at once
+    group_concurrency integer CHECK (group_concurrency >= 1),  -- at most this many of one group run at once
+    -- The priorities its commands were given, in claim order, 0 always
+    -- among them, and those whose commands had groups (flow._note_priority):
+    -- what a claim of the queue reads (flow._claim), from the queue's row
+    -- its claim reads anyway: a queue that never had either costs a claim
+    -- no probe for them. Never forgotten while the queue exists: a priority
+    -- no longer used costs each claim of its queue one empty index probe.
+    priorities   smallint[] NOT NULL DEFAULT '{0}' CHECK (0 = ANY (priorities)),
+    grouped_priorities smallint[] NOT NULL DEFAULT '{}'
 );
 
 -- Definition names are owned: the first role to define a name owns every
@@ -278,23 +286,6 @@ $$;
 CREATE INDEX _commands_due ON flow._commands
     (flow._lane(queue, CASE WHEN external THEN name ELSE '' END), priority, group_hash, next_run_at, id)
     WHERE status IN ('pending', 'waiting');
--- The priorities other than 0 that a queue's commands were given
--- (flow._note_priority): the ones a claim of the queue reads, with 0.
--- Never forgotten while the queue exists: a priority no longer used costs
--- each claim of its queue one empty index probe.
-CREATE TABLE flow._queue_priorities (
-    queue     text NOT NULL,
-    priority  smallint NOT NULL CHECK (priority <> 0),
-    PRIMARY KEY (queue, priority)
-);
--- The priorities of a queue whose commands were given groups
--- (flow._note_priority): the ones whose groups a claim of the queue looks
--- for (flow._groups_of); a queue that never had one reads none.
-CREATE TABLE flow._queue_groups (
-    queue     text NOT NULL,
-    priority  smallint NOT NULL,
-    PRIMARY KEY (queue, priority)
-);
 -- Concurrency accounting and recovery of dead owners.
 -- (lease_expires_at: an external claim finds the expired leases it must
 -- conclude first without walking every running command)
@@ -445,5 +436,3 @@ SELECT pg_catalog.pg_extension_config_dump('flow._events', '');
 SELECT pg_catalog.pg_extension_config_dump('flow._events_position_seq', '');
 SELECT pg_catalog.pg_extension_config_dump('flow._waits', '');
 SELECT pg_catalog.pg_extension_config_dump('flow._schedules', '');
-SELECT pg_catalog.pg_extension_config_dump('flow._queue_priorities', '');
-SELECT pg_catalog.pg_extension_config_dump('flow._queue_groups', '');

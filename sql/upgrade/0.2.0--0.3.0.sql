@@ -95,21 +95,6 @@ CREATE INDEX _commands_group_running ON flow._commands (queue, group_hash) WHERE
 -- A run's unfinished children (see sql/schema.sql).
 CREATE INDEX _commands_open_children ON flow._commands (run_id) WITH (deduplicate_items = off)
     WHERE finished_at IS NULL AND parent_id IS NOT NULL;
--- The priorities of a queue whose commands were given groups
--- (flow._note_priority): the ones whose groups a claim of the queue looks
--- for (flow._groups_of); a queue that never had one reads none.
-CREATE TABLE flow._queue_groups (
-    queue     text NOT NULL,
-    priority  smallint NOT NULL,
-    PRIMARY KEY (queue, priority)
-);
-SELECT pg_catalog.pg_extension_config_dump('flow._queue_groups', '');
-CREATE TABLE flow._queue_priorities (
-    queue     text NOT NULL,
-    priority  smallint NOT NULL CHECK (priority <> 0),
-    PRIMARY KEY (queue, priority)
-);
-SELECT pg_catalog.pg_extension_config_dump('flow._queue_priorities', '');
 DROP FUNCTION flow._claim(integer, text[], integer, oid[], uuid[], text[], timestamptz[], uuid[], boolean);
 DROP FUNCTION flow._next_due_ms(text[], timestamptz[], uuid[]);
 -- (enqueue, enqueue_many, spawn and define take a priority)
@@ -131,4 +116,8 @@ DROP FUNCTION flow._external_claim_ended(text, integer, text[], timestamptz[], u
 ALTER TABLE flow._queues ADD COLUMN rate integer CHECK (rate >= 0),
     ADD COLUMN per interval NOT NULL DEFAULT '1 second' CHECK (flow._span_ok(per, false));
 ALTER TABLE flow._queues ADD COLUMN group_concurrency integer CHECK (group_concurrency >= 1);
+-- The priorities and grouped priorities a queue's commands were given (see sql/schema.sql).
+ALTER TABLE flow._queues
+    ADD COLUMN priorities smallint[] NOT NULL DEFAULT '{0}' CHECK (0 = ANY (priorities)),
+    ADD COLUMN grouped_priorities smallint[] NOT NULL DEFAULT '{}';
 DROP FUNCTION flow.set_queue(text, integer, boolean, bigint);
