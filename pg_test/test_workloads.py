@@ -308,10 +308,13 @@ def test_a_leased_settlement_whose_run_an_idle_client_holds_does_not_stall_its_w
     child of it: the settlement waits 200 ms at most, then voids the attempt
     (counted, not charged) and hands the command back; the worker serves
     other work meanwhile, and the child runs again once the client lets go
-    (before: the worker waited for the client without limit)."""
+    (before: the worker waited for the client without limit). (A child: a
+    root alone in its first attempt settles without its run's lock.)"""
     nap = define(pg, "app.nap(jsonb, flow.context)")
-    run = enqueue(pg, nap, '{"seconds": 0.3}', key=f"'{unique('heldrun')}'")   # (keyed: a run row of its own)
-    pg.wait_for("SELECT status = 'running' FROM flow.commands WHERE run_id = %s", run)
+    fan = define(pg, "app.fan_naps(jsonb, flow.context)")
+    run = enqueue(pg, fan, f'{{"n": 1, "seconds": 0.3, "child": "{nap}"}}',
+                  key=f"'{unique('heldrun')}'")   # (keyed: a run row of its own)
+    pg.wait_for("SELECT status = 'running' FROM flow.commands WHERE run_id = %s AND key = 'nap-1'", run)
     with pg.connect(autocommit=False) as client:
         client.execute("SELECT 1 FROM flow._runs WHERE id = %s FOR UPDATE", (run,))
         time.sleep(0.5)   # (time itself: the handler ends and its settlement meets the lock)
@@ -321,9 +324,25 @@ def test_a_leased_settlement_whose_run_an_idle_client_holds_does_not_stall_its_w
         assert pg.one("SELECT status FROM flow.runs WHERE id = %s", run) == "running"
         client.rollback()
     assert pg.await_run(run, "20s")[0] == "succeeded"
-    outcomes = pg.all("SELECT outcome, error_code FROM flow.attempts WHERE run_id = %s ORDER BY attempt", run)
+    outcomes = pg.all("SELECT outcome, error_code FROM flow.attempts WHERE run_id = %s AND name = %s"
+                      " ORDER BY attempt", run, nap)
     assert ("voided", "run_locked") in outcomes and outcomes[-1][0] == "succeeded", outcomes
     assert all(o == ("voided", "run_locked") for o in outcomes[:-1]), outcomes
+
+
+def test_a_slow_root_alone_settles_without_its_runs_lock(pg):
+    """A leased root in its first attempt that spawned nothing is its run's
+    only command: its success writes its own row, and takes no lock of its
+    run first (src/settle.rs, settle_leased_success), so a client holding the
+    run's row does not hold it up."""
+    nap = define(pg, "app.nap(jsonb, flow.context)")
+    run = enqueue(pg, nap, '{"seconds": 0.3}', key=f"'{unique('aloneroot')}'")   # (keyed: a run row of its own)
+    pg.wait_for("SELECT status = 'running' FROM flow.commands WHERE run_id = %s", run)
+    with pg.connect(autocommit=False) as client:
+        client.execute("SELECT 1 FROM flow._runs WHERE id = %s FOR UPDATE", (run,))
+        pg.wait_for("SELECT status = 'succeeded' FROM flow.runs WHERE id = %s", run, timeout=3)
+        client.rollback()
+    assert pg.all("SELECT attempt, outcome FROM flow.attempts WHERE run_id = %s", run) == [(1, "succeeded")]
 
 
 def test_an_external_lease_ends_at_the_attempts_deadline(pg):

@@ -59,7 +59,11 @@ pub enum LeasedSettled {
 
 /// Settle the success of a leased attempt: lock its run (waiting briefly:
 /// the caller holds no command's row, but may hold other runs' locks), then
-/// settle it if its lease is still ours.
+/// settle it if its lease is still ours. A root in its first attempt that
+/// spawned nothing is its run's only command (flow._settle_batch's `alone`,
+/// the step the claim's held test takes too): its settlement writes its own
+/// row only, whose lock is what a cancel takes, so it takes no run lock
+/// first (a lock of that same row: 0.18 ms of each slow root's settlement).
 pub fn settle_leased_success(
     command: &Claimed,
     result: Option<Jsonb>,
@@ -79,7 +83,8 @@ pub fn settle_leased_success(
     ];
     with_settlement_retries(|| {
         gucs::inject_fault("settle_success");
-        if !lock_run_briefly(&command.command_id) {
+        let alone = command.command_id == command.run_id && command.attempt == 1 && !spawned;
+        if !alone && !lock_run_briefly(&command.command_id) {
             LeasedSettled::RunLocked
         } else if settle_batch(&args) == 1 {
             LeasedSettled::Settled
