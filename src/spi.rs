@@ -58,6 +58,17 @@ pub fn engine_query<R>(
     read: impl FnOnce(pgrx::spi::SpiTupleTable) -> R,
 ) -> R {
     gateway::ensure_engine_path();
+    kept_query(sql, types, args, read)
+}
+
+/// `engine_query` in any session (a client's too, whose search_path is its
+/// own): for statements that name only schema-qualified objects.
+pub fn kept_query<R>(
+    sql: &'static str,
+    types: &[PgOid],
+    args: &[DatumWithOid],
+    read: impl FnOnce(pgrx::spi::SpiTupleTable) -> R,
+) -> R {
     holding_off_cancels(|| {
         Spi::connect_mut(|client| {
             ENGINE_PLANS.with(|plans| {
