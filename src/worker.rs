@@ -627,6 +627,13 @@ impl Worker {
         if self.per_command_us <= 0.0 {
             return 1; // nothing measured yet: learn from one command first
         }
+        // Commands that take a slow handler's time: one. The claim would keep
+        // only one of them (claim::keep_what_starts_now), and the rest, left
+        // locked, make its commit send every worker's claims back to the
+        // queues' heads (shmem::wake_at_commit).
+        if self.per_command_us >= claim::FAST_HANDLER.as_micros() as f64 {
+            return 1;
+        }
         let fitting = CLAIM_TARGET.as_micros() as f64 / self.per_command_us;
         (fitting as i32).clamp(1, max)
     }
