@@ -540,8 +540,14 @@ impl Worker {
         }
         // (never 0, which claim_size reads as nothing measured yet)
         let per_command = (elapsed.as_secs_f64() * 1e6 / count as f64).max(0.001);
-        self.per_command_us =
-            if self.per_command_us == 0.0 { per_command } else { 0.7 * self.per_command_us + 0.3 * per_command };
+        // (a fall to a tenth is taken at once: the first command of a handler
+        // this worker had not seen, claimed alone, seeds the average, which
+        // then took some ten chunks to come down, claims growing by half each)
+        self.per_command_us = if self.per_command_us == 0.0 || per_command < self.per_command_us / 10.0 {
+            per_command
+        } else {
+            0.7 * self.per_command_us + 0.3 * per_command
+        };
         gucs::log(&format!("flow: ran {count} commands in {} ms (their chunks' runs)", elapsed.as_millis()));
     }
 
