@@ -278,7 +278,9 @@ BEGIN
                               WHERE r.queue = q.name AND r.status = 'running'))::integer
                      END,
                      CASE WHEN q.rate IS NOT NULL THEN flow._rate_room(q.name, q.rate, x.per_us) END) AS room,
-               q.rate, x.per_us, q.group_concurrency, q.priorities, q.grouped_priorities
+               q.rate, x.per_us, q.group_concurrency, q.priorities, q.grouped_priorities,
+               -- (its commands never had a priority or a group: one range)
+               q.priorities = '{0}' AND q.grouped_priorities = '{}' AS plain
         FROM flow._queues q CROSS JOIN LATERAL (SELECT (extract(epoch FROM q.per) * 1000000)::bigint AS per_us) x
         WHERE q.name = ANY (lanes)
     ), share AS (
@@ -364,12 +366,12 @@ BEGIN
               -- a lane whose commands never had a priority or a group: one
               -- range, without a call (one-time filters: l is the outer row)
               SELECT 0::smallint AS priority, 0::bigint AS group_hash, l.take AS room
-              WHERE l.priorities = '{0}' AND l.grouped_priorities = '{}'
+              WHERE l.plain
               UNION ALL
               SELECT r.priority, r.group_hash, r.room
               FROM flow._claim_ranges(l.name, flow._lane(l.name, l.claimant), l.priorities, l.grouped_priorities,
                                       group_start, l.take, l.group_concurrency) r
-              WHERE NOT (l.priorities = '{0}' AND l.grouped_priorities = '{}')) p
+              WHERE NOT l.plain) p
           LEFT JOIN LATERAL (
               SELECT a.at, a.id FROM unnest(after_queues, after_priorities, after_at, after_ids) AS a(queue, priority, at, id)
               WHERE p.group_hash = 0 AND a.queue = l.name AND a.priority = p.priority LIMIT 1) a ON true
