@@ -1229,6 +1229,27 @@ DECLARE
     other_owners_due boolean;
     -- where this claim's round of a queue's groups begins (see the scan below)
     group_start bigint := (random() * 9.2e18)::bigint;
+    -- every slot's queue has no priority and no group
+    all_plain boolean;
+    claim_order integer;
+    -- the slots that take a share, in this claim's turn: each one's queue,
+    -- claimant, place in the turn, room, share, limits and whether it is plain
+    s_queues text[];
+    s_claimants text[];
+    s_lane_orders integer[];
+    s_rooms integer[];
+    s_takes integer[];
+    s_unlimited boolean[];
+    s_rates integer[];
+    s_per_us bigint[];
+    s_plain boolean[];
+    -- the slot being claimed from, and the index ranges it reads
+    s_queue text;
+    s_claimant text;
+    s_take integer;
+    r_priorities smallint[];
+    r_groups bigint[];
+    r_rooms integer[];
 BEGIN
     -- Which queues offer due work, and to which claimants: each unpaused
     -- queue's head in the due index for each (an ORDER BY ... LIMIT 1
@@ -1254,6 +1275,8 @@ BEGIN
     WITH due AS (
         SELECT q.name AS queue, coalesce(q.owner::oid, 0::oid) AS queue_owner,
                q.concurrency IS NULL AND q.group_concurrency IS NULL AND q.rate IS NULL AS unlimited,
+               -- (its commands never had a priority or a group: one range)
+               q.priorities = '{0}' AND q.grouped_priorities = '{}' AS plain,
                w.claimant
         FROM flow._queues q
         CROSS JOIN unnest(claimants) AS w(claimant) CROSS JOIN LATERAL (
@@ -1295,8 +1318,8 @@ BEGIN
     SELECT array_agg(DISTINCT s.queue) FILTER (WHERE s.unlimited),
            array_agg(s.queue) FILTER (WHERE s.unlimited), array_agg(s.claimant) FILTER (WHERE s.unlimited),
            array_agg(s.queue) FILTER (WHERE NOT s.unlimited), array_agg(s.claimant) FILTER (WHERE NOT s.unlimited),
-           coalesce(bool_or(t.owners > 1), false)
-    INTO lanes, slot_queues, slot_claimants, limited_queues, limited_claimants, other_owners_due
+           coalesce(bool_or(t.owners > 1), false), coalesce(bool_and(s.plain), true)
+    INTO lanes, slot_queues, slot_claimants, limited_queues, limited_claimants, other_owners_due, all_plain
     FROM due s CROSS JOIN turns t
     WHERE names IS NOT NULL OR s.queue_owner = t.owner;
     -- Limited queues are locked before their running commands are counted
@@ -1315,180 +1338,210 @@ BEGIN
         FROM unnest(limited_queues, limited_claimants) AS s(queue, claimant)
         WHERE s.queue = ANY (locked);
     END IF;
-    -- (a claim of no command runs the statement below anyway, and takes
-    -- nothing: an idle worker plans it so, see worker.rs, warm_plans)
+    -- (a claim of no command runs the statements below anyway, and takes
+    -- nothing: an idle worker plans them so, see worker.rs, warm_plans)
     IF coalesce(cardinality(lanes), 0) = 0 AND max_count > 0 THEN
         RETURN;
     END IF;
+    -- (a claim from several queues, or one owner's turn of several: claim
+    -- order 0, so the worker claims again at once)
+    claim_order := CASE WHEN cardinality(slot_queues) <> 1 OR (other_owners_due AND names IS NULL) THEN 0 END;
+    -- The slots' shares. What each slot (a lane and a claimant with commands
+    -- due in it: an in-database worker, or a definition an external claim
+    -- names) gives the claim: an equal share of max_count (the remainder one
+    -- each to the slots first in this claim's turn), within the lane's room.
+    -- A claim of one slot of a queue without limits, priorities or groups
+    -- (most claims) takes max_count from one range, and needs no statement
+    -- here: each statement's nodes are set up at every call, and these were
+    -- a third of the claim of one command.
+    IF cardinality(slot_queues) = 1 AND limited_queues IS NULL AND all_plain THEN
+        s_queues := slot_queues;
+        s_claimants := slot_claimants;
+        s_lane_orders := '{0}';
+        s_rooms := ARRAY[max_count];
+        s_takes := ARRAY[max_count];
+        s_unlimited := '{true}';
+        s_rates := '{NULL}';
+        s_per_us := '{NULL}';
+        s_plain := '{true}';
+    ELSE
+        -- Every row the scan below locks is returned: a row locked and left
+        -- out would stay locked for the claim's transaction (a held chunk's
+        -- whole run, an external client's transaction), and the other claims,
+        -- skipping it, would take up after it and leave it behind until their
+        -- cursors ran out (a second for a worker) while its queue's later
+        -- commands ran. (Only a limited lane of several claimants may lock
+        -- more than its room: flow.claim keeps the earliest of them; the claim
+        -- holds the lane's queue meanwhile, so no other claim reads it.) A slot
+        -- with less than its share leaves the claim short: an external claim
+        -- then claims the rest (flow.claim), a worker claims again at once
+        -- (Worker::claim). (A full limited lane takes no share.) An
+        -- in-database worker may leave out rows of handlers that may be slow
+        -- (it keeps one: see src/claim.rs, keep_what_starts_now); its commit
+        -- then says they are due from where they are, so no claim skips them for long.
+        SELECT array_agg(l.name ORDER BY l.slot), array_agg(l.claimant ORDER BY l.slot),
+               array_agg(l.lane_order ORDER BY l.slot), array_agg(l.room ORDER BY l.slot),
+               array_agg(l.take ORDER BY l.slot), array_agg(l.unlimited ORDER BY l.slot),
+               array_agg(l.rate ORDER BY l.slot), array_agg(l.per_us ORDER BY l.slot), array_agg(l.plain ORDER BY l.slot)
+        INTO s_queues, s_claimants, s_lane_orders, s_rooms, s_takes, s_unlimited, s_rates, s_per_us, s_plain
+        FROM (
+            SELECT l.*, least(l.room, max_count / l.slots + (l.slot < max_count % l.slots)::integer) AS take
+            FROM (SELECT l.*, s.claimant,
+                         (row_number() OVER (ORDER BY l.lane_order, s.claimant) - 1)::integer AS slot,
+                         (count(*) OVER ())::integer AS slots
+                  FROM (
+                      SELECT q.name,
+                             -- (its place in this claim's round-robin turn: from queue number `turn`, in name order)
+                             (((row_number() OVER (ORDER BY q.name) - 1 - turn) % cardinality(lanes) + cardinality(lanes))
+                                 % cardinality(lanes))::integer AS lane_order,
+                             q.concurrency IS NULL AND q.group_concurrency IS NULL AND q.rate IS NULL AS unlimited,
+                             -- (within its concurrency limit, and as many as its rate
+                             -- limit has cells for now: each row it locks takes one,
+                             -- below, and one it cannot is left for a later claim)
+                             least(CASE WHEN q.concurrency IS NULL THEN max_count
+                                        ELSE greatest(0, q.concurrency - (
+                                            SELECT count(*) FROM flow._commands r       -- index _commands_running
+                                            WHERE r.queue = q.name AND r.status = 'running'))::integer
+                                   END,
+                                   CASE WHEN q.rate IS NOT NULL THEN flow._rate_room(q.name, q.rate, x.per_us) END) AS room,
+                             q.rate, x.per_us,
+                             q.priorities = '{0}' AND q.grouped_priorities = '{}' AS plain
+                      FROM flow._queues q CROSS JOIN LATERAL (SELECT (extract(epoch FROM q.per) * 1000000)::bigint AS per_us) x
+                      WHERE q.name = ANY (lanes)) l
+                  JOIN unnest(slot_queues, slot_claimants) AS s(queue, claimant) ON s.queue = l.name
+                  WHERE l.room > 0) l) l
+        WHERE l.take > 0;
+    END IF;
 
-    RETURN QUERY
-    WITH lane AS (
-        SELECT q.name,
-               -- (its place in this claim's round-robin turn: from queue number `turn`, in name order)
-               (((row_number() OVER (ORDER BY q.name) - 1 - turn) % cardinality(lanes) + cardinality(lanes))
-                   % cardinality(lanes))::integer AS lane_order,
-               q.concurrency IS NULL AND q.group_concurrency IS NULL AND q.rate IS NULL AS unlimited,
-               -- (within its concurrency limit, and as many as its rate
-               -- limit has cells for now: each row it locks takes one,
-               -- below, and one it cannot is left for a later claim)
-               least(CASE WHEN q.concurrency IS NULL THEN max_count
-                          ELSE greatest(0, q.concurrency - (
-                              SELECT count(*) FROM flow._commands r       -- index _commands_running
-                              WHERE r.queue = q.name AND r.status = 'running'))::integer
-                     END,
-                     CASE WHEN q.rate IS NOT NULL THEN flow._rate_room(q.name, q.rate, x.per_us) END) AS room,
-               q.rate, x.per_us, q.group_concurrency, q.priorities, q.grouped_priorities,
-               -- (its commands never had a priority or a group: one range)
-               q.priorities = '{0}' AND q.grouped_priorities = '{}' AS plain
-        FROM flow._queues q CROSS JOIN LATERAL (SELECT (extract(epoch FROM q.per) * 1000000)::bigint AS per_us) x
-        WHERE q.name = ANY (lanes)
-    ), share AS (
-        -- What each slot (a lane and a claimant with commands due in it:
-        -- an in-database worker, or a definition an external claim names)
-        -- gives the claim: an equal share of max_count (the remainder one
-        -- each to the slots first in this claim's turn), within the lane's
-        -- room. Every row the scan below locks is returned: a row locked
-        -- and left out would stay locked for the claim's transaction (a
-        -- held chunk's whole run, an external client's transaction), and
-        -- the other claims, skipping it, would take up after it and leave
-        -- it behind until their cursors ran out (a second for a worker)
-        -- while its queue's later commands ran. (Only a limited lane of
-        -- several claimants may lock more than its room: flow.claim keeps
-        -- the earliest of them; the claim holds the lane's queue meanwhile,
-        -- so no other claim reads it.) A slot with less than its share leaves
-        -- the claim short: an external claim then claims the rest (flow.claim),
-        -- a worker claims again at once (Worker::claim).
-        -- (A full limited lane takes no share.) An in-database worker may
-        -- leave out rows of handlers that may be slow (it keeps one: see
-        -- src/claim.rs, keep_what_starts_now); its commit then says they are
-        -- due from where they are, so no claim skips them for long.
-        SELECT l.*, least(l.room, max_count / l.slots + (l.slot < max_count % l.slots)::integer) AS take
-        FROM (SELECT l.*, s.claimant,
-                     (row_number() OVER (ORDER BY l.lane_order, s.claimant) - 1)::integer AS slot,
-                     (count(*) OVER ())::integer AS slots
-              FROM lane l JOIN unnest(slot_queues, slot_claimants) AS s(queue, claimant) ON s.queue = l.name
-              WHERE l.room > 0) l
-    )
-    SELECT h.id, h.run_id, h.name, h.version, h.queue, h.args,
-           h.attempts + 1, h.attempt_deadline,
-           h.handler, h.owner,
-           -- the context a handler or external worker sees: only for handlers
-           -- that take it, and external workers (built here, in one
-           -- expression: a function per command would cost several times more;
-           -- in a branch of the CASE, so no-context handlers pay nothing for it)
-           CASE WHEN h.takes_context OR names IS NOT NULL THEN
-               ROW(h.run_id, (SELECT r.key FROM flow._runs r WHERE r.id = h.run_id), h.id,
-                   h.key, h.name, h.version, h.queue, h.attempts + 1, h.attempt_deadline,
-                   -- the command's waits, met (with their events) and not: by
-                   -- its own entries of _waits_pkey (a filter on event_position
-                   -- alone would walk every open wait), in that index's order,
-                   -- so the aggregates sort nothing (an ORDER BY in them sets up
-                   -- a sort per command, waits or not). A run's root (id =
-                   -- run_id) waits for nothing: the CASEs spare it both reads
-                   -- (one subquery for both lists ran for it too, to aggregate
-                   -- no row: 4 % of a writing drain, 2 % of an external one).
-                   coalesce(CASE WHEN h.id <> h.run_id THEN (
-                       SELECT jsonb_agg(jsonb_build_object('name', w.name, 'key', w.key, 'payload', w.payload,
-                                                           'position', w.position))
-                       FROM (SELECT w.name, w.key, e.payload, e.position
-                             FROM flow._waits w LEFT JOIN flow._events e ON e.position = w.event_position
-                             WHERE w.command_id = h.id AND w.event_position IS NOT NULL
-                             ORDER BY w.name, w.key) w) END, '[]'),
-                   flow._wait_timed_out(h.status, h.wait_timed_out),
-                   coalesce(CASE WHEN h.id <> h.run_id THEN (
-                       SELECT jsonb_agg(jsonb_build_object('name', w.name, 'key', w.key))
-                       FROM (SELECT w.name, w.key FROM flow._waits w
-                             WHERE w.command_id = h.id AND w.event_position IS NULL
-                             ORDER BY w.name, w.key) w) END, '[]'),
-                   h.created_at, h.budget_start, now())::flow.context
-           END,
-           h.timeout, least(flow._deadline(h.budget_start, h.max_elapsed), h.deadline),
-           -- (a claim from several queues, or one owner's turn of several:
-           -- claim order 0, so the worker claims again at once)
-           CASE WHEN cardinality(slot_queues) <> 1 OR (other_owners_due AND names IS NULL) THEN 0 END,
-           h.args_type, h.next_run_at, h.row_at,
-           h.held, h.lane_order, h.room, h.priority, h.group_hash
-    FROM (
-        -- (an attempt's deadlines: flow._deadline never raises, whatever one
-        -- row holds, so no row can fail the claim for every role: src/spans.rs)
-        SELECT h.*, least(flow._deadline(now(), h.timeout), flow._deadline(h.budget_start, h.max_elapsed),
-                          h.deadline) AS attempt_deadline,
-               -- (a command of a rate-limited queue is leased: the claim
-               -- that admitted it commits at once, with what it left)
-               coalesce(l.unlimited AND l.rate IS NULL AND (h.handler = ANY (fast_handlers) OR hold), false) AS held,
-               l.lane_order, l.room, l.rate, l.per_us
-        FROM share l CROSS JOIN LATERAL (
-          -- (its ranges in order, each up to its room: the ungrouped read
-          -- from where the last claim ended; until the slot has its share:
-          -- the LIMIT stops the scans, so every row locked is returned)
-          SELECT k.* FROM (
-              -- a lane whose commands never had a priority or a group: one
-              -- range, without a call (one-time filters: l is the outer row)
-              SELECT 0::smallint AS priority, 0::bigint AS group_hash, l.take AS room
-              WHERE l.plain
-              UNION ALL
-              SELECT r.priority, r.group_hash, r.room
-              FROM flow._claim_ranges(l.name, flow._lane(l.name, l.claimant), l.priorities, l.grouped_priorities,
-                                      group_start, l.take, l.group_concurrency) r
-              WHERE NOT l.plain) p
-          LEFT JOIN LATERAL (
-              SELECT a.at, a.id FROM unnest(after_queues, after_priorities, after_at, after_ids) AS a(queue, priority, at, id)
-              WHERE p.group_hash = 0 AND a.queue = l.name AND a.priority = p.priority LIMIT 1) a ON true
-          CROSS JOIN LATERAL (
-            -- (the columns a caller needs, not the whole row: a row carried
-            -- as one composite value is built, copied and taken apart again
-            -- for every command)
-            SELECT c.id, c.priority, c.group_hash, c.run_id, c.key, c.name, c.version, c.queue, c.args, c.status, c.attempts, c.next_run_at,
-                   c.deadline, c.wait_timed_out, c.created_at, c.ctid AS row_at,
-                   d.handler::oid AS handler, d.owner::oid AS owner, d.takes_context,
-                   d.timeout, d.max_elapsed, d.args_type,
-                   flow._budget_start(c.status, c.attempts, c.next_run_at, c.budget_started_at) AS budget_start
-            FROM flow._commands c                                   -- index _commands_due
-            JOIN flow._definitions d ON d.name = c.name AND d.version = c.version
-            WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END) = flow._lane(l.name, l.claimant)
-              AND c.priority = p.priority AND c.group_hash = p.group_hash
-              AND c.queue = l.name AND c.external = (names IS NOT NULL)
-              AND (CASE WHEN c.external THEN c.name ELSE '' END) = l.claimant
-              AND c.status IN ('pending', 'waiting') AND c.next_run_at <= now()
-              AND (c.next_run_at, c.id) > (coalesce(a.at, '-infinity'), coalesce(a.id, '00000000-0000-0000-0000-000000000000'::uuid))
-              AND (excluded IS NULL OR c.id <> ALL (excluded))
-              -- (runs other workers' chunks hold: a command of one would be
-              -- locked here and left out below, see shmem::publish_busy_runs)
-              AND (busy_runs IS NULL OR c.run_id <> ALL (busy_runs))
-            ORDER BY c.next_run_at, c.id
-            LIMIT p.room
-            FOR UPDATE OF c SKIP LOCKED
-          ) k
-          LIMIT l.take
+    -- Each slot's commands, in its lane's claim order. (A claim of no
+    -- command: one pass with nothing to take, to plan it.)
+    FOR i IN 1..greatest(coalesce(cardinality(s_queues), 0), (max_count = 0)::integer) LOOP
+        s_queue := s_queues[i];
+        s_claimant := s_claimants[i];
+        s_take := coalesce(s_takes[i], 0);
+        -- The index ranges of _commands_due the slot reads, in order, each up
+        -- to its room: one for a lane whose commands never had a priority or
+        -- a group, else flow._claim_ranges's.
+        IF coalesce(s_plain[i], true) THEN
+            r_priorities := '{0}';
+            r_groups := '{0}';
+            r_rooms := ARRAY[s_take];
+        ELSE
+            SELECT array_agg(r.priority), array_agg(r.group_hash), array_agg(r.room)
+            INTO r_priorities, r_groups, r_rooms
+            FROM flow._queues q
+            CROSS JOIN LATERAL flow._claim_ranges(q.name, flow._lane(q.name, s_claimant), q.priorities,
+                                                  q.grouped_priorities, group_start, s_take, q.group_concurrency) r
+            WHERE q.name = s_queue;
+        END IF;
+        RETURN QUERY
+        SELECT h.id, h.run_id, h.name, h.version, h.queue, h.args,
+               h.attempts + 1, h.attempt_deadline,
+               h.handler, h.owner,
+               -- the context a handler or external worker sees: only for handlers
+               -- that take it, and external workers (built here, in one
+               -- expression: a function per command would cost several times more;
+               -- in a branch of the CASE, so no-context handlers pay nothing for it)
+               CASE WHEN h.takes_context OR names IS NOT NULL THEN
+                   ROW(h.run_id, (SELECT r.key FROM flow._runs r WHERE r.id = h.run_id), h.id,
+                       h.key, h.name, h.version, h.queue, h.attempts + 1, h.attempt_deadline,
+                       -- the command's waits, met (with their events) and not: by
+                       -- its own entries of _waits_pkey (a filter on event_position
+                       -- alone would walk every open wait), in that index's order,
+                       -- so the aggregates sort nothing (an ORDER BY in them sets up
+                       -- a sort per command, waits or not). A run's root (id =
+                       -- run_id) waits for nothing: the CASEs spare it both reads
+                       -- (one subquery for both lists ran for it too, to aggregate
+                       -- no row: 4 % of a writing drain, 2 % of an external one).
+                       coalesce(CASE WHEN h.id <> h.run_id THEN (
+                           SELECT jsonb_agg(jsonb_build_object('name', w.name, 'key', w.key, 'payload', w.payload,
+                                                               'position', w.position))
+                           FROM (SELECT w.name, w.key, e.payload, e.position
+                                 FROM flow._waits w LEFT JOIN flow._events e ON e.position = w.event_position
+                                 WHERE w.command_id = h.id AND w.event_position IS NOT NULL
+                                 ORDER BY w.name, w.key) w) END, '[]'),
+                       flow._wait_timed_out(h.status, h.wait_timed_out),
+                       coalesce(CASE WHEN h.id <> h.run_id THEN (
+                           SELECT jsonb_agg(jsonb_build_object('name', w.name, 'key', w.key))
+                           FROM (SELECT w.name, w.key FROM flow._waits w
+                                 WHERE w.command_id = h.id AND w.event_position IS NULL
+                                 ORDER BY w.name, w.key) w) END, '[]'),
+                       h.created_at, h.budget_start, now())::flow.context
+               END,
+               h.timeout, least(flow._deadline(h.budget_start, h.max_elapsed), h.deadline),
+               claim_order, h.args_type, h.next_run_at, h.row_at,
+               h.held, s_lane_orders[i], s_rooms[i], h.priority, h.group_hash
+        FROM (
+            -- (an attempt's deadlines: flow._deadline never raises, whatever one
+            -- row holds, so no row can fail the claim for every role: src/spans.rs)
+            SELECT h.*, least(flow._deadline(now(), h.timeout), flow._deadline(h.budget_start, h.max_elapsed),
+                              h.deadline) AS attempt_deadline,
+                   -- (a command of a rate-limited queue is leased: the claim
+                   -- that admitted it commits at once, with what it left)
+                   coalesce(s_unlimited[i] AND s_rates[i] IS NULL AND (h.handler = ANY (fast_handlers) OR hold), false) AS held
+            FROM (
+              -- (its ranges in order, each up to its room: the ungrouped read
+              -- from where the last claim ended; until the slot has its share:
+              -- the LIMIT stops the scans, so every row locked is returned)
+              SELECT k.* FROM unnest(r_priorities, r_groups, r_rooms) AS p(priority, group_hash, room)
+              LEFT JOIN LATERAL (
+                  SELECT a.at, a.id FROM unnest(after_queues, after_priorities, after_at, after_ids) AS a(queue, priority, at, id)
+                  WHERE p.group_hash = 0 AND a.queue = s_queue AND a.priority = p.priority LIMIT 1) a ON true
+              CROSS JOIN LATERAL (
+                -- (the columns a caller needs, not the whole row: a row carried
+                -- as one composite value is built, copied and taken apart again
+                -- for every command)
+                SELECT c.id, c.priority, c.group_hash, c.run_id, c.key, c.name, c.version, c.queue, c.args, c.status, c.attempts, c.next_run_at,
+                       c.deadline, c.wait_timed_out, c.created_at, c.ctid AS row_at,
+                       d.handler::oid AS handler, d.owner::oid AS owner, d.takes_context,
+                       d.timeout, d.max_elapsed, d.args_type,
+                       flow._budget_start(c.status, c.attempts, c.next_run_at, c.budget_started_at) AS budget_start
+                FROM flow._commands c                                   -- index _commands_due
+                JOIN flow._definitions d ON d.name = c.name AND d.version = c.version
+                WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END) = flow._lane(s_queue, s_claimant)
+                  AND c.priority = p.priority AND c.group_hash = p.group_hash
+                  AND c.queue = s_queue AND c.external = (names IS NOT NULL)
+                  AND (CASE WHEN c.external THEN c.name ELSE '' END) = s_claimant
+                  AND c.status IN ('pending', 'waiting') AND c.next_run_at <= now()
+                  AND (c.next_run_at, c.id) > (coalesce(a.at, '-infinity'), coalesce(a.id, '00000000-0000-0000-0000-000000000000'::uuid))
+                  AND (excluded IS NULL OR c.id <> ALL (excluded))
+                  -- (runs other workers' chunks hold: a command of one would be
+                  -- locked here and left out below, see shmem::publish_busy_runs)
+                  AND (busy_runs IS NULL OR c.run_id <> ALL (busy_runs))
+                ORDER BY c.next_run_at, c.id
+                LIMIT p.room
+                FOR UPDATE OF c SKIP LOCKED
+              ) k
+              LIMIT s_take
+            ) h
         ) h
-        WHERE l.take > 0
-    ) h
-    -- A held command is held with its run locked too (a run locked elsewhere,
-    -- by a cancel or another chunk, leaves its command for a later claim: see
-    -- flow._left_behind; busy_runs spares most of them the lock). A
-    -- run's root with no child yet is held without its run's lock: only its
-    -- own handler can add to the run (spawn), and its chunk never waits for
-    -- the run's lock (a success of such a root writes no run; a failure takes
-    -- the lock only if it is free, see _settle_failure's wait_for_run), so a
-    -- cancel that holds the run and waits for the root (flow._cancel) cannot
-    -- deadlock with it. That lock would be the only write to the run's row:
-    -- its WAL, and a page dirtied, per command.
-    -- (a CASE: the lock is taken only when the first test fails; a root with
-    -- no child: see flow._run_rows. A root no attempt was counted for has
-    -- none, without a probe: only its own attempt can spawn, and an attempt
-    -- that kept its spawns is counted, see flow._settle_batch's `alone`)
-    -- (A command of a rate-limited queue takes its cell here, in claim
-    -- order. The claim holds the queue (as a limited one), so no other claim
-    -- took its cells meanwhile: it locked no more than there are.)
-    WHERE (h.rate IS NULL OR flow._rate_admit(h.queue, h.rate, h.per_us))
-      AND (NOT h.held
-       OR CASE WHEN h.id = h.run_id
-                    AND (h.attempts = 0
-                         OR NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = h.id))  -- alone: docs/DESIGN.md
-               THEN true
-               ELSE EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = h.run_id FOR UPDATE SKIP LOCKED)
-                    -- (or it is left out, and due again at the claim's end)
-                    OR flow._left_behind(h.next_run_at) END);
+        -- A held command is held with its run locked too (a run locked elsewhere,
+        -- by a cancel or another chunk, leaves its command for a later claim: see
+        -- flow._left_behind; busy_runs spares most of them the lock). A
+        -- run's root with no child yet is held without its run's lock: only its
+        -- own handler can add to the run (spawn), and its chunk never waits for
+        -- the run's lock (a success of such a root writes no run; a failure takes
+        -- the lock only if it is free, see _settle_failure's wait_for_run), so a
+        -- cancel that holds the run and waits for the root (flow._cancel) cannot
+        -- deadlock with it. That lock would be the only write to the run's row:
+        -- its WAL, and a page dirtied, per command.
+        -- (a CASE: the lock is taken only when the first test fails; a root with
+        -- no child: see flow._run_rows. A root no attempt was counted for has
+        -- none, without a probe: only its own attempt can spawn, and an attempt
+        -- that kept its spawns is counted, see flow._settle_batch's `alone`)
+        -- (A command of a rate-limited queue takes its cell here, in claim
+        -- order. The claim holds the queue (as a limited one), so no other claim
+        -- took its cells meanwhile: it locked no more than there are.)
+        WHERE (s_rates[i] IS NULL OR flow._rate_admit(h.queue, s_rates[i], s_per_us[i]))
+          AND (NOT h.held
+           OR CASE WHEN h.id = h.run_id
+                        AND (h.attempts = 0
+                             OR NOT EXISTS (SELECT 1 FROM flow._commands k WHERE k.parent_id = h.id))  -- alone: docs/DESIGN.md
+                   THEN true
+                   ELSE EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = h.run_id FOR UPDATE SKIP LOCKED)
+                        -- (or it is left out, and due again at the claim's end)
+                        OR flow._left_behind(h.next_run_at) END);
+    END LOOP;
 END $$;
 
 -- Lease commands this transaction's claim locked (flow._claim, held = false):
