@@ -3,7 +3,7 @@ time), lower first (sql/claim.sql, flow._claim; a queue's priorities are in _que
 in-database workers and external claims alike."""
 import pytest
 
-from conftest import app_cluster, claim, external, unique
+from conftest import app_cluster, claim, external, poll, unique
 
 PRIORITY_APP = """
     -- each run records the order it ran in
@@ -96,11 +96,37 @@ def test_external_claims_take_lower_priorities_first(pg):
     ids = {}
     for tag, priority in (("late", 4), ("first", -1), ("mid", 0), ("second", -1)):
         ids[pg.one("SELECT flow.enqueue(%s, jsonb_build_object('tag', %s::text), priority => %s)", name, tag, priority)] = tag
+    # (a queue's new priorities are added to it a moment after their commit)
+    pg.wait_for("SELECT count(*) = 0 FROM flow._priority_notes")
     with pg.connect() as conn:
         rows = claim(conn, name, max_=2)
         assert [r[2]["tag"] for r in rows] == ["first", "second"]
         rows = claim(conn, name, max_=2)
         assert [r[2]["tag"] for r in rows] == ["mid", "late"]
+
+
+def test_a_transaction_that_noted_a_new_priority_holds_up_no_other_role(pg):
+    """A role's open transaction that enqueued the first command of a new
+    priority into the shared `default` queue does not hold up another role's
+    first command of another new priority there: its enqueue returns at once,
+    and it is claimed while the first transaction is still open."""
+    pg.one("DO $$ BEGIN CREATE ROLE alice LOGIN; CREATE ROLE bob LOGIN;"
+           " EXCEPTION WHEN duplicate_object THEN NULL; END $$")
+    hers = external(pg, user="alice", queue="'default'")
+    his = external(pg, user="bob", queue="'default'")
+    with pg.connect(user="alice", autocommit=False) as alice:
+        alice.execute("SELECT flow.enqueue(%s, '{\"tag\": \"hers\"}', priority => 1011)", (hers,))
+        with pg.connect(user="bob") as bob:
+            bob.execute("SET statement_timeout = '5 s'")
+            bob.execute("SELECT flow.enqueue(%s, '{\"tag\": \"his\"}', priority => 1012)", (his,))
+            rows = poll(lambda: claim(bob, his), 10.0, what="bob's command claimed")
+            assert [r[2]["tag"] for r in rows] == ["his"]
+        assert claim(alice, hers) == []   # (her own is not committed)
+        alice.commit()
+    with pg.connect(user="alice") as alice:
+        rows = poll(lambda: claim(alice, hers), 10.0, what="alice's command claimed")
+        assert [r[2]["tag"] for r in rows] == ["hers"]
+    assert {1011, 1012} <= set(pg.one("SELECT priorities FROM flow._queues WHERE name = 'default'"))
 
 
 def test_a_bad_priority_is_refused_and_changes_nothing(pg):

@@ -84,27 +84,86 @@ END $$;
 -- for its claims (_queues.priorities and grouped_priorities; priority 0
 -- without groups is always read). Called for each enqueue and spawn of a
 -- priority other than 0 or with a group: a probe of the queue's row once
--- they are known, a write of it the first time. (A concurrent enqueue that
--- notes the same waits for this one's transaction, then finds it noted.)
+-- they are known. The first time, the note goes to _priority_notes, and the
+-- maintenance worker, woken by this transaction's commit, adds it to the
+-- queue's row in a transaction of its own (flow._fold_priority_notes): so
+-- the first commands of a new priority are claimed a moment after their
+-- commit, and no transaction ever holds a queue's row for a note (another
+-- role's first enqueue of a new priority in a shared queue, `default`,
+-- waited for it to end). Where that worker does not run (another database
+-- than flow.database_name), the queue's row is written here, as before.
 CREATE FUNCTION flow._note_priority(queue text, priority smallint, grouped boolean) RETURNS void
 LANGUAGE plpgsql AS $$
 DECLARE
-    priorities integer;
+    noted boolean;
+    in_use integer;
 BEGIN
-    UPDATE flow._queues q
-    SET priorities = ARRAY(SELECT DISTINCT p FROM unnest(q.priorities || _note_priority.priority) AS p ORDER BY p),
-        grouped_priorities = CASE WHEN grouped
-                                  THEN ARRAY(SELECT DISTINCT p FROM unnest(q.grouped_priorities || _note_priority.priority) AS p ORDER BY p)
-                                  ELSE q.grouped_priorities END
-    WHERE q.name = _note_priority.queue
-      AND (_note_priority.priority <> ALL (q.priorities)
-           OR (grouped AND _note_priority.priority <> ALL (q.grouped_priorities)))
-    RETURNING cardinality(q.priorities) INTO priorities;
+    SELECT _note_priority.priority = ANY (q.priorities)
+           AND (NOT grouped OR _note_priority.priority = ANY (q.grouped_priorities))
+    INTO noted
+    FROM flow._queues q WHERE q.name = _note_priority.queue;
+    IF noted OR noted IS NULL
+       OR EXISTS (SELECT 1 FROM flow._priority_notes n     -- (by this transaction, or not yet added)
+                  WHERE n.queue = _note_priority.queue AND n.priority = _note_priority.priority
+                    AND (n.grouped OR NOT _note_priority.grouped)) THEN
+        RETURN;
+    END IF;
     -- (each costs every claim of the queue a probe)
-    IF priorities > 65 THEN
+    SELECT count(*) INTO in_use
+    FROM (SELECT p FROM flow._queues q CROSS JOIN unnest(q.priorities || _note_priority.priority) AS p
+          WHERE q.name = _note_priority.queue
+          UNION
+          SELECT n.priority FROM flow._priority_notes n WHERE n.queue = _note_priority.queue) u;
+    IF in_use > 65 THEN
         RAISE EXCEPTION 'flow: queue % has 64 priorities besides 0 in use already', queue
             USING ERRCODE = '54000', HINT = 'Use fewer distinct priorities, or another queue.';
     END IF;
+    INSERT INTO flow._priority_notes VALUES (queue, priority, grouped);
+    IF current_database() = current_setting('flow.database_name') THEN
+        PERFORM flow._wake_maintenance();
+    ELSE
+        -- (no maintenance worker here: added now, the queue's row held to the end)
+        PERFORM 1 FROM flow._queues q WHERE q.name = _note_priority.queue FOR NO KEY UPDATE;
+        PERFORM flow._fold_priority_notes(queue);
+    END IF;
+END $$;
+
+-- Add the priorities noted in _priority_notes to their queues' rows (all
+-- queues', or only `only_queue`'s), and forget the notes: the maintenance
+-- worker's, in a transaction of its own, at each of its rounds (a note's
+-- commit wakes it). A queue locked elsewhere (flow.set_queue in an open
+-- transaction) is left for the next round, never waited for. Returns how
+-- many queues it changed; their new priorities' commands are due from now.
+CREATE FUNCTION flow._fold_priority_notes(only_queue text DEFAULT NULL) RETURNS integer
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    changed integer;
+BEGIN
+    -- (of queues dropped since)
+    DELETE FROM flow._priority_notes n
+    WHERE (only_queue IS NULL OR n.queue = only_queue)
+      AND NOT EXISTS (SELECT 1 FROM flow._queues q WHERE q.name = n.queue);
+    WITH locked AS (
+        SELECT q.name FROM flow._queues q
+        WHERE q.name IN (SELECT n.queue FROM flow._priority_notes n WHERE only_queue IS NULL OR n.queue = only_queue)
+        FOR NO KEY UPDATE SKIP LOCKED
+    ), taken AS (
+        DELETE FROM flow._priority_notes n USING locked l WHERE n.queue = l.name
+        RETURNING n.queue, n.priority, n.grouped
+    ), noted AS (
+        SELECT t.queue, array_agg(t.priority) AS priorities,
+               coalesce(array_agg(t.priority) FILTER (WHERE t.grouped), '{}') AS grouped_priorities
+        FROM taken t GROUP BY t.queue
+    )
+    UPDATE flow._queues q
+    SET priorities = ARRAY(SELECT DISTINCT p FROM unnest(q.priorities || n.priorities) AS p ORDER BY p),
+        grouped_priorities = ARRAY(SELECT DISTINCT p FROM unnest(q.grouped_priorities || n.grouped_priorities) AS p ORDER BY p)
+    FROM noted n WHERE q.name = n.queue;
+    GET DIAGNOSTICS changed = ROW_COUNT;
+    IF changed > 0 THEN
+        PERFORM flow._wake_due_from('-infinity');
+    END IF;
+    RETURN changed;
 END $$;
 
 -- The root commands of new runs (run_ids[i] gets args[i]), and the wake-up.

@@ -118,6 +118,20 @@ CREATE TABLE flow._queues (
     grouped_priorities smallint[] NOT NULL DEFAULT '{}'
 );
 
+-- Priorities (and groups) enqueues and spawns noted for a queue that its
+-- row does not have yet (flow._note_priority), until the maintenance worker
+-- adds them to it (flow._fold_priority_notes). Noted here, not in the
+-- queue's row: a transaction that wrote that row would hold it until its
+-- end, and every other role's first command of another new priority in the
+-- same shared queue would wait for it. (No unique key either, for the same
+-- reason: an insert of a key another open transaction inserted waits for it.)
+CREATE TABLE flow._priority_notes (
+    queue    text NOT NULL,
+    priority smallint NOT NULL,
+    grouped  boolean NOT NULL
+);
+CREATE INDEX _priority_notes_queue ON flow._priority_notes (queue, priority);
+
 -- Definition names are owned: the first role to define a name owns every
 -- version of it, and only its members (and roles it grants) start its commands.
 -- Defining locks the name's row first, so two roles can never race for it.
@@ -436,3 +450,4 @@ SELECT pg_catalog.pg_extension_config_dump('flow._events', '');
 SELECT pg_catalog.pg_extension_config_dump('flow._events_position_seq', '');
 SELECT pg_catalog.pg_extension_config_dump('flow._waits', '');
 SELECT pg_catalog.pg_extension_config_dump('flow._schedules', '');
+SELECT pg_catalog.pg_extension_config_dump('flow._priority_notes', '');

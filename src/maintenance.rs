@@ -1,6 +1,7 @@
 //! The maintenance worker: one background process, `flow maintenance`, that
 //! keeps the engine's upkeep out from behind handlers. It never runs a
-//! handler. It fires schedules' ticks on time (flow._fire_schedules: it
+//! handler. It adds the priorities enqueues noted to their queues
+//! (flow._fold_priority_notes: woken by the note's commit). It fires schedules' ticks on time (flow._fire_schedules: it
 //! sleeps until the next tick, and a change of schedule wakes it). Each round
 //! (every RECOVERY_INTERVAL, or at once when woken by an abandoned external
 //! attempt, a tick or a schedule changed): recovery (src/recovery.rs: gone workers'
@@ -79,6 +80,14 @@ pub extern "C-unwind" fn flow_maintenance_main(_arg: pg_sys::Datum) {
         let mut next_tick_at: Option<Instant> = None;
         // (each round: the extension may have been dropped or updated since)
         let ready = transaction(worker::extension_installed).unwrap_or(false);
+        if ready {
+            // (first: the first commands of a priority new to their queue
+            // are claimed once it is added, and their commit woke this worker)
+            worker::report_activity("flow maintenance: adding priorities");
+            if transaction(fold_priority_notes).flatten().is_none() {
+                spi::forget_plans();
+            }
+        }
         if ready && gucs::enabled() {
             worker::report_activity("flow maintenance: firing schedules");
             let next_tick = fire_schedules(started);
@@ -156,6 +165,11 @@ fn fire_schedules(started: Option<pgrx::datum::TimestampWithTimeZone>) -> Durati
         Some(ms) if ms <= 0 => HELD_SCHEDULE_RETRY,
         Some(ms) => Duration::from_millis(ms as u64),
     }
+}
+
+/// Add the priorities enqueues noted to their queues (flow._fold_priority_notes); how many queues changed.
+fn fold_priority_notes() -> Option<i32> {
+    engine_query("SELECT flow._fold_priority_notes()", &[], &[], |rows| rows.first().get_one::<i32>().ok().flatten())
 }
 
 /// End the runs whose deadline has passed (flow._expire_runs); how many.

@@ -120,4 +120,13 @@ ALTER TABLE flow._queues ADD COLUMN group_concurrency integer CHECK (group_concu
 ALTER TABLE flow._queues
     ADD COLUMN priorities smallint[] NOT NULL DEFAULT '{0}' CHECK (0 = ANY (priorities)),
     ADD COLUMN grouped_priorities smallint[] NOT NULL DEFAULT '{}';
+-- Priorities noted and not yet in their queue's row (see sql/schema.sql).
+CREATE TABLE flow._priority_notes (
+    queue    text NOT NULL,
+    priority smallint NOT NULL,
+    grouped  boolean NOT NULL
+);
+CREATE INDEX _priority_notes_queue ON flow._priority_notes (queue, priority);
+REVOKE ALL ON flow._priority_notes FROM PUBLIC;
+SELECT pg_catalog.pg_extension_config_dump('flow._priority_notes', '');
 DROP FUNCTION flow.set_queue(text, integer, boolean, bigint);
