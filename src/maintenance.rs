@@ -80,15 +80,13 @@ pub extern "C-unwind" fn flow_maintenance_main(_arg: pg_sys::Datum) {
         let mut next_tick_at: Option<Instant> = None;
         // (each round: the extension may have been dropped or updated since)
         let ready = transaction(worker::extension_installed).unwrap_or(false);
-        if ready {
+        if ready && gucs::enabled() {
             // (first: the first commands of a priority new to their queue
             // are claimed once it is added, and their commit woke this worker)
             worker::report_activity("flow maintenance: adding priorities");
             if transaction(fold_priority_notes).flatten().is_none() {
                 spi::forget_plans();
             }
-        }
-        if ready && gucs::enabled() {
             worker::report_activity("flow maintenance: firing schedules");
             let next_tick = fire_schedules(started);
             next_tick_at = Instant::now().checked_add(next_tick);
