@@ -492,6 +492,13 @@ def seen_fast(pg, name):
             assert pg.await_run(run, "10s")[0] == "succeeded"
 
 
+def priorities_noted(pg):
+    """Wait until the priorities (and groups) that enqueues noted are in their
+    queues' rows: the maintenance worker adds them a moment after their commit
+    (flow._fold_priority_notes), and claims read those rows."""
+    pg.wait_for("SELECT count(*) = 0 FROM flow._priority_notes")
+
+
 # ---------------------------------------------------------------- external workers
 
 QUICK = {"max_attempts": 3, "backoff": "'10 ms'", "backoff_max": "'10 ms'"}

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PGBIN, Cluster
+from conftest import PGBIN, Cluster, priorities_noted
 
 SOURCE_COUNTS = """
 SELECT jsonb_build_object(
@@ -132,6 +132,7 @@ def test_a_dump_taken_mid_workflow_restores_and_completes(pg):
         slow = c.execute("SELECT flow.enqueue('slow', '{}')").fetchone()[0]
         pg.wait_for("SELECT status = 'running' FROM flow.commands WHERE run_id = %s", slow)
 
+        priorities_noted(pg)
         # both formats, taken while `slow` runs and a retry of `flaky` is scheduled,
         # from one exported snapshot that the expected contents are read in too
         dumps = Path(pg.dir) / "dumps"

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import app_cluster, claim, external, unique
+from conftest import app_cluster, claim, external, priorities_noted, unique
 
 GROUP_APP = """
     CREATE TABLE app.ran (n serial PRIMARY KEY, queue text, grp text, began timestamptz DEFAULT clock_timestamp(),
@@ -64,6 +64,7 @@ def test_the_views_show_a_leased_command_as_of_the_readers_snapshot(pg):
     snapshot still saw running): group_concurrency 1 seemed broken."""
     queue, name = grouped_queue(pg)
     run = pg.one("SELECT flow.enqueue(%s, '{\"g\": \"view\", \"sleep\": 3}', start_after => '1 s')", name)
+    priorities_noted(pg)
     pg.one("SELECT flow.set_queue(%s, paused => false)", queue)
     with pg.connect() as reader:
         reader.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
@@ -86,6 +87,7 @@ def test_a_groups_backlog_delays_another_group_by_one_turn_at_most(pg):
     pg.one("SELECT flow.enqueue_many(%s, ARRAY(SELECT jsonb_build_object('g', g) FROM unnest(%s::text[]) g),"
            " group_keys => %s)", name, small, small)
     pg.one("SELECT flow.enqueue(%s, '{\"g\": \"none\"}')", name)   # (no group: a turn of its own)
+    priorities_noted(pg)
     pg.one("SELECT flow.set_queue(%s, paused => false)", queue)
     pg.wait_for("SELECT count(*) = 3031 FROM app.ran WHERE queue = %s", queue, timeout=60)
     order = {g: n for g, n in pg.all("SELECT grp, min(n) FROM app.ran WHERE queue = %s GROUP BY grp", queue)}
@@ -105,6 +107,7 @@ def test_a_new_groups_command_waits_for_part_of_a_backlogs_chunk_not_all_of_it(p
     backlog's whole 50 ms chunk (13 commands of 4 ms here)."""
     queue, name = grouped_queue(pg)
     enqueue_group(pg, name, "big", 1500, sleep=0.004)
+    priorities_noted(pg)
     pg.one("SELECT flow.set_queue(%s, paused => false)", queue)
     pg.wait_for("SELECT count(*) >= 30 FROM app.ran WHERE queue = %s", queue)
     waits = []
@@ -146,6 +149,7 @@ def test_group_concurrency_holds_across_two_workers_and_an_external_claimer(pg):
     thread = threading.Thread(target=external_worker)
     thread.start()
     peak = {}
+    priorities_noted(pg)
     pg.one("SELECT flow.set_queue(%s, paused => false)", queue)
     deadline = time.time() + 30
     while time.time() < deadline:
@@ -181,6 +185,7 @@ def test_a_childs_group_comes_from_spawn(pg):
     pg.wait_for("SELECT count(*) = 2 FROM flow.commands WHERE run_id = %s AND queue = %s", run, queue)
     assert sorted(pg.all("SELECT key, group_key FROM flow.commands WHERE run_id = %s AND queue = %s", run, queue)) \
         == [("x", "x"), ("y", "y")]
+    priorities_noted(pg)
     pg.one("SELECT flow.set_queue(%s, paused => false)", queue)
     assert pg.await_run(run)[0] == "succeeded"
 
@@ -204,6 +209,7 @@ def test_bad_groups_are_refused_and_change_nothing(pg):
 
 def test_set_queue_keeps_the_group_limit_it_is_not_given(pg):
     queue, _ = grouped_queue(pg, group_concurrency=2)
+    priorities_noted(pg)
     pg.one("SELECT flow.set_queue(%s, paused => false, concurrency => 5)", queue)
     pg.one("SELECT flow.set_queue(%s, rate => 10)", queue)
     assert pg.one("SELECT (concurrency, group_concurrency, rate)::text FROM flow.queues WHERE name = %s", queue) \

@@ -3,7 +3,7 @@ time), lower first (sql/claim.sql, flow._claim; a queue's priorities are in _que
 in-database workers and external claims alike."""
 import pytest
 
-from conftest import app_cluster, claim, external, poll, unique
+from conftest import app_cluster, claim, external, poll, priorities_noted, unique
 
 PRIORITY_APP = """
     -- each run records the order it ran in
@@ -57,6 +57,7 @@ def test_lower_priorities_run_first_whatever_their_due_time(pg):
     pg.one("SELECT flow.enqueue(%s, jsonb_build_object('tag', %s::text))", name, f"{p}-def-2")
     assert pg.all("SELECT priority FROM flow.commands WHERE queue = %s ORDER BY created_at, id", queue) \
         == [(5,), (9,), (-2,), (0,), (0,), (5,)]
+    priorities_noted(pg)
     pg.one("SELECT flow.set_queue(%s, paused => false)", queue)
     order = ran_order(pg, [f"{p}-{t}" for t in ("def-1", "nine", "minus", "zero-1", "zero-2", "def-2")])
     assert order == [f"{p}-minus", f"{p}-zero-1", f"{p}-zero-2", f"{p}-def-1", f"{p}-def-2", f"{p}-nine"]
@@ -74,6 +75,7 @@ def test_a_childs_priority_comes_from_spawn_or_its_definition(pg):
     pg.wait_for("SELECT count(*) = 3 FROM flow.commands WHERE run_id = %s AND queue = %s", run, queue)
     assert dict(pg.all("SELECT key, priority FROM flow.commands WHERE run_id = %s AND queue = %s", run, queue)) \
         == {f"{p}-a": 3, f"{p}-b": 1, f"{p}-c": -3}
+    priorities_noted(pg)
     pg.one("SELECT flow.set_queue(%s, paused => false)", queue)
     assert ran_order(pg, [f"{p}-a", f"{p}-b", f"{p}-c"]) == [f"{p}-c", f"{p}-b", f"{p}-a"]
     assert pg.await_run(run)[0] == "succeeded"
@@ -86,6 +88,7 @@ def test_commands_not_yet_due_do_not_hold_back_other_priorities(pg):
     pg.one("SELECT flow.enqueue_many(%s, array_fill('{\"tag\": \"x\"}'::jsonb, ARRAY[500]), start_after => '1 hour')",
            name)
     pg.one("SELECT flow.enqueue(%s, jsonb_build_object('tag', %s::text), priority => 7)", name, p)
+    priorities_noted(pg)
     pg.one("SELECT flow.set_queue(%s, paused => false)", queue)
     assert ran_order(pg, [p]) == [p]
     assert pg.one("SELECT count(*) FROM flow.commands WHERE queue = %s AND status = 'pending'", queue) == 500
@@ -97,7 +100,7 @@ def test_external_claims_take_lower_priorities_first(pg):
     for tag, priority in (("late", 4), ("first", -1), ("mid", 0), ("second", -1)):
         ids[pg.one("SELECT flow.enqueue(%s, jsonb_build_object('tag', %s::text), priority => %s)", name, tag, priority)] = tag
     # (a queue's new priorities are added to it a moment after their commit)
-    pg.wait_for("SELECT count(*) = 0 FROM flow._priority_notes")
+    priorities_noted(pg)
     with pg.connect() as conn:
         rows = claim(conn, name, max_=2)
         assert [r[2]["tag"] for r in rows] == ["first", "second"]
@@ -151,6 +154,20 @@ def test_a_dropped_queue_forgets_its_priorities(pg):
     pg.wait_for("SELECT count(*) = 0 FROM flow.commands WHERE queue = %s AND finished_at IS NULL", queue)
     assert pg.one("SELECT flow.drop_queue(%s)", queue) is True
     assert pg.one("SELECT count(*) FROM flow._queues WHERE name = %s", queue) == 0
+
+
+def test_a_dropped_queue_forgets_the_priorities_not_yet_added_to_it(pg):
+    queue, name = unique("q"), unique("note")
+    pg.one(f"SELECT flow.define('{name}', 'app.note'::regproc, queue => '{queue}')")
+    with pg.connect(autocommit=False) as c:
+        run = c.execute("SELECT flow.enqueue(%s, '{}', priority => 6)", (name,)).fetchone()[0]
+        assert c.execute("SELECT count(*) FROM flow._priority_notes WHERE queue = %s", (queue,)).fetchone()[0] == 1
+        c.execute("SELECT flow.cancel(%s)", (run,))
+        c.execute(f"SELECT flow.define('{name}', 'app.note'::regproc, queue => 'default', version => 1)")
+        assert c.execute("SELECT flow.drop_queue(%s)", (queue,)).fetchone()[0] is True
+        # (a queue made again by that name, before a fold, would have taken it as noted)
+        assert c.execute("SELECT count(*) FROM flow._priority_notes WHERE queue = %s", (queue,)).fetchone()[0] == 0
+        c.commit()
 
 
 def test_a_queue_holds_at_most_64_priorities_besides_0(pg):

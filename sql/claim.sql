@@ -363,7 +363,7 @@ BEGIN
         -- The index ranges of _commands_due the slot reads, in order, each up
         -- to its room: one for a lane whose commands never had a priority or
         -- a group, else flow._claim_ranges's.
-        IF coalesce(s_plain[i], true) THEN
+        IF coalesce(s_plain[i], max_count > 0) THEN
             r_priorities := '{0}';
             r_groups := '{0}';
             r_rooms := ARRAY[s_take];

@@ -426,6 +426,8 @@ BEGIN
             USING ERRCODE = '2BP01';
     END IF;
     DELETE FROM flow._queues x WHERE x.name = q.name;
+    -- (its priorities not yet added: a queue made again by that name starts with none)
+    DELETE FROM flow._priority_notes n WHERE n.queue = q.name;
     IF q.owner IS NOT NULL AND NOT flow._owns_anything(q.owner) THEN
         PERFORM flow._unmark_owner(q.owner);
     END IF;

@@ -750,6 +750,8 @@ BEGIN
             USING ERRCODE = '2BP01';
     END IF;
     DELETE FROM flow._queues x WHERE x.name = q.name;
+    -- (its priorities not yet added: a queue made again by that name starts with none)
+    DELETE FROM flow._priority_notes n WHERE n.queue = q.name;
     IF q.owner IS NOT NULL AND NOT flow._owns_anything(q.owner) THEN
         PERFORM flow._unmark_owner(q.owner);
     END IF;
@@ -920,20 +922,21 @@ END $$;
 CREATE OR REPLACE FUNCTION flow._note_priority(queue text, priority smallint, grouped boolean) RETURNS void
 LANGUAGE plpgsql AS $$
 DECLARE
-    noted boolean;
+    here boolean := current_database() = current_setting('flow.database_name');
     in_use integer;
 BEGIN
-    SELECT _note_priority.priority = ANY (q.priorities)
-           AND (NOT grouped OR _note_priority.priority = ANY (q.grouped_priorities))
-    INTO noted
-    FROM flow._queues q WHERE q.name = _note_priority.queue;
-    IF noted OR noted IS NULL
-       OR EXISTS (SELECT 1 FROM flow._priority_notes n     -- (by this transaction, or not yet added)
-                  WHERE n.queue = _note_priority.queue AND n.priority = _note_priority.priority
-                    AND (n.grouped OR NOT _note_priority.grouped)) THEN
+    IF EXISTS (SELECT 1 FROM flow._queues q
+               WHERE q.name = _note_priority.queue AND _note_priority.priority = ANY (q.priorities)
+                 AND (NOT grouped OR _note_priority.priority = ANY (q.grouped_priorities)))
+       -- (noted by this transaction, or not yet added: the maintenance worker adds it)
+       OR (here AND EXISTS (SELECT 1 FROM flow._priority_notes n
+                            WHERE n.queue = _note_priority.queue AND n.priority = _note_priority.priority
+                              AND (n.grouped OR NOT _note_priority.grouped))) THEN
         RETURN;
     END IF;
-    -- (each costs every claim of the queue a probe)
+    -- (each costs every claim of the queue a probe; of the priorities other
+    -- transactions are noting at this moment, those not committed yet are
+    -- not counted)
     SELECT count(*) INTO in_use
     FROM (SELECT p FROM flow._queues q CROSS JOIN unnest(q.priorities || _note_priority.priority) AS p
           WHERE q.name = _note_priority.queue
@@ -944,10 +947,11 @@ BEGIN
             USING ERRCODE = '54000', HINT = 'Use fewer distinct priorities, or another queue.';
     END IF;
     INSERT INTO flow._priority_notes VALUES (queue, priority, grouped);
-    IF current_database() = current_setting('flow.database_name') THEN
+    IF here THEN
         PERFORM flow._wake_maintenance();
     ELSE
-        -- (no maintenance worker here: added now, the queue's row held to the end)
+        -- (no maintenance worker here: added now, with any notes left, the
+        -- queue's row held to the end)
         PERFORM 1 FROM flow._queues q WHERE q.name = _note_priority.queue FOR NO KEY UPDATE;
         PERFORM flow._fold_priority_notes(queue);
     END IF;
@@ -1490,7 +1494,7 @@ BEGIN
         -- The index ranges of _commands_due the slot reads, in order, each up
         -- to its room: one for a lane whose commands never had a priority or
         -- a group, else flow._claim_ranges's.
-        IF coalesce(s_plain[i], true) THEN
+        IF coalesce(s_plain[i], max_count > 0) THEN
             r_priorities := '{0}';
             r_groups := '{0}';
             r_rooms := ARRAY[s_take];
