@@ -1422,11 +1422,10 @@ BEGIN
     -- due in it: an in-database worker, or a definition an external claim
     -- names) gives the claim: an equal share of max_count (the remainder one
     -- each to the slots first in this claim's turn), within the lane's room.
-    -- A claim of one slot of a queue without limits, priorities or groups
-    -- (most claims) takes max_count from one range, and needs no statement
-    -- here: each statement's nodes are set up at every call, and these were
-    -- a third of the claim of one command.
-    IF cardinality(slot_queues) = 1 AND limited_queues IS NULL AND all_plain THEN
+    -- A claim of one slot of a queue without limits (most claims) takes
+    -- max_count, and needs no statement here: each statement's nodes are set
+    -- up at every call, and these were a third of the claim of one command.
+    IF cardinality(slot_queues) = 1 AND limited_queues IS NULL THEN
         s_queues := slot_queues;
         s_claimants := slot_claimants;
         s_lane_orders := '{0}';
@@ -1435,7 +1434,7 @@ BEGIN
         s_unlimited := '{true}';
         s_rates := '{NULL}';
         s_per_us := '{NULL}';
-        s_plain := '{true}';
+        s_plain := ARRAY[all_plain];
     ELSE
         -- Every row the scan below locks is returned: a row locked and left
         -- out would stay locked for the claim's transaction (a held chunk's
