@@ -6,6 +6,7 @@ import statistics
 import threading
 import time
 
+import psycopg
 import pytest
 
 from conftest import app_cluster, claim, external, priorities_noted, unique
@@ -200,6 +201,14 @@ def test_bad_groups_are_refused_and_change_nothing(pg):
     assert pg.sqlstate("SELECT flow.enqueue_many(%s, ARRAY['{}'::jsonb], group_key => 'a', group_keys => ARRAY['a'])",
                        name) == "FL006"
     assert pg.sqlstate("SELECT flow.enqueue_many(%s, ARRAY['{}'::jsonb], group_keys => ARRAY[' '])", name) == "FL002"
+    # (the first bad key of many is named)
+    with pg.connect() as c:
+        for keys, says in (("ARRAY['a', NULL, 'b', '']", "group_keys[4] must not be empty"),
+                           ("ARRAY['a', repeat('x', 1025), '']", "group_keys[2] is 1025 bytes")):
+            with pytest.raises(psycopg.Error) as caught:
+                c.execute(f"SELECT flow.enqueue_many(%s, array_fill('{{}}'::jsonb, ARRAY[cardinality({keys})]),"
+                          f" group_keys => {keys})", (name,))
+            assert caught.value.sqlstate == "FL002" and says in str(caught.value), str(caught.value)
     assert pg.sqlstate("SELECT flow.set_queue(%s, group_concurrency => 0)", queue) == "FL009"
     assert pg.one("SELECT count(*) FROM flow.commands WHERE queue = %s", queue) == before
     assert pg.one("SELECT group_concurrency FROM flow.queues WHERE name = %s", queue) is None

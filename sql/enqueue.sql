@@ -71,10 +71,21 @@ BEGIN
 END $$;
 
 -- A group key as a command keeps it: NULL (none), or a name of at most 1 KiB.
+-- (inlined: flow._enqueue_many tests every key of its array with it in one
+-- statement, and calls flow._require_group, which says what is wrong, for
+-- the first it refuses only)
+CREATE FUNCTION flow._group_key_ok(group_key text) RETURNS boolean
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT group_key IS NULL OR (btrim(group_key) <> '' AND octet_length(group_key) <= 1024)
+$$;
+
 CREATE FUNCTION flow._require_group(what text, group_key text) RETURNS text
 LANGUAGE plpgsql IMMUTABLE AS $$
 BEGIN
-    IF group_key IS NOT NULL AND btrim(group_key) = '' THEN
+    IF flow._group_key_ok(group_key) THEN
+        RETURN group_key;
+    END IF;
+    IF btrim(group_key) = '' THEN
         RAISE EXCEPTION 'flow: % must not be empty (NULL for none)', what USING ERRCODE = 'FL002';
     END IF;
     RETURN flow._require_short(what, group_key);
@@ -265,7 +276,11 @@ BEGIN
             RAISE EXCEPTION 'flow: group_keys has % elements, args_array %', cardinality(group_keys), cardinality(args_array)
                 USING ERRCODE = 'FL003';
         END IF;
-        PERFORM flow._require_group(format('group_keys[%s]', i), k) FROM unnest(group_keys) WITH ORDINALITY AS u(k, i);
+        -- (a call of flow._require_group per key: 1.3-1.7 ms of an enqueue of 999 runs with a group each)
+        SELECT i, k INTO bad FROM unnest(group_keys) WITH ORDINALITY AS u(k, i) WHERE NOT flow._group_key_ok(k) LIMIT 1;
+        IF bad.i IS NOT NULL THEN
+            PERFORM flow._require_group(format('group_keys[%s]', bad.i), bad.k);
+        END IF;
     ELSE
         PERFORM flow._require_group('group_key', group_key);
     END IF;
