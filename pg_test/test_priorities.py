@@ -1,6 +1,7 @@
 """Priorities: within a queue, due commands are claimed by (priority, due
 time), lower first (sql/claim.sql, flow._claim; a queue's priorities are in _queues.priorities), for
 in-database workers and external claims alike."""
+import psycopg
 import pytest
 
 from conftest import app_cluster, claim, external, poll, priorities_noted, unique
@@ -180,3 +181,19 @@ def test_a_queue_holds_at_most_64_priorities_besides_0(pg):
     pg.one("SELECT flow.enqueue(%s, '{\"tag\": \"cap\"}', priority => 7)", name)
     pg.one("SELECT flow.enqueue(%s, '{\"tag\": \"cap\"}')", name)
     assert pg.one("SELECT count(*) FROM flow.commands WHERE queue = %s", queue) == before + 2
+
+
+def test_the_cap_counts_the_priorities_other_transactions_are_noting(pg):
+    """Two transactions noting new priorities in one queue at the same moment
+    do not each get 64: the second sees the first's notes before its commit."""
+    queue, name = queue_and_definition(pg)
+    with pg.connect(autocommit=False) as first:
+        for p in range(1, 41):
+            first.execute("SELECT flow.enqueue(%s, '{}', priority => %s)", (name, p))
+        with pg.connect() as second:
+            for p in range(41, 65):
+                second.execute("SELECT flow.enqueue(%s, '{}', priority => %s)", (name, p))
+            with pytest.raises(psycopg.Error) as caught:
+                second.execute("SELECT flow.enqueue(%s, '{}', priority => 65)", (name,))
+            assert caught.value.sqlstate == "54000"
+        first.rollback()

@@ -108,6 +108,8 @@ LANGUAGE plpgsql AS $$
 DECLARE
     here boolean := current_database() = current_setting('flow.database_name');
     in_use integer;
+    -- (what a note in progress holds: see the cap below)
+    lock_key integer := pg_catalog.hashtext('flow priority note ' || queue);
 BEGIN
     IF EXISTS (SELECT 1 FROM flow._queues q
                WHERE q.name = _note_priority.queue AND _note_priority.priority = ANY (q.priorities)
@@ -118,14 +120,28 @@ BEGIN
                               AND (n.grouped OR NOT _note_priority.grouped))) THEN
         RETURN;
     END IF;
-    -- (each costs every claim of the queue a probe; of the priorities other
-    -- transactions are noting at this moment, those not committed yet are
-    -- not counted)
+    -- The cap (each priority costs every claim of the queue a probe) counts
+    -- the notes other transactions are making and have not committed: each
+    -- note holds a shared advisory lock on (its queue's hash, its priority)
+    -- until its transaction ends, taken before it counts, so of two notes
+    -- made at the same moment the second to count sees the first. (Shared:
+    -- notes never wait for each other; one whose key a role holds
+    -- exclusively goes on without it.)
+    PERFORM pg_catalog.pg_try_advisory_xact_lock_shared(lock_key, priority);
     SELECT count(*) INTO in_use
     FROM (SELECT p FROM flow._queues q CROSS JOIN unnest(q.priorities || _note_priority.priority) AS p
           WHERE q.name = _note_priority.queue
           UNION
-          SELECT n.priority FROM flow._priority_notes n WHERE n.queue = _note_priority.queue) u;
+          SELECT n.priority FROM flow._priority_notes n WHERE n.queue = _note_priority.queue
+          UNION
+          -- (an advisory lock's keys as pg_locks shows them: unsigned)
+          SELECT (l.objid::bigint - CASE WHEN l.objid::bigint >= 2147483648 THEN 4294967296 ELSE 0 END)::smallint
+          FROM pg_catalog.pg_locks l
+          WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted
+            AND l.database = (SELECT d.oid FROM pg_catalog.pg_database d WHERE d.datname = pg_catalog.current_database())
+            AND l.classid = (lock_key::bigint & 4294967295)::text::oid
+            AND l.objid::bigint - CASE WHEN l.objid::bigint >= 2147483648 THEN 4294967296 ELSE 0 END
+                BETWEEN -32768 AND 32767) u;
     IF in_use > 65 THEN
         RAISE EXCEPTION 'flow: queue % has 64 priorities besides 0 in use already', queue
             USING ERRCODE = '54000', HINT = 'Use fewer distinct priorities, or another queue.';
