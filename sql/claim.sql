@@ -418,7 +418,7 @@ BEGIN
                               h.deadline) AS attempt_deadline,
                    -- (a command of a rate-limited queue is leased: the claim
                    -- that admitted it commits at once, with what it left)
-                   coalesce(s_unlimited[i] AND s_rates[i] IS NULL AND (h.handler = ANY (fast_handlers) OR hold), false) AS held
+                   coalesce(s_unlimited[i] AND (h.handler = ANY (fast_handlers) OR hold), false) AS held
             FROM (
               -- (its ranges in order, each up to its room: the ungrouped read
               -- from where the last claim ended; until the slot has its share:

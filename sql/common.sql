@@ -17,10 +17,16 @@ BEGIN
 END $$;
 
 -- Names and keys are indexed: at most 1 KiB of UTF-8 each (two fit in one index entry).
+-- (inlined where it is called from SQL)
+CREATE FUNCTION flow._short_enough(value text) RETURNS boolean
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT value IS NULL OR octet_length(value) <= 1024
+$$;
+
 CREATE FUNCTION flow._require_short(what text, value text) RETURNS text
 LANGUAGE plpgsql IMMUTABLE AS $$
 BEGIN
-    IF octet_length(value) > 1024 THEN
+    IF NOT flow._short_enough(value) THEN
         RAISE EXCEPTION 'flow: % is % bytes, over 1024', what, octet_length(value) USING ERRCODE = 'FL002';
     END IF;
     RETURN value;

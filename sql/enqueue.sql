@@ -76,7 +76,7 @@ END $$;
 -- the first it refuses only)
 CREATE FUNCTION flow._group_key_ok(group_key text) RETURNS boolean
 LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
-    SELECT group_key IS NULL OR (btrim(group_key) <> '' AND octet_length(group_key) <= 1024)
+    SELECT group_key IS NULL OR (btrim(group_key) <> '' AND flow._short_enough(group_key))
 $$;
 
 CREATE FUNCTION flow._require_group(what text, group_key text) RETURNS text
@@ -134,14 +134,14 @@ BEGIN
           UNION
           SELECT n.priority FROM flow._priority_notes n WHERE n.queue = _note_priority.queue
           UNION
-          -- (an advisory lock's keys as pg_locks shows them: unsigned)
-          SELECT (l.objid::bigint - CASE WHEN l.objid::bigint >= 2147483648 THEN 4294967296 ELSE 0 END)::smallint
-          FROM pg_catalog.pg_locks l
-          WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted
-            AND l.database = (SELECT d.oid FROM pg_catalog.pg_database d WHERE d.datname = pg_catalog.current_database())
-            AND l.classid = (lock_key::bigint & 4294967295)::text::oid
-            AND l.objid::bigint - CASE WHEN l.objid::bigint >= 2147483648 THEN 4294967296 ELSE 0 END
-                BETWEEN -32768 AND 32767) u;
+          SELECT l.priority::smallint
+          FROM (-- (an advisory lock's second key as pg_locks shows it: unsigned)
+                SELECT l.objid::bigint - CASE WHEN l.objid::bigint >= 2147483648 THEN 4294967296 ELSE 0 END AS priority
+                FROM pg_catalog.pg_locks l
+                WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted
+                  AND l.database = (SELECT d.oid FROM pg_catalog.pg_database d WHERE d.datname = pg_catalog.current_database())
+                  AND l.classid = (lock_key::bigint & 4294967295)::text::oid) l
+          WHERE l.priority BETWEEN -32768 AND 32767) u;
     IF in_use > 65 THEN
         RAISE EXCEPTION 'flow: queue % has 64 priorities besides 0 in use already', queue
             USING ERRCODE = '54000', HINT = 'Use fewer distinct priorities, or another queue.';
@@ -168,6 +168,10 @@ LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     changed integer;
 BEGIN
+    -- (most rounds: nothing noted)
+    IF NOT EXISTS (SELECT 1 FROM flow._priority_notes n WHERE only_queue IS NULL OR n.queue = only_queue) THEN
+        RETURN 0;
+    END IF;
     -- (of queues dropped since)
     DELETE FROM flow._priority_notes n
     WHERE (only_queue IS NULL OR n.queue = only_queue)

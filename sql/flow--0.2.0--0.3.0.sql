@@ -186,10 +186,16 @@ BEGIN
 END $$;
 
 -- Names and keys are indexed: at most 1 KiB of UTF-8 each (two fit in one index entry).
+-- (inlined where it is called from SQL)
+CREATE OR REPLACE FUNCTION flow._short_enough(value text) RETURNS boolean
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT value IS NULL OR octet_length(value) <= 1024
+$$;
+
 CREATE OR REPLACE FUNCTION flow._require_short(what text, value text) RETURNS text
 LANGUAGE plpgsql IMMUTABLE AS $$
 BEGIN
-    IF octet_length(value) > 1024 THEN
+    IF NOT flow._short_enough(value) THEN
         RAISE EXCEPTION 'flow: % is % bytes, over 1024', what, octet_length(value) USING ERRCODE = 'FL002';
     END IF;
     RETURN value;
@@ -903,7 +909,7 @@ END $$;
 -- the first it refuses only)
 CREATE OR REPLACE FUNCTION flow._group_key_ok(group_key text) RETURNS boolean
 LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
-    SELECT group_key IS NULL OR (btrim(group_key) <> '' AND octet_length(group_key) <= 1024)
+    SELECT group_key IS NULL OR (btrim(group_key) <> '' AND flow._short_enough(group_key))
 $$;
 
 CREATE OR REPLACE FUNCTION flow._require_group(what text, group_key text) RETURNS text
@@ -961,14 +967,14 @@ BEGIN
           UNION
           SELECT n.priority FROM flow._priority_notes n WHERE n.queue = _note_priority.queue
           UNION
-          -- (an advisory lock's keys as pg_locks shows them: unsigned)
-          SELECT (l.objid::bigint - CASE WHEN l.objid::bigint >= 2147483648 THEN 4294967296 ELSE 0 END)::smallint
-          FROM pg_catalog.pg_locks l
-          WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted
-            AND l.database = (SELECT d.oid FROM pg_catalog.pg_database d WHERE d.datname = pg_catalog.current_database())
-            AND l.classid = (lock_key::bigint & 4294967295)::text::oid
-            AND l.objid::bigint - CASE WHEN l.objid::bigint >= 2147483648 THEN 4294967296 ELSE 0 END
-                BETWEEN -32768 AND 32767) u;
+          SELECT l.priority::smallint
+          FROM (-- (an advisory lock's second key as pg_locks shows it: unsigned)
+                SELECT l.objid::bigint - CASE WHEN l.objid::bigint >= 2147483648 THEN 4294967296 ELSE 0 END AS priority
+                FROM pg_catalog.pg_locks l
+                WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted
+                  AND l.database = (SELECT d.oid FROM pg_catalog.pg_database d WHERE d.datname = pg_catalog.current_database())
+                  AND l.classid = (lock_key::bigint & 4294967295)::text::oid) l
+          WHERE l.priority BETWEEN -32768 AND 32767) u;
     IF in_use > 65 THEN
         RAISE EXCEPTION 'flow: queue % has 64 priorities besides 0 in use already', queue
             USING ERRCODE = '54000', HINT = 'Use fewer distinct priorities, or another queue.';
@@ -995,6 +1001,10 @@ LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     changed integer;
 BEGIN
+    -- (most rounds: nothing noted)
+    IF NOT EXISTS (SELECT 1 FROM flow._priority_notes n WHERE only_queue IS NULL OR n.queue = only_queue) THEN
+        RETURN 0;
+    END IF;
     -- (of queues dropped since)
     DELETE FROM flow._priority_notes n
     WHERE (only_queue IS NULL OR n.queue = only_queue)
@@ -1580,7 +1590,7 @@ BEGIN
                               h.deadline) AS attempt_deadline,
                    -- (a command of a rate-limited queue is leased: the claim
                    -- that admitted it commits at once, with what it left)
-                   coalesce(s_unlimited[i] AND s_rates[i] IS NULL AND (h.handler = ANY (fast_handlers) OR hold), false) AS held
+                   coalesce(s_unlimited[i] AND (h.handler = ANY (fast_handlers) OR hold), false) AS held
             FROM (
               -- (its ranges in order, each up to its room: the ungrouped read
               -- from where the last claim ended; until the slot has its share:

@@ -1,8 +1,9 @@
 //! The maintenance worker: one background process, `flow maintenance`, that
 //! keeps the engine's upkeep out from behind handlers. It never runs a
 //! handler. It adds the priorities enqueues noted to their queues
-//! (flow._fold_priority_notes: woken by the note's commit). It fires schedules' ticks on time (flow._fire_schedules: it
-//! sleeps until the next tick, and a change of schedule wakes it). Each round
+//! (flow._fold_priority_notes: woken by the note's commit). It fires
+//! schedules' ticks on time (flow._fire_schedules: it sleeps until the next
+//! tick, and a change of schedule wakes it). Each round
 //! (every RECOVERY_INTERVAL, or at once when woken by an abandoned external
 //! attempt, a tick or a schedule changed): recovery (src/recovery.rs: gone workers'
 //! attempts and leases, expired external leases, abandoned held attempts),
