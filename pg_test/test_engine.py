@@ -65,6 +65,33 @@ def test_a_replaced_handler_runs_its_new_body_whatever_its_language(app):
                    (SELECT count(*) FROM app.effects WHERE run_key = 'morph')); END $$""")
     assert results() == [("succeeded", {"v": 3, "seen": 1}, None)] * 6
 
+def test_a_void_sql_handler_runs_its_body_once_and_then_its_replacement(app):
+    # A void LANGUAGE sql handler is called in the select list, where its
+    # body is inlined into the worker's kept plan: the plan must still run it
+    # once a command, follow its replacement, and a body of two statements
+    # (not inlined) must run as well
+    app.all("""CREATE FUNCTION app.void_sql(args jsonb) RETURNS void LANGUAGE sql AS $$
+               INSERT INTO app.effects (run_key) VALUES ('void v1 ' || (args->>'i')) $$""")
+    name = define(app, "app.void_sql")
+
+    def run_all(tag):
+        runs = [enqueue(app, name, f'{{"i": "{tag}{i}"}}') for i in range(6)]
+        assert [app.await_run(run, "10s") for run in runs] == [("succeeded", None, None)] * 6
+
+    run_all("a")
+    assert app.one("SELECT count(*) FROM app.effects WHERE run_key LIKE 'void v1 a%'") == 6
+    app.all("""CREATE OR REPLACE FUNCTION app.void_sql(args jsonb) RETURNS void LANGUAGE sql AS $$
+               SELECT pg_catalog.set_config('app.unused', 'x', true);
+               INSERT INTO app.effects (run_key) VALUES ('void v2 ' || (args->>'i')) $$""")
+    run_all("b")
+    assert app.one("SELECT count(*) FROM app.effects WHERE run_key LIKE 'void v2 b%'") == 6
+    assert app.one("SELECT count(*) FROM app.effects WHERE run_key LIKE 'void v1 b%'") == 0
+    app.all("""CREATE OR REPLACE FUNCTION app.void_sql(args jsonb) RETURNS void LANGUAGE sql AS $$
+               SELECT pg_catalog.pg_sleep(0) $$""")
+    run_all("c")
+    assert app.one("SELECT count(*) FROM app.effects WHERE run_key LIKE 'void%'") == 12
+
+
 
 def test_run_sql_without_sql_fails_permanently(app):
     sql = define(app, "flow.run_sql")

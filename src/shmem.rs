@@ -641,6 +641,11 @@ pub fn wake_sleeping_workers() {
     table.slots.iter().filter(|s| is_another_worker(s) && s.sleeping).for_each(set_latch);
 }
 
+/// Some other worker waits on its latch: it is idle.
+pub fn another_worker_sleeping() -> bool {
+    WORKERS.share().slots.iter().any(|s| is_another_worker(s) && s.sleeping)
+}
+
 /// A live worker's slot, and not this process's own.
 fn is_another_worker(slot: &WorkerSlot) -> bool {
     slot.procno >= 0 && slot.pid != unsafe { pg_sys::MyProcPid }

@@ -13,8 +13,9 @@
 //! What a worker claims starts now (src/claim.rs, `keep_what_starts_now`):
 //! held commands of handlers known to be fast, run in the claim's own
 //! transaction under a time budget; leased commands of fast handlers
-//! (limited queues), run in chunks; and at most one command of a handler
-//! that may be slow, run in a transaction of its own with no run locked
+//! (limited queues), run in chunks; and one command of a handler that may be
+//! slow (while no other worker is idle, those too that start within
+//! CLAIM_AHEAD), each run in a transaction of its own with no run locked
 //! while it runs (its run is locked at its settlement). Whatever a worker
 //! claimed and has not started within CLAIM_TARGET goes back to its queue.
 
@@ -44,6 +45,12 @@ impl Drop for RunningTime<'_> {
 /// hands back what it claimed and has not started this long after its claim
 /// (see `run_batch`), so that an idle worker takes it.
 const CLAIM_TARGET: Duration = Duration::from_millis(100);
+
+/// While no other worker is idle, a claim takes the commands of handlers that
+/// may be slow that would start within this long of it (three quarters of
+/// CLAIM_TARGET: one of a 50 ms handler after the first, both started before
+/// what has not is handed back).
+const CLAIM_AHEAD: Duration = Duration::from_millis(75);
 
 /// A chunk of claimed commands commits once this much time has been spent on
 /// it (its handlers' results become visible together at commit).
@@ -457,7 +464,10 @@ impl Worker {
             entered.borrow_mut().push(command.id());
             chunk.execute(self.index, command);
             ran += 1;
+            // (a command of a handler that may be slow commits alone: its
+            // result is not kept back by the next one's run)
             if isolating
+                || !command.fast
                 || chunk.must_end()
                 || chunk_started.elapsed() >= CHUNK_BUDGET
                 || (command.group != 0
@@ -565,7 +575,8 @@ impl Worker {
                 first_seen.push(command.owner);
             }
         }
-        claimed.sort_by_key(|c| first_seen.iter().position(|o| *o == c.owner));
+        // (and each owner's fast ones first: none waits behind a slow handler)
+        claimed.sort_by_key(|c| (first_seen.iter().position(|o| *o == c.owner), !c.fast));
         let count = claimed.len();
         report_activity(&format!("flow: running {count} leased commands"));
         let mut rest: &[Claimed] = &claimed;
@@ -638,10 +649,20 @@ impl Worker {
         // locked, make its commit send every worker's claims back to the
         // queues' heads (shmem::wake_at_commit).
         if self.per_command_us >= claim::FAST_HANDLER.as_micros() as f64 {
-            return 1;
+            return match self.claim_ahead() {
+                Some(ahead) => (1 + (ahead.as_micros() as f64 / self.per_command_us) as i32).min(max),
+                None => 1,
+            };
         }
         let fitting = CLAIM_TARGET.as_micros() as f64 / self.per_command_us;
         (fitting as i32).clamp(1, max)
+    }
+
+    /// How far ahead a claim may take commands of handlers that may be slow
+    /// (see claim::keep_what_starts_now): CLAIM_AHEAD while no other worker
+    /// is idle, else none (one at most, the rest left to the idle ones).
+    fn claim_ahead(&self) -> Option<Duration> {
+        (!shmem::another_worker_sleeping()).then_some(CLAIM_AHEAD)
     }
 
     fn failed_turn(&mut self) -> Duration {
@@ -720,6 +741,7 @@ impl Worker {
                 shmem::busy_runs_of_others(self.index),
                 kept.as_ref().map(|(_, at)| at),
                 &|| attempt_record::named_elsewhere(self.index),
+                self.claim_ahead(),
             );
         // (a claim from several queues took each one's share only, and one
         // that left commands it locked left them due: more may be due)
@@ -871,7 +893,7 @@ fn warm_plans(owner: &str, backend_start: Option<TimestampWithTimeZone>) {
     if !spi::take_plans_stale() {
         return;
     }
-    claim::claim(owner, backend_start, 0, 0, Vec::new(), Vec::new(), None, &Vec::new);
+    claim::claim(owner, backend_start, 0, 0, Vec::new(), Vec::new(), None, &Vec::new, None);
     let none: [DatumWithOid; 8] = [
         Vec::<pgrx::Uuid>::new().into(),
         Vec::<pgrx::Uuid>::new().into(),
