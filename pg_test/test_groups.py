@@ -127,6 +127,25 @@ def test_a_new_groups_command_waits_for_part_of_a_backlogs_chunk_not_all_of_it(p
     assert statistics.median(waits) < 12, sorted(waits)
 
 
+def test_finding_a_lanes_groups_reads_no_groups_backlog(pg):
+    """The loose scan that finds a lane's groups (flow._groups_of) probes the
+    due index once per group: with 20,000 commands of one group waiting it
+    reads a few pages, not the group's backlog, even before the table's
+    statistics know of the burst (the planner then read and sorted all of
+    it through _commands_due_grouped: 20 ms of every claim while 90,000
+    waited)."""
+    queue, name = grouped_queue(pg)
+    enqueue_group(pg, name, "big", 20000)
+    groups_of = "SELECT * FROM flow._groups_of(%s, flow._lane(%s, ''), 0::smallint, %s, 1000)"
+    with pg.connect() as c:
+        for from_hash in (1, 2**62):   # (before and after the group's hash: either lap)
+            c.execute(groups_of, (queue, queue, from_hash))   # (planned: the catalog's pages are not counted)
+            plan = c.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + groups_of,
+                             (queue, queue, from_hash)).fetchone()[0][0]["Plan"]
+            read = plan.get("Shared Hit Blocks", 0) + plan.get("Shared Read Blocks", 0)
+            assert plan["Actual Rows"] == 1 and read < 100, (from_hash, read)
+
+
 def test_group_concurrency_holds_across_two_workers_and_an_external_claimer(pg):
     queue, name = grouped_queue(pg, group_concurrency=1)
     ext = external(pg, queue=f"'{queue}'")

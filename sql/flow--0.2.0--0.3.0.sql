@@ -1218,10 +1218,14 @@ BEGIN
                AND c.status IN ('pending', 'waiting')
              ORDER BY c.group_hash LIMIT 1)
             UNION ALL
-            -- (past the last group: round to the first, once)
+            -- (past the last group: round to the first, once. `> g.lap`, 0
+            -- here, not `> 0`: a constant lets the planner prove the partial
+            -- index _commands_due_grouped usable, and it read a group's
+            -- whole backlog there, then sorted it: 20 ms a claim with
+            -- 90,000 of one group's commands waiting)
             (SELECT c.group_hash, 1 FROM flow._commands c                     -- index _commands_due
              WHERE g.lap = 0 AND flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END) = _groups_of.lane
-               AND c.priority = _groups_of.priority AND c.group_hash > 0 AND c.group_hash <= _groups_of.from_hash
+               AND c.priority = _groups_of.priority AND c.group_hash > g.lap AND c.group_hash <= _groups_of.from_hash
                AND c.status IN ('pending', 'waiting')
              ORDER BY c.group_hash LIMIT 1)
             LIMIT 1) n)
