@@ -92,6 +92,28 @@ def test_a_void_sql_handler_runs_its_body_once_and_then_its_replacement(app):
     assert app.one("SELECT count(*) FROM app.effects WHERE run_key LIKE 'void%'") == 12
 
 
+def test_a_writing_sql_handler_called_directly_writes_once_beside_a_failing_attempt(app):
+    # A LANGUAGE sql handler whose body cannot be inlined is called through
+    # fmgr, and held attempts share a subtransaction in groups: one attempt's
+    # failure rolls its group back, the others run again, and each writes once
+    app.all("""CREATE TABLE app.once (k text PRIMARY KEY);
+               INSERT INTO app.once VALUES ('k17');
+               CREATE FUNCTION app.write_once(args jsonb) RETURNS jsonb LANGUAGE sql AS $$
+                   INSERT INTO app.once VALUES (args->>'k');
+                   SELECT jsonb_build_object('k', k) FROM app.once WHERE k = args->>'k' $$""")
+    name = define(app, "app.write_once", max_attempts="1")
+    enqueue(app, name, '{"k": "warm"}')   # (its first attempt is leased; those after it held)
+    app.wait_for("SELECT count(*) = 1 FROM app.once WHERE k = 'warm'")
+    runs = app.one("SELECT flow.enqueue_many(%s, ARRAY(SELECT jsonb_build_object('k', 'k' || i)"
+                   " FROM generate_series(0, 39) i))", name)
+    outcomes = [app.await_run(run, "20s") for run in runs]
+    assert outcomes[17][0] == "failed"
+    assert attempts(app, runs[17])[-1][2] == "23505"
+    assert [o for i, o in enumerate(outcomes) if i != 17] == \
+        [("succeeded", {"k": f"k{i}"}, None) for i in range(40) if i != 17]
+    assert app.one("SELECT count(*) FROM app.once") == 41
+
+
 
 def test_run_sql_without_sql_fails_permanently(app):
     sql = define(app, "flow.run_sql")

@@ -27,9 +27,9 @@ pub fn forget() {
     HANDLER_PLANS.with(|p| p.borrow_mut().clear());
 }
 
-/// Call the handler: directly through fmgr when it is not `LANGUAGE sql`
-/// (see DirectCall), otherwise through a plan kept per (handler function,
-/// owner): SPI inlines SQL handlers, resolving names as the owner, and
+/// Call the handler: directly through fmgr (see DirectCall) unless it is a
+/// `LANGUAGE sql` function whose body may be inlined, otherwise through a plan
+/// kept per (handler function, owner): SPI inlines its body, resolving names as the owner, and
 /// re-validates the plan when the function is replaced. The statement names
 /// everything with its schema, so nothing in it resolves through the owner's
 /// search_path. A handler that takes a context gets the attempt's: cut off at
@@ -91,8 +91,8 @@ fn handler_context(command: &Claimed) -> &Context {
 /// A handler called through fmgr with a call info kept per function, not
 /// through SPI: a PL/pgSQL or C handler costs a fraction of a microsecond
 /// instead of an executor start and end per command (a `LANGUAGE sql`
-/// handler is not: fmgr would plan its body again in every subtransaction,
-/// where SPI inlines it). The function's own SECURITY DEFINER and SET clauses
+/// handler whose body may be inlined is not: SPI inlines it, where fmgr would
+/// plan it again in every subtransaction). The function's own SECURITY DEFINER and SET clauses
 /// apply as under SPI (fmgr_info wraps it); the caller runs it as its owner
 /// with its owner's search_path (gateway::run_handler), in its subtransaction.
 struct DirectCall {
@@ -211,8 +211,9 @@ impl DirectCall {
             }
             let proc_ = &*pg_sys::heap_tuple_get_struct::<pg_sys::FormData_pg_proc>(tuple);
             let (nargs, retset, rettype, language) = (proc_.pronargs, proc_.proretset, proc_.prorettype, proc_.prolang);
+            let inlined = language == SQL_LANGUAGE && sql_body_may_inline(tuple, proc_.prosecdef);
             pg_sys::ReleaseSysCache(tuple);
-            if !(1..=2).contains(&nargs) || retset || language == SQL_LANGUAGE {
+            if !(1..=2).contains(&nargs) || retset || inlined {
                 return None;
             }
             let memory = Self::memory();
@@ -262,6 +263,43 @@ impl DirectCall {
             Self::forget();
         }
     }
+}
+
+/// Whether the planner may inline the body of this `LANGUAGE sql` function
+/// (`tuple`, its pg_proc row) into a statement that calls it: one SELECT
+/// without FROM, WITH or a set operation, and no SET clause or SECURITY
+/// DEFINER (a `BEGIN ATOMIC` body is taken to). Such a handler goes through
+/// SPI, where its body becomes part of the kept plan. Any other body is
+/// planned again by fmgr at every call made through SPI (a new executor each
+/// time), and once per subtransaction when called directly, which a group
+/// of held attempts shares (execute::GROUP_SIZE): a handler that INSERTs one
+/// row took 35-60 µs a call through SPI here.
+unsafe fn sql_body_may_inline(tuple: pg_sys::HeapTuple, security_definer: bool) -> bool {
+    let attribute = |number: u32| {
+        let mut isnull = false;
+        let datum = pg_sys::SysCacheGetAttr(
+            pg_sys::SysCacheIdentifier::PROCOID as c_int,
+            tuple,
+            number as pg_sys::AttrNumber,
+            &mut isnull,
+        );
+        (!isnull).then_some(datum)
+    };
+    if security_definer || attribute(pg_sys::Anum_pg_proc_proconfig).is_some() {
+        return false;
+    }
+    if attribute(pg_sys::Anum_pg_proc_prosqlbody).is_some() {
+        return true;
+    }
+    let Some(source) = attribute(pg_sys::Anum_pg_proc_prosrc) else { return true };
+    let statements =
+        pgrx::PgList::<pg_sys::RawStmt>::from_pg(pg_sys::pg_parse_query(pg_sys::text_to_cstring(source.cast_mut_ptr())));
+    let [Some(raw)] = [statements.get_ptr(0)] else { return false };
+    if statements.len() != 1 || (*(*raw).stmt).type_ != pg_sys::NodeTag::T_SelectStmt {
+        return false;
+    }
+    let select = &*(*raw).stmt.cast::<pg_sys::SelectStmt>();
+    select.fromClause.is_null() && select.withClause.is_null() && select.op == pg_sys::SetOperation::SETOP_NONE
 }
 
 /// `SELECT schema.fn($1 [, $2])` for a handler, read from the catalog
