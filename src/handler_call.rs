@@ -294,7 +294,7 @@ unsafe fn sql_body_may_inline(tuple: pg_sys::HeapTuple, security_definer: bool) 
     let Some(source) = attribute(pg_sys::Anum_pg_proc_prosrc) else { return true };
     let statements =
         pgrx::PgList::<pg_sys::RawStmt>::from_pg(pg_sys::pg_parse_query(pg_sys::text_to_cstring(source.cast_mut_ptr())));
-    let [Some(raw)] = [statements.get_ptr(0)] else { return false };
+    let Some(raw) = statements.get_ptr(0) else { return false };
     if statements.len() != 1 || (*(*raw).stmt).type_ != pg_sys::NodeTag::T_SelectStmt {
         return false;
     }
