@@ -72,7 +72,8 @@ pub fn call_handler(command: &Claimed, deadline: Option<i64>, now: i64) -> Optio
     })
 }
 
-/// What a kept handler call passes and gives back.
+/// What a kept handler call passes and gives back (through SPI or directly).
+#[derive(Clone, Copy)]
 struct CallShape {
     /// It takes a `flow.context` as its second argument.
     takes_context: bool,
@@ -98,9 +99,7 @@ fn handler_context(command: &Claimed) -> &Context {
 struct DirectCall {
     /// In DIRECT_CALL_MEMORY: the function's FmgrInfo and a call info for its arguments.
     fcinfo: *mut pg_sys::FunctionCallInfoBaseData,
-    returns_void: bool,
-    /// It takes a `flow.context` as its second argument.
-    takes_context: bool,
+    shape: CallShape,
 }
 
 thread_local! {
@@ -156,10 +155,10 @@ impl DirectCall {
     fn call(command: &Claimed, deadline: Option<i64>, now: i64) -> Option<Option<Jsonb>> {
         Self::forget_if_stale();
         let handler = command.handler;
-        let (fcinfo, returns_void, takes_context) = DIRECT_CALLS.with(|calls| {
+        let (fcinfo, CallShape { takes_context, returns_void }) = DIRECT_CALLS.with(|calls| {
             let mut calls = calls.borrow_mut();
             let call = calls.entry(handler.to_u32()).or_insert_with(|| Self::prepare(handler));
-            call.as_ref().map(|c| (c.fcinfo, c.returns_void, c.takes_context))
+            call.as_ref().map(|c| (c.fcinfo, c.shape))
         })?;
         let context = takes_context.then(|| handler_context(command));
         unsafe {
@@ -226,7 +225,7 @@ impl DirectCall {
             (*fcinfo).flinfo = flinfo;
             (*fcinfo).nargs = nargs;
             (*fcinfo).fncollation = pg_sys::InvalidOid;
-            Some(DirectCall { fcinfo, returns_void: rettype == pg_sys::VOIDOID, takes_context: nargs == 2 })
+            Some(DirectCall { fcinfo, shape: CallShape { takes_context: nargs == 2, returns_void: rettype == pg_sys::VOIDOID } })
         }
     }
 

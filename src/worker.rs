@@ -639,20 +639,18 @@ impl Worker {
     /// How many commands to claim: `flow.batch_size` for fast handlers, fewer
     /// for slow ones, so that one worker does not hoard a burst of slow
     /// commands while the others idle. Aims at a batch of about CLAIM_TARGET.
-    fn claim_size(&self) -> i32 {
+    /// `ahead`: this claim's claim_ahead.
+    fn claim_size(&self, ahead: Option<Duration>) -> i32 {
         let max = gucs::batch_size();
         if self.per_command_us <= 0.0 {
             return 1; // nothing measured yet: learn from one command first
         }
-        // Commands that take a slow handler's time: one. The claim would keep
-        // only one of them (claim::keep_what_starts_now), and the rest, left
-        // locked, make its commit send every worker's claims back to the
-        // queues' heads (shmem::wake_at_commit).
+        // Commands that take a slow handler's time: as many as the claim
+        // keeps (claim::keep_what_starts_now), one, or those that start
+        // within `ahead`. The rest, left locked, would make its commit send
+        // every worker's claims back to the queues' heads (shmem::wake_at_commit).
         if self.per_command_us >= claim::FAST_HANDLER.as_micros() as f64 {
-            return match self.claim_ahead() {
-                Some(ahead) => (1 + (ahead.as_micros() as f64 / self.per_command_us) as i32).min(max),
-                None => 1,
-            };
+            return ahead.map_or(1, |ahead| (1 + (ahead.as_micros() as f64 / self.per_command_us) as i32).min(max));
         }
         let fitting = CLAIM_TARGET.as_micros() as f64 / self.per_command_us;
         (fitting as i32).clamp(1, max)
@@ -685,7 +683,9 @@ impl Worker {
         let started = Instant::now();
         // no more than a chunk is likely to run: held commands it does not
         // reach are claimed again
-        let size = self.claim_size().min(self.chunk_window.min(i32::MAX as usize) as i32).max(1);
+        // (read once: the size and what the claim keeps must agree)
+        let ahead = self.claim_ahead();
+        let size = self.claim_size(ahead).min(self.chunk_window.min(i32::MAX as usize) as i32).max(1);
         // A burst into sleeping workers: the first one woken claims a little,
         // and its full claim wakes the next a fraction of a millisecond in,
         // not once it has claimed a whole batch (4 ms for 1,000); the claims
@@ -741,7 +741,7 @@ impl Worker {
                 shmem::busy_runs_of_others(self.index),
                 kept.as_ref().map(|(_, at)| at),
                 &|| attempt_record::named_elsewhere(self.index),
-                self.claim_ahead(),
+                ahead,
             );
         // (a claim from several queues took each one's share only, and one
         // that left commands it locked left them due: more may be due)
