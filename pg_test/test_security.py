@@ -1170,11 +1170,15 @@ def test_an_args_check_in_a_worker_leaves_nothing_for_its_claims(planted, action
     no_escalation(pg)
 
 
+@pytest.mark.parametrize("spawn", [
+    "flow.spawn('{child}', '{{}}', key => 'c1')",
+    "flow.spawn_many('{child}', array['{{}}', '{{}}']::jsonb[], array['c1', 'c2'])"])
 @pytest.mark.parametrize("action", ["search_path", "read_only", "constraints", "advisory_lock"])
-def test_an_args_check_at_spawn_leaves_nothing_for_the_rest_of_the_spawn(planted, action):
+def test_an_args_check_at_spawn_leaves_nothing_for_the_rest_of_the_spawn(planted, action, spawn):
     """Path 3, spawn: the check of the child's definition runs inside the
-    handler that spawns it, and flow._spawn goes on (as the extension owner)
-    after it: under its own path, with nothing of the check left."""
+    handler that spawns it (once per child), and flow._spawn_many goes on (as
+    the extension owner) after it: under its own path, with nothing of the
+    check left."""
     pg = planted
     domain = check_domain(pg, "mallory_s", "mallory", CHECK_ACTIONS[action])
     child = unique("child")
@@ -1182,7 +1186,7 @@ def test_an_args_check_at_spawn_leaves_nothing_for_the_rest_of_the_spawn(planted
     spawner = unique("spawner")
     pg.one(f"SELECT flow.define('{spawner}', 'app.mallory_sql'::regproc, max_attempts => 1)", user="mallory")
     sql = f"""DO $d$ BEGIN
-        PERFORM flow.spawn('{child}', '{{}}', key => 'c1');
+        PERFORM {spawn.format(child=child)};
         IF current_setting('search_path') LIKE 'mallory_s%' THEN RAISE EXCEPTION 'path leaked'; END IF;
     END $d$"""
     run = pg.one("SELECT flow.enqueue(%s, jsonb_build_object('sql', %s::text))", spawner, sql, user="mallory")

@@ -292,6 +292,84 @@ def test_spawning_the_root_key_is_an_invalid_decision(pg):
     assert pg.all("SELECT id, key FROM flow.commands WHERE run_id = %s", run) == [(run, "root")]
 
 
+def many_spawner(pg, child, body):
+    """A new definition whose handler runs `body` (PL/pgSQL, `child` is the
+    children's definition) and returns {"ids": what it set `ids` to}."""
+    function = unique("many_spawner")
+    pg.one(f"""CREATE FUNCTION app.{function}(args jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
+               DECLARE ids uuid[]; again uuid[]; child text := '{child}';
+               BEGIN {body}; RETURN jsonb_build_object('ids', to_jsonb(ids)); END $$""")
+    return define(pg, f"app.{function}")
+
+
+def test_spawn_many_adds_each_child_once_in_the_order_given(pg):
+    """flow.spawn_many spawns one child per args, under the key at the same
+    place; spawning the same keys again returns the same ids (a retried
+    spawner), and the run ends with its children."""
+    child = define(pg, "app.leaf")
+    name = many_spawner(pg, child, """
+        ids := flow.spawn_many(child, array['{"i": 1}', '{"i": 2}', '{"i": 3}']::jsonb[], array['a', 'b', 'c']);
+        again := flow.spawn_many(child, array['{"i": 3}', '{"i": 1}']::jsonb[], array['c', 'a']);
+        IF again <> array[ids[3], ids[1]] THEN RAISE EXCEPTION 'a re-spawn returned %, not %', again, ids; END IF;
+        IF flow.spawn(child, '{"i": 2}', key => 'b') <> ids[2] THEN RAISE EXCEPTION 'spawn and spawn_many differ'; END IF;
+        IF flow.spawn_many(child, '{}', '{}') <> '{}' THEN RAISE EXCEPTION 'nothing to spawn spawned'; END IF""")
+    run = enqueue(pg, name)
+    status, result, error = pg.await_run(run, "20s")
+    assert status == "succeeded", error
+    rows = pg.all("SELECT id, key, args FROM flow.commands WHERE run_id = %s AND key <> 'root'", run)
+    by_key = {key: (str(id), args) for id, key, args in rows}
+    assert sorted(by_key) == ["a", "b", "c"]
+    assert result["ids"] == [by_key[k][0] for k in "abc"]
+    assert [by_key[k][1] for k in "abc"] == [{"i": 1}, {"i": 2}, {"i": 3}]
+    assert pg.one("SELECT count(*) FROM flow.commands WHERE run_id = %s AND status = 'succeeded'", run) == 4
+
+
+def test_spawn_many_children_wait_for_one_event_each(pg):
+    """Children spawned together with waits each wait; one event satisfies
+    every one of them, and each runs once."""
+    child = define(pg, "app.leaf")
+    name = many_spawner(pg, child, """
+        ids := flow.spawn_many(child, array['{"i": 1}', '{"i": 2}', '{"i": 3}']::jsonb[], array['w1', 'w2', 'w3'],
+                               waits => array[flow.wait('go', args->>'k')], within => '1 minute')""")
+    key = unique("go")
+    run = enqueue(pg, name, f'{{"k": "{key}"}}')
+    pg.wait_for("SELECT count(*) = 3 FROM flow.commands WHERE run_id = %s AND status = 'waiting'", run)
+    assert pg.one("SELECT count(*) FROM flow.waits w JOIN flow.commands c ON c.id = w.command_id"
+                  " WHERE c.run_id = %s AND w.name = 'go' AND w.key = %s", run, key) == 3
+    pg.one("SELECT flow.emit('go', %s, '{}')", key)
+    assert pg.await_run(run, "20s")[0] == "succeeded"
+    assert pg.all("SELECT key, attempts FROM flow.commands WHERE run_id = %s AND key <> 'root' ORDER BY key",
+                  run) == [("w1", 1), ("w2", 1), ("w3", 1)]
+
+
+@pytest.mark.parametrize("call, code, words", [
+    ("flow.spawn_many(child, array['{}', '{}']::jsonb[], array['a'])", "invalid_decision", "as many keys (1) as args (2)"),
+    ("flow.spawn_many(child, array['{}']::jsonb[], NULL)", "invalid_decision", "as many keys (0) as args (1)"),
+    ("flow.spawn_many(child, array['{}', '{}']::jsonb[], array['a', NULL])", "invalid_decision", "key must not be NULL"),
+    ("flow.spawn_many(child, array['{}', '[1]']::jsonb[], array['a', 'b'])", "invalid_decision", "JSON object"),
+    ("flow.spawn_many(child, array['{}']::jsonb[], array['root'])", "invalid_decision", "child key root"),
+    ("flow.spawn_many(child, array['{\"i\": 1}', '{\"i\": 2}']::jsonb[], array['k', 'k'])", "invalid_decision",
+     "child key k was already spawned with another declaration"),
+    ("flow.spawn_many('no_such_definition', array['{}']::jsonb[], array['a'])", "invalid_decision", "no_such_definition"),
+])
+def test_an_invalid_spawn_many_fails_its_spawner_and_spawns_nothing(pg, call, code, words):
+    """Each bad input of spawn_many is an invalid decision, as a bad spawn:
+    the spawner fails permanently, with the error's message, and none of the
+    children of the call (nor of the attempt) is kept."""
+    child = define(pg, "app.leaf")
+    name = many_spawner(pg, child, f"ids := flow.spawn_many(child, array['{{}}']::jsonb[], array['first']); ids := {call}")
+    run = enqueue(pg, name)
+    status, _, error = pg.await_run(run, "20s")
+    assert status == "failed" and error["code"] == code and error["stop_reason"] == "permanent", error
+    assert words in error["message"], error
+    assert pg.all("SELECT key FROM flow.commands WHERE run_id = %s", run) == [("root",)]
+
+
+def test_spawn_many_outside_a_handler_is_refused(pg):
+    child = define(pg, "app.leaf")
+    assert pg.sqlstate(f"SELECT flow.spawn_many('{child}', array['{{}}']::jsonb[], array['a'])") == "FL012"
+
+
 # ---------------------------------------------------------------- run outcomes and sagas
 
 def test_a_child_failure_fails_the_run_and_cancels_siblings(pg):

@@ -193,8 +193,22 @@ CREATE FUNCTION flow.spawn(name text, args jsonb DEFAULT '{}', key text DEFAULT 
 RETURNS uuid
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
-    RETURN flow._spawn(flow._redeem(caller_ticket), flow._current_command(), name, args, key, start_after, waits,
-                       within, version, queue, priority, group_key);
+    RETURN (flow._spawn_many(flow._redeem(caller_ticket), flow._current_command(), name, ARRAY[args], ARRAY[key],
+                             start_after, waits, within, version, queue, priority, group_key))[1];
+END $$;
+
+-- Inside a handler: add a child of `name` to the current run for each
+-- element of args_array, under the key at the same place in keys, all with
+-- the same options. Returns their ids in that order.
+CREATE FUNCTION flow.spawn_many(name text, args_array jsonb[], keys text[],
+    start_after interval DEFAULT NULL, waits flow.wait_spec[] DEFAULT '{}', within interval DEFAULT NULL,
+    version integer DEFAULT NULL, queue text DEFAULT NULL, priority integer DEFAULT NULL,
+    group_key text DEFAULT NULL, caller_ticket bigint DEFAULT flow._ticket())
+RETURNS uuid[]
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    RETURN flow._spawn_many(flow._redeem(caller_ticket), flow._current_command(), name, args_array, keys,
+                            start_after, waits, within, version, queue, priority, group_key);
 END $$;
 
 -- The run's commands, parent links, waits and events as text to render: 'dot' or 'mermaid'.

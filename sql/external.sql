@@ -236,7 +236,7 @@ BEGIN
         PERFORM flow._emit(caller, c.id, item->>'name', item->>'key', coalesce(item->'payload', '{}'));
     END LOOP;
     FOR item IN SELECT * FROM jsonb_array_elements(coalesce(children, '[]')) LOOP
-        PERFORM flow._spawn(caller, c.id, item->>'name', coalesce(item->'args', '{}'), item->>'key',
+        PERFORM flow._spawn_many(caller, c.id, item->>'name', ARRAY[coalesce(item->'args', '{}')], ARRAY[item->>'key'],
             (item->>'start_after')::interval,
             (SELECT coalesce(array_agg(ROW(w->>'name', w->>'key')::flow.wait_spec), '{}')
              FROM jsonb_array_elements(coalesce(item->'waits', '[]')) w),

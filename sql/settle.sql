@@ -284,7 +284,7 @@ BEGIN
                -- A held root in its first attempt (none counted before) has no
                -- child unless a handler of this transaction spawned one, so
                -- it needs no probe: a child is spawned only by its parent's
-               -- attempt (flow._spawn), and an attempt whose spawns were kept
+               -- attempt (flow._spawn_many), and an attempt whose spawns were kept
                -- is counted (one given back by flow._release kept nothing of
                -- its transaction). The claim's held test takes the same step.
                d.parent_id IS NULL

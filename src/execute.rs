@@ -123,7 +123,7 @@ pub fn current_command() -> Option<[u8; 16]> {
     CURRENT_COMMAND.with(|c| c.get())
 }
 
-/// Called by flow._spawn before it inserts a child (in any backend; only an
+/// Called by flow._spawn_many before it inserts a child (in any backend; only an
 /// in-database worker's chunk reads it).
 #[pg_extern(volatile, parallel_unsafe)]
 fn _note_spawn() {
