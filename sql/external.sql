@@ -338,7 +338,7 @@ BEGIN
             RAISE EXCEPTION 'flow: no command with id %', not_yours USING ERRCODE = 'FL014';
         END IF;
         IF runs IS NOT NULL THEN
-            PERFORM flow._lock_runs(runs, true);
+            PERFORM flow._lock_runs(runs);
         END IF;
         WITH item AS (
             -- held: this transaction's claim locked it (its settlement writes the

@@ -103,6 +103,8 @@ DROP FUNCTION flow._insert_roots(oid, text, integer, boolean, text, timestamptz,
 DROP FUNCTION flow._enqueue(oid, text, jsonb, text, integer, text, interval, timestamptz, interval);
 DROP FUNCTION flow._enqueue_many(oid, text, jsonb[], integer, text, interval, timestamptz, interval);
 DROP FUNCTION flow._spawn(oid, uuid, text, jsonb, text, interval, flow.wait_spec[], interval, integer, text);
+-- (a try-lock of one run is flow._try_lock_run_of's own statement)
+DROP FUNCTION flow._lock_runs(uuid[], boolean);
 DROP FUNCTION flow._define(oid, text, regprocedure, integer, text, integer, interval, interval, interval, interval, regtype);
 DROP FUNCTION flow.define(text, regprocedure, integer, text, integer, interval, interval, interval, interval, regtype, bigint);
 DROP FUNCTION flow.enqueue(text, jsonb, text, integer, text, interval, timestamptz, interval, bigint);
