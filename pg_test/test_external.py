@@ -24,10 +24,14 @@ def pg():
     cluster.stop()
 
 
-def state(pg):
-    # finished attempts (a success is its command row: see sql/schema.sql), events, running commands
-    return pg.all("SELECT (SELECT count(*) FROM flow.attempts WHERE outcome <> 'running'), (SELECT count(*) FROM flow._events),"
-                  " (SELECT count(*) FROM flow._commands WHERE status = 'running')")[0]
+def state(pg, name):
+    """The finished attempts (a success is its command row: see
+    sql/schema.sql) and running commands of definition `name`, and the
+    events. (Of one definition: the module's other runs may change meanwhile,
+    say an earlier test's lease that expires and is counted.)"""
+    return pg.all("SELECT (SELECT count(*) FROM flow.attempts WHERE name = %s AND outcome <> 'running'),"
+                  " (SELECT count(*) FROM flow._events),"
+                  " (SELECT count(*) FROM flow._commands WHERE name = %s AND status = 'running')", name, name)[0]
 
 
 # ---------------------------------------------------------------- leased claims
@@ -333,7 +337,7 @@ def test_bad_resolutions_change_nothing(pg):
     pg.one(f"SELECT flow.enqueue('{name}')")
     with pg.connect() as c:
         [(cmd, token, *_)] = claim(c, name)
-        before = state(pg)
+        before = state(pg, name)
         bad = [
             ("SELECT flow.complete(%s, gen_random_uuid())", (cmd,), "FL013"),
             ("SELECT flow.complete(gen_random_uuid(), %s)", (token,), "FL014"),
@@ -353,13 +357,13 @@ def test_bad_resolutions_change_nothing(pg):
             with pytest.raises(psycopg.Error) as caught:
                 c.execute(query, args)
             assert caught.value.sqlstate == code, query
-            assert state(pg) == before, query
+            assert state(pg, name) == before, query
         assert c.execute("SELECT flow.complete(%s, %s)", (cmd, token)).fetchone()[0] == "succeeded"
-        after = state(pg)
+        after = state(pg, name)
         with pytest.raises(psycopg.Error) as caught:
             c.execute("SELECT flow.complete(%s, %s)", (cmd, token))
         assert caught.value.sqlstate == "FL017"  # double completion
-        assert state(pg) == after
+        assert state(pg, name) == after
 
 
 def test_a_role_resolves_only_its_own_definitions(pg):
@@ -382,14 +386,14 @@ def test_complete_many_settles_what_it_holds_and_reports_the_rest(pg):
         rows = claim(c, name, max_=3)
         (a, ta, *_), (b, tb, *_), (d, td, *_) = rows
         c.execute("SELECT flow.complete(%s, %s)", (a, ta))                     # a: completed already
-        before = state(pg)
+        before = state(pg, name)
         out = dict(c.execute("SELECT * FROM flow.complete_many(%s, %s, %s::jsonb[])",
                              ([a, b, d], [ta, tb, uuid.UUID(int=0)],
                               ['{"r": 1}', '{"r": 2}', '{"r": 3}'])).fetchall())
         assert out == {a: "already_completed", b: "succeeded", d: "lease_lost"}
         assert pg.one("SELECT result FROM flow.commands WHERE id = %s", b) == {"r": 2}
         assert pg.one("SELECT status FROM flow.commands WHERE id = %s", d) == "running"
-        assert state(pg)[0] == before[0] + 1  # one more finished attempt: b's
+        assert state(pg, name)[0] == before[0] + 1  # one more finished attempt: b's
         with pytest.raises(psycopg.Error) as caught:
             c.execute("SELECT * FROM flow.complete_many(%s, %s)", ([d], [td, td]))
         assert caught.value.sqlstate == "FL003"
@@ -447,13 +451,9 @@ def test_a_stale_fail_from_an_external_worker_changes_nothing(pg):
     with pg.connect() as c:
         [(cmd, token, *_)] = claim(c, name)
         c.execute("SELECT flow.complete(%s, %s)", (cmd, token))
-    # (this run's rows alone: the module's other runs may still be settling)
-    run_state = ("SELECT c.status, c.attempts, c.result, c.finished_at,"
-                 " (SELECT count(*) FROM flow.attempts a WHERE a.command_id = c.id)"
-                 " FROM flow._commands c WHERE c.run_id = %s")
-    before = pg.all(run_state, run)
+    before = state(pg, name)
     assert pg.sqlstate("SELECT flow.fail(%s, %s, 'too late')", cmd, token) in ("FL013", "FL017")
-    assert pg.all(run_state, run) == before
+    assert state(pg, name) == before
     assert pg.await_run(run)[0] == "succeeded"
 
 

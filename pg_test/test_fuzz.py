@@ -75,7 +75,7 @@ SIGNATURES = [
     ("flow.spawn_many", [("name", "text", "@definition"), ("args_array", "jsonb[]", "{\"{}\"}"), ("keys", "text[]", "{k}"),
                          ("start_after", "interval", None), ("waits", "flow.wait_spec[]", "{}"),
                          ("within", "interval", None), ("version", "integer", None), ("queue", "text", None),
-                         ("priority", "integer", None), ("group_key", "text", None)]),
+                         ("priority", "integer", None), ("group_key", "text", None), ("group_keys", "text[]", None)]),
     ("flow.run_graph", [("run_id", "uuid", "@victim"), ("format", "text", "dot")]),
     ("flow.fail", [("message", "text", "m")]),
     ("flow.retry_after", [("delay", "interval", "1 s"), ("message", "text", "m")]),

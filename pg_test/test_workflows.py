@@ -342,6 +342,33 @@ def test_spawn_many_children_wait_for_one_event_each(pg):
                   run) == [("w1", 1), ("w2", 1), ("w3", 1)]
 
 
+def test_spawn_many_puts_each_child_in_its_group(pg):
+    """group_keys gives each child the group at its place (NULL: none), as
+    enqueue_many's; a re-spawn in another group is another declaration."""
+    child = define(pg, "app.leaf")
+    name = many_spawner(pg, child, """
+        ids := flow.spawn_many(child, array['{}', '{}', '{}']::jsonb[], array['a', 'b', 'c'],
+                               group_keys => array['g1', 'g2', NULL]);
+        again := flow.spawn_many(child, array['{}']::jsonb[], array['a'], group_key => 'g1');
+        IF again[1] <> ids[1] THEN RAISE EXCEPTION 'the same declaration was not a no-op'; END IF;
+        BEGIN
+            PERFORM flow.spawn_many(child, array['{}']::jsonb[], array['b'], group_key => 'g1');
+            RAISE EXCEPTION 'another group was taken for the same declaration';
+        EXCEPTION WHEN SQLSTATE 'FL016' THEN NULL;
+        END""")
+    run = enqueue(pg, name)
+    status, _, error = pg.await_run(run, "20s")
+    # (the conflicting re-spawn was caught, but an invalid spawn fails its spawner all the same)
+    assert status == "failed" and error["code"] == "invalid_decision", error
+    enqueue_ok = many_spawner(pg, child, """
+        ids := flow.spawn_many(child, array['{}', '{}', '{}']::jsonb[], array['a', 'b', 'c'],
+                               group_keys => array['g1', 'g2', NULL])""")
+    run = enqueue(pg, enqueue_ok)
+    assert pg.await_run(run, "20s")[0] == "succeeded"
+    assert pg.all("SELECT key, group_key, group_hash <> 0 FROM flow._commands WHERE run_id = %s AND key <> 'root'"
+                  " ORDER BY key", run) == [("a", "g1", True), ("b", "g2", True), ("c", None, False)]
+
+
 @pytest.mark.parametrize("call, code, words", [
     ("flow.spawn_many(child, array['{}', '{}']::jsonb[], array['a'])", "invalid_decision", "as many keys (1) as args (2)"),
     ("flow.spawn_many(child, array['{}']::jsonb[], NULL)", "invalid_decision", "as many keys (0) as args (1)"),
@@ -351,6 +378,12 @@ def test_spawn_many_children_wait_for_one_event_each(pg):
     ("flow.spawn_many(child, array['{\"i\": 1}', '{\"i\": 2}']::jsonb[], array['k', 'k'])", "invalid_decision",
      "child key k was already spawned with another declaration"),
     ("flow.spawn_many('no_such_definition', array['{}']::jsonb[], array['a'])", "invalid_decision", "no_such_definition"),
+    ("flow.spawn_many(child, array['{}']::jsonb[], array['a'], group_key => 'g', group_keys => array['g'])",
+     "invalid_decision", "give group_key or group_keys, not both"),
+    ("flow.spawn_many(child, array['{}']::jsonb[], array['a'], group_keys => array['g', 'h'])", "invalid_decision",
+     "group_keys has 2 elements, keys 1"),
+    ("flow.spawn_many(child, array['{}', '{}']::jsonb[], array['a', 'b'], group_keys => array['g', ' '])",
+     "invalid_decision", "group_keys[2] must not be empty"),
 ])
 def test_an_invalid_spawn_many_fails_its_spawner_and_spawns_nothing(pg, call, code, words):
     """Each bad input of spawn_many is an invalid decision, as a bad spawn:

@@ -194,21 +194,22 @@ RETURNS uuid
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     RETURN (flow._spawn_many(flow._redeem(caller_ticket), flow._current_command(), name, ARRAY[args], ARRAY[key],
-                             start_after, waits, within, version, queue, priority, group_key))[1];
+                             start_after, waits, within, version, queue, priority, group_key, NULL))[1];
 END $$;
 
 -- Inside a handler: add a child of `name` to the current run for each
--- element of args_array, under the key at the same place in keys, all with
--- the same options. Returns their ids in that order.
+-- element of args_array, under the key at the same place in keys (and in the
+-- group at the same place in group_keys, or all in group_key), all with the
+-- same options. Returns their ids in that order.
 CREATE FUNCTION flow.spawn_many(name text, args_array jsonb[], keys text[],
     start_after interval DEFAULT NULL, waits flow.wait_spec[] DEFAULT '{}', within interval DEFAULT NULL,
     version integer DEFAULT NULL, queue text DEFAULT NULL, priority integer DEFAULT NULL,
-    group_key text DEFAULT NULL, caller_ticket bigint DEFAULT flow._ticket())
+    group_key text DEFAULT NULL, group_keys text[] DEFAULT NULL, caller_ticket bigint DEFAULT flow._ticket())
 RETURNS uuid[]
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     RETURN flow._spawn_many(flow._redeem(caller_ticket), flow._current_command(), name, args_array, keys,
-                            start_after, waits, within, version, queue, priority, group_key);
+                            start_after, waits, within, version, queue, priority, group_key, group_keys);
 END $$;
 
 -- The run's commands, parent links, waits and events as text to render: 'dot' or 'mermaid'.

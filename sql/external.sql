@@ -241,7 +241,7 @@ BEGIN
             (SELECT coalesce(array_agg(ROW(w->>'name', w->>'key')::flow.wait_spec), '{}')
              FROM jsonb_array_elements(coalesce(item->'waits', '[]')) w),
             (item->>'within')::interval, (item->>'version')::integer, item->>'queue', (item->>'priority')::integer,
-            item->>'group_key');
+            item->>'group_key', NULL);
     END LOOP;
     -- _leased holds the run's lock, as _settle_batch requires.
     IF held IS NULL THEN

@@ -2886,24 +2886,26 @@ END $$;
 
 -- What a spawn declares, kept in _commands.declaration: a spawn of the same
 -- key must declare the same (flow._spawn_many). `waits` is the waits as a
--- JSON array; `more` the priority and group when given. (SQL, inlined into
--- the statements that call it.)
+-- JSON array; `more` the priority when given. (SQL, inlined into the
+-- statements that call it.)
 CREATE OR REPLACE FUNCTION flow._declaration(name text, version integer, args jsonb, queue text, start_after interval,
-    within interval, waits jsonb, more jsonb) RETURNS jsonb
+    within interval, waits jsonb, more jsonb, group_key text) RETURNS jsonb
 LANGUAGE sql STABLE AS $$
     SELECT jsonb_build_object('name', name, 'version', version, 'args', args, 'queue', queue,
                               'start_after', start_after, 'within', within, 'waits', waits) || more
+           || CASE WHEN group_key IS NOT NULL THEN jsonb_build_object('group_key', group_key) ELSE '{}' END
 $$;
 
 -- parent_id: the command whose handler (or external worker) spawns; NULL is an
 -- error. Spawns one child of `name` per element of args_list, under the key
--- at the same place in `keys`, with the same options; returns their ids in
+-- at the same place in `keys` (and in the group at the same place in
+-- group_keys, if given), with the same options; returns their ids in
 -- that order (flow.spawn is a spawn of one). A fan-out of 200 children in
 -- one call inserts them in one statement: 200 calls of a spawn of one took
 -- 27-49 ms of its root's attempt, and its children could not start before.
 CREATE OR REPLACE FUNCTION flow._spawn_many(caller oid, parent_id uuid, name text, args_list jsonb[], keys text[],
     start_after interval, waits flow.wait_spec[], within interval, version integer, queue text,
-    given_priority integer, group_key text)
+    given_priority integer, group_key text, group_keys text[])
 RETURNS uuid[]
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 #variable_conflict use_column
@@ -2916,6 +2918,7 @@ DECLARE
     spec flow.wait_spec;
     declared_waits jsonb;
     declared_more jsonb;
+    grouped boolean;
     children uuid[];
     inserted uuid[];   -- the children that are new, when some are not (NULL: all are)
     added integer;
@@ -2959,7 +2962,19 @@ BEGIN
                 PERFORM flow._require_args_fit(_spawn_many.name, p.def_owner, p.def_args_type, args_list[i]);
             END IF;
         END LOOP;
-        IF group_key IS NOT NULL THEN
+        -- one group for all (group_key), or one each (group_keys)
+        IF group_keys IS NOT NULL THEN
+            IF group_key IS NOT NULL THEN
+                RAISE EXCEPTION 'flow: give group_key or group_keys, not both' USING ERRCODE = 'FL006';
+            END IF;
+            IF cardinality(group_keys) <> cardinality(keys) THEN
+                RAISE EXCEPTION 'flow: group_keys has % elements, keys %', cardinality(group_keys), cardinality(keys)
+                    USING ERRCODE = 'FL003';
+            END IF;
+            FOR i IN 1..cardinality(group_keys) LOOP
+                PERFORM flow._require_group(format('group_keys[%s]', i), group_keys[i]);
+            END LOOP;
+        ELSIF group_key IS NOT NULL THEN
             PERFORM flow._require_group('group_key', group_key);
         END IF;
         IF within IS NOT NULL THEN
@@ -2987,11 +3002,11 @@ BEGIN
                 FROM unnest(waits) w) END,
            -- (a priority is declared when it is not 0: children spawned before
            -- there were priorities declared none, and a re-spawn still matches)
-           CASE WHEN priority <> 0 THEN jsonb_build_object('priority', priority) ELSE '{}' END
-           || CASE WHEN group_key IS NOT NULL THEN jsonb_build_object('group_key', group_key) ELSE '{}' END
-    INTO declared_waits, declared_more;
-    IF priority <> 0 OR group_key IS NOT NULL THEN
-        PERFORM flow._note_priority(p.lane, priority, group_key IS NOT NULL);
+           CASE WHEN priority <> 0 THEN jsonb_build_object('priority', priority) ELSE '{}' END,
+           group_key IS NOT NULL OR coalesce(cardinality(array_remove(group_keys, NULL)) > 0, false)
+    INTO declared_waits, declared_more, grouped;
+    IF priority <> 0 OR grouped THEN
+        PERFORM flow._note_priority(p.lane, priority, grouped);
     END IF;
     IF NOT EXISTS (SELECT 1 FROM flow._runs r WHERE r.id = parent.run_id) THEN
         -- The run's first child: the run gets its row (see flow._runs), under
@@ -3014,15 +3029,17 @@ BEGIN
         next_run_at, not_before, budget_started_at, deadline, external, owner, priority, group_key, group_hash)
     SELECT t.id, parent.run_id, parent.id, t.key, _spawn_many.name, p.def_version, p.lane, t.args,
         flow._declaration(_spawn_many.name, p.def_version, t.args, p.lane, start_after, within, declared_waits,
-                          declared_more),
+                          declared_more, coalesce(t.group_key, _spawn_many.group_key)),
         CASE WHEN cardinality(waits) > 0 THEN 'waiting' ELSE 'pending' END::flow.command_status,
         -- a wait ends at `within`, and at the run's deadline at the latest
         CASE WHEN cardinality(waits) = 0 THEN p.due
              ELSE least(CASE WHEN within IS NULL THEN 'infinity' ELSE greatest(now() + within, p.due) END,
                         coalesce(parent.deadline, 'infinity')) END,
-        p.due, p.due, parent.deadline, p.def_external, parent.owner, priority, group_key, flow._group_hash(group_key)
-    -- (in the order given: of a key given twice, the first is inserted)
-    FROM unnest(children, keys, args_list) AS t(id, key, args)
+        p.due, p.due, parent.deadline, p.def_external, parent.owner, priority,
+        coalesce(t.group_key, _spawn_many.group_key), flow._group_hash(coalesce(t.group_key, _spawn_many.group_key))
+    -- (in the order given: of a key given twice, the first is inserted; a
+    -- NULL group_keys gives each child NULL there, and group_key its group)
+    FROM unnest(children, keys, args_list, group_keys) AS t(id, key, args, group_key)
     ON CONFLICT (run_id, key) WHERE id <> run_id DO NOTHING;          -- index _commands_run_key
     GET DIAGNOSTICS added = ROW_COUNT;
     IF added < cardinality(keys) THEN
@@ -3031,11 +3048,12 @@ BEGIN
         -- decision. A key not inserted has a command of another id.
         SELECT format('flow: child key %s was already spawned with another declaration', t.key)
         INTO conflict
-        FROM unnest(children, keys, args_list) WITH ORDINALITY AS t(id, key, args, n)
+        FROM unnest(children, keys, args_list, group_keys) WITH ORDINALITY AS t(id, key, args, group_key, n)
         JOIN flow._commands_of(parent.run_id) c ON c.key = t.key
         WHERE c.id <> t.id
           AND c.declaration IS DISTINCT FROM flow._declaration(_spawn_many.name, p.def_version, t.args, p.lane,
-                                                               start_after, within, declared_waits, declared_more)
+                                                               start_after, within, declared_waits, declared_more,
+                                                               coalesce(t.group_key, _spawn_many.group_key))
         ORDER BY t.n LIMIT 1;
         IF conflict IS NOT NULL THEN
             PERFORM flow._decide('invalid_decision', 'invalid_decision', conflict, NULL);
@@ -3388,7 +3406,7 @@ BEGIN
             (SELECT coalesce(array_agg(ROW(w->>'name', w->>'key')::flow.wait_spec), '{}')
              FROM jsonb_array_elements(coalesce(item->'waits', '[]')) w),
             (item->>'within')::interval, (item->>'version')::integer, item->>'queue', (item->>'priority')::integer,
-            item->>'group_key');
+            item->>'group_key', NULL);
     END LOOP;
     -- _leased holds the run's lock, as _settle_batch requires.
     IF held IS NULL THEN
@@ -4457,21 +4475,22 @@ RETURNS uuid
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     RETURN (flow._spawn_many(flow._redeem(caller_ticket), flow._current_command(), name, ARRAY[args], ARRAY[key],
-                             start_after, waits, within, version, queue, priority, group_key))[1];
+                             start_after, waits, within, version, queue, priority, group_key, NULL))[1];
 END $$;
 
 -- Inside a handler: add a child of `name` to the current run for each
--- element of args_array, under the key at the same place in keys, all with
--- the same options. Returns their ids in that order.
+-- element of args_array, under the key at the same place in keys (and in the
+-- group at the same place in group_keys, or all in group_key), all with the
+-- same options. Returns their ids in that order.
 CREATE OR REPLACE FUNCTION flow.spawn_many(name text, args_array jsonb[], keys text[],
     start_after interval DEFAULT NULL, waits flow.wait_spec[] DEFAULT '{}', within interval DEFAULT NULL,
     version integer DEFAULT NULL, queue text DEFAULT NULL, priority integer DEFAULT NULL,
-    group_key text DEFAULT NULL, caller_ticket bigint DEFAULT flow._ticket())
+    group_key text DEFAULT NULL, group_keys text[] DEFAULT NULL, caller_ticket bigint DEFAULT flow._ticket())
 RETURNS uuid[]
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     RETURN flow._spawn_many(flow._redeem(caller_ticket), flow._current_command(), name, args_array, keys,
-                            start_after, waits, within, version, queue, priority, group_key);
+                            start_after, waits, within, version, queue, priority, group_key, group_keys);
 END $$;
 
 -- The run's commands, parent links, waits and events as text to render: 'dot' or 'mermaid'.
