@@ -3783,7 +3783,7 @@ BEGIN
                    - clock_timestamp()) * 1000)::bigint);
 END $$;
 
--- src/gateway.rs:361
+-- src/gateway.rs:362
 -- flow::gateway::_args_misfit_as
 CREATE OR REPLACE FUNCTION "_args_misfit_as"(
 	"owner" oid, /* pg_sys :: Oid */
@@ -3810,7 +3810,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_await_pause_wrapper';
 
--- src/external.rs:282
+-- src/external.rs:284
 -- flow::external::_claim_excluded
 CREATE OR REPLACE FUNCTION "_claim_excluded"() RETURNS uuid[] /* :: std :: option :: Option < Vec < pgrx :: Uuid > > */
 STRICT VOLATILE PARALLEL UNSAFE
@@ -3821,7 +3821,7 @@ AS 'MODULE_PATHNAME', '_claim_excluded_wrapper';
 -- flow::invariants::_command_row_is_consistent
 -- Skipped due to `#[pgrx(sql = false)]`
 
--- src/api.rs:237
+-- src/api.rs:236
 -- flow::api::_counters
 CREATE OR REPLACE FUNCTION "_counters"() RETURNS TABLE (
 	"name" TEXT,  /* String */
@@ -3831,7 +3831,7 @@ STRICT VOLATILE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_counters_wrapper';
 
--- src/schedules.rs:75
+-- src/schedules.rs:76
 -- flow::schedules::_cron_next
 CREATE OR REPLACE FUNCTION "_cron_next"(
 	"cron" TEXT, /* & str */
@@ -3927,7 +3927,7 @@ STRICT VOLATILE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_held_states_wrapper';
 
--- src/external.rs:232
+-- src/external.rs:234
 -- flow::external::_holding_attempts
 CREATE OR REPLACE FUNCTION "_holding_attempts"(
 	"caller" oid, /* pg_sys :: Oid */
@@ -3938,7 +3938,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_holding_attempts_wrapper';
 
--- src/external.rs:254
+-- src/external.rs:256
 -- flow::external::_holding_rows
 CREATE OR REPLACE FUNCTION "_holding_rows"(
 	"command_ids" uuid[] /* Vec < Option < pgrx :: Uuid > > */
@@ -3947,7 +3947,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_holding_rows_wrapper';
 
--- src/external.rs:264
+-- src/external.rs:266
 -- flow::external::_holding_settled
 CREATE OR REPLACE FUNCTION "_holding_settled"(
 	"command_ids" uuid[] /* Vec < Option < pgrx :: Uuid > > */
@@ -4090,7 +4090,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_note_spawn_wrapper';
 
--- src/api.rs:243
+-- src/api.rs:242
 -- flow::api::_observe
 CREATE OR REPLACE FUNCTION "_observe"(
 	"metric" TEXT, /* & str */
@@ -4100,7 +4100,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_observe_wrapper';
 
--- src/rate_limits.rs:146
+-- src/rate_limits.rs:150
 -- flow::rate_limits::_rate_admit
 CREATE OR REPLACE FUNCTION "_rate_admit"(
 	"queue" TEXT, /* & str */
@@ -4111,7 +4111,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_rate_admit_wrapper';
 
--- src/rate_limits.rs:166
+-- src/rate_limits.rs:170
 -- flow::rate_limits::_rate_next
 CREATE OR REPLACE FUNCTION "_rate_next"(
 	"queue" TEXT, /* & str */
@@ -4133,7 +4133,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_rate_room_wrapper';
 
--- src/attempt_record.rs:320
+-- src/attempt_record.rs:316
 -- flow::attempt_record::_recorded_attempts
 CREATE OR REPLACE FUNCTION "_recorded_attempts"() RETURNS TABLE (
 	"command_id" uuid,  /* pgrx :: Uuid */
@@ -4152,7 +4152,7 @@ VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_redeem_wrapper';
 
--- src/schedules.rs:89
+-- src/schedules.rs:90
 -- flow::schedules::_schedule_due
 CREATE OR REPLACE FUNCTION "_schedule_due"(
 	"cron" TEXT, /* & str */
@@ -4173,7 +4173,7 @@ IMMUTABLE STRICT PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', '_schedule_due_wrapper';
 
--- src/schedules.rs:55
+-- src/schedules.rs:56
 -- flow::schedules::_schedule_problem
 CREATE OR REPLACE FUNCTION "_schedule_problem"(
 	"cron" TEXT, /* Option < & str > */

@@ -219,10 +219,9 @@ fn _worker_states() -> TableIterator<
 /// engine's: the views read them through flow._held_rows). A leased command
 /// is not among them: its row says it runs, as of the reader's snapshot.
 #[pg_extern(volatile, parallel_safe)]
-fn _held_states() -> TableIterator<
-    'static,
-    (name!(command_id, pgrx::Uuid), name!(pid, i32), name!(since, Option<TimestampWithTimeZone>)),
-> {
+fn _held_states(
+) -> TableIterator<'static, (name!(command_id, pgrx::Uuid), name!(pid, i32), name!(since, Option<TimestampWithTimeZone>))>
+{
     let rows: Vec<_> = shmem::worker_activities()
         .into_iter()
         .filter_map(|(pid, now)| {

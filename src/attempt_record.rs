@@ -93,8 +93,8 @@ pub fn open(slot: usize) {
         .and_then(|_| OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&path))
         .and_then(|file| {
             file.set_len(SIZE as u64)?; // zeros: no attempt
-            // SAFETY: a fresh shared mapping of the file's first SIZE bytes,
-            // kept for the worker's life (the mapping outlives the descriptor)
+                                        // SAFETY: a fresh shared mapping of the file's first SIZE bytes,
+                                        // kept for the worker's life (the mapping outlives the descriptor)
             let at = unsafe {
                 libc::mmap(
                     std::ptr::null_mut(),
@@ -247,12 +247,7 @@ pub fn named_elsewhere(slot: usize) -> Vec<pgrx::Uuid> {
             }
             others.0 = complete.then_some(generation);
         }
-        others
-            .1
-            .iter()
-            .flat_map(|m| m.entries(alive(&m.writer)))
-            .map(|r| pgrx::Uuid::from_bytes(r.command))
-            .collect()
+        others.1.iter().flat_map(|m| m.entries(alive(&m.writer))).map(|r| pgrx::Uuid::from_bytes(r.command)).collect()
     })
 }
 
@@ -280,7 +275,8 @@ impl Mapped {
         }
         // SAFETY: a read-only shared mapping of the file's first SIZE bytes,
         // which exist; unmapped on drop
-        let at = unsafe { libc::mmap(std::ptr::null_mut(), SIZE, libc::PROT_READ, libc::MAP_SHARED, file.as_raw_fd(), 0) };
+        let at =
+            unsafe { libc::mmap(std::ptr::null_mut(), SIZE, libc::PROT_READ, libc::MAP_SHARED, file.as_raw_fd(), 0) };
         (at != libc::MAP_FAILED).then(|| Mapped { writer, at: at.cast::<u8>() })
     }
 
@@ -318,7 +314,8 @@ pub fn remove(writer: &Writer) {
 /// worker is gone (flow._close_open_commands), which nothing else in the
 /// database says started.
 #[pgrx::pg_extern(volatile, parallel_unsafe)]
-fn _recorded_attempts() -> pgrx::iter::TableIterator<'static, (pgrx::name!(command_id, pgrx::Uuid), pgrx::name!(attempt, i32))> {
+fn _recorded_attempts(
+) -> pgrx::iter::TableIterator<'static, (pgrx::name!(command_id, pgrx::Uuid), pgrx::name!(attempt, i32))> {
     let named: Vec<(pgrx::Uuid, i32)> =
         all().into_iter().flat_map(|(_, r)| r).map(|r| (pgrx::Uuid::from_bytes(r.command), r.attempt)).collect();
     pgrx::iter::TableIterator::new(named)

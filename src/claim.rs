@@ -10,8 +10,8 @@
 use crate::ids;
 use crate::payload::{Context, Jsonb};
 use crate::spi::{
-    engine_query, BOOL, INT2, INT2_ARRAY, INT4, INT8, JSONB, OID, OID_ARRAY, TEXT, TEXT_ARRAY, TID, TID_ARRAY, TIMESTAMPTZ,
-    TIMESTAMPTZ_ARRAY, UUID, UUID_ARRAY,
+    engine_query, BOOL, INT2, INT2_ARRAY, INT4, INT8, JSONB, OID, OID_ARRAY, TEXT, TEXT_ARRAY, TID, TID_ARRAY,
+    TIMESTAMPTZ, TIMESTAMPTZ_ARRAY, UUID, UUID_ARRAY,
 };
 use crate::{gateway, gucs, shmem, spi};
 use pgrx::pg_sys::{self, PgOid};
@@ -154,7 +154,10 @@ impl ClaimCursor {
 
     /// Its ends, as `take_up` takes them.
     pub fn ends(&self) -> Vec<shmem::End> {
-        self.0.iter().map(|(queue, priority, at, id)| (queue.clone(), *priority, at.into_inner(), *id.as_bytes())).collect()
+        self.0
+            .iter()
+            .map(|(queue, priority, at, id)| (queue.clone(), *priority, at.into_inner(), *id.as_bytes()))
+            .collect()
     }
 
     /// The latest of its ends' due times (TimestampTz µs); None: no ends.

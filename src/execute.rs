@@ -400,7 +400,11 @@ impl<'a> Chunk<'a> {
     /// the run, say a client idle in its transaction, is not raced at once),
     /// and the chunk ends, letting go of the runs it settled so far.
     fn run_stayed_locked(&mut self, command: &Claimed) {
-        self.handed_back.push(HandBack { id: command.command_id, token: command.lease_token, voided: Some("run_locked") });
+        self.handed_back.push(HandBack {
+            id: command.command_id,
+            token: command.lease_token,
+            voided: Some("run_locked"),
+        });
         self.cut_short = true;
     }
 
@@ -520,7 +524,13 @@ enum Attempted {
 /// with the chunk's settlement); on failure it is rolled back and the
 /// failure classified — a group's too, whatever the failure. `demote_at`:
 /// a held attempt's budget ends then (see FAST_BUDGET_US).
-fn attempt(index: usize, command: &Claimed, group: Option<&Subtransaction>, now: i64, demote_at: Option<i64>) -> Attempted {
+fn attempt(
+    index: usize,
+    command: &Claimed,
+    group: Option<&Subtransaction>,
+    now: i64,
+    demote_at: Option<i64>,
+) -> Attempted {
     let deadline = command.deadline(now);
     let remaining_ms = deadline.map(|d| (d - now) / 1000);
     // the statement timer fires at the deadline, or at the budget's end before it

@@ -182,7 +182,9 @@ fn _note_holding(
     // commands noted so far have theirs)
     if let Err(full) = register_held(*command_id.as_bytes(), attempt, *lease_token.as_bytes(), worker, caller) {
         let message = match full {
-            NoPlace::All => "flow: 16384 commands are held by open transactions or wait for the maintenance worker".to_string(),
+            NoPlace::All => {
+                "flow: 16384 commands are held by open transactions or wait for the maintenance worker".to_string()
+            }
             NoPlace::Role => format!(
                 "flow: this role holds {} commands in open transactions or waiting for the maintenance worker already",
                 HELD_PER_ROLE
@@ -296,7 +298,11 @@ fn abandon_where(ended: impl Fn(&HeldClaim) -> bool, abandoned: impl Fn(&HeldCla
         let (mut left, mut released) = (Vec::new(), Vec::new());
         for id in picked {
             if let Some(claim) = h.remove(&id) {
-                if abandoned(&claim) { left.push((id, claim.attempt)) } else { released.push((id, claim.attempt)) }
+                if abandoned(&claim) {
+                    left.push((id, claim.attempt))
+                } else {
+                    released.push((id, claim.attempt))
+                }
             }
         }
         (left, released)

@@ -180,9 +180,10 @@ fn owner_search_path(owner: pg_sys::Oid) -> String {
     // (a kept plan: parsed and planned for every chunk, this statement was a
     // tenth of a slow handler's cycle outside its handler; in the caller's
     // session too, for a check at enqueue)
-    let path = crate::spi::kept_query("SELECT flow._search_path_of($1)", &[crate::spi::OID],
-        &[owner.into()], |rows| rows.first().get_one::<String>().unwrap_or_else(|e| pgrx::error!("flow: {e}")))
-        .unwrap_or_else(|| "\"$user\"".to_string());
+    let path = crate::spi::kept_query("SELECT flow._search_path_of($1)", &[crate::spi::OID], &[owner.into()], |rows| {
+        rows.first().get_one::<String>().unwrap_or_else(|e| pgrx::error!("flow: {e}"))
+    })
+    .unwrap_or_else(|| "\"$user\"".to_string());
     OWNER_PATHS.with(|p| {
         let mut p = p.borrow_mut();
         if p.0 != lxid {

@@ -225,7 +225,10 @@ impl DirectCall {
             (*fcinfo).flinfo = flinfo;
             (*fcinfo).nargs = nargs;
             (*fcinfo).fncollation = pg_sys::InvalidOid;
-            Some(DirectCall { fcinfo, shape: CallShape { takes_context: nargs == 2, returns_void: rettype == pg_sys::VOIDOID } })
+            Some(DirectCall {
+                fcinfo,
+                shape: CallShape { takes_context: nargs == 2, returns_void: rettype == pg_sys::VOIDOID },
+            })
         }
     }
 
@@ -291,8 +294,9 @@ unsafe fn sql_body_may_inline(tuple: pg_sys::HeapTuple, security_definer: bool) 
         return true;
     }
     let Some(source) = attribute(pg_sys::Anum_pg_proc_prosrc) else { return true };
-    let statements =
-        pgrx::PgList::<pg_sys::RawStmt>::from_pg(pg_sys::pg_parse_query(pg_sys::text_to_cstring(source.cast_mut_ptr())));
+    let statements = pgrx::PgList::<pg_sys::RawStmt>::from_pg(pg_sys::pg_parse_query(pg_sys::text_to_cstring(
+        source.cast_mut_ptr(),
+    )));
     let Some(raw) = statements.get_ptr(0) else { return false };
     if statements.len() != 1 || (*(*raw).stmt).type_ != pg_sys::NodeTag::T_SelectStmt {
         return false;
@@ -323,7 +327,8 @@ fn handler_call_sql(handler: pg_sys::Oid) -> (String, Option<pg_sys::Oid>, bool)
         let mut nargs: c_int = 0;
         let returns_void = pg_sys::get_func_signature(handler, &mut arg_types, &mut nargs) == pg_sys::VOIDOID;
         let context_type = (nargs == 2).then(|| *arg_types.add(1));
-        let sql = format!("SELECT {function}($1::pg_catalog.jsonb{})", if context_type.is_some() { ", $2" } else { "" });
+        let sql =
+            format!("SELECT {function}($1::pg_catalog.jsonb{})", if context_type.is_some() { ", $2" } else { "" });
         (sql, context_type, returns_void)
     }
 }

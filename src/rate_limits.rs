@@ -131,7 +131,11 @@ fn _rate_room(queue: &str, rate: i32, per_us: i64) -> i32 {
     let room = match slot_of(&mut buckets, queue, now) {
         Some(slot) => {
             let base = first_free(&buckets, slot, now, per_us);
-            if base > now { 0 } else { ((now - base) / cell + 1).min(i64::from(rate)) as i32 }
+            if base > now {
+                0
+            } else {
+                ((now - base) / cell + 1).min(i64::from(rate)) as i32
+            }
         }
         None => 0,
     };

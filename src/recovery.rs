@@ -140,11 +140,8 @@ fn recover(writers: &[Writer], gone: &[bool], records: &[Vec<Recorded>]) -> (i32
     let commands: Vec<Option<pgrx::Uuid>> =
         records.iter().map(|r| r.last().map(|r| pgrx::Uuid::from_bytes(r.command))).collect();
     let attempts: Vec<Option<i32>> = records.iter().map(|r| r.last().map(|r| r.attempt)).collect();
-    let earlier: Vec<(i32, &Recorded)> = records
-        .iter()
-        .enumerate()
-        .flat_map(|(i, r)| r.iter().rev().skip(1).map(move |e| (i as i32 + 1, e)))
-        .collect();
+    let earlier: Vec<(i32, &Recorded)> =
+        records.iter().enumerate().flat_map(|(i, r)| r.iter().rev().skip(1).map(move |e| (i as i32 + 1, e))).collect();
     let earlier_writers: Vec<i32> = earlier.iter().map(|(i, _)| *i).collect();
     let earlier_commands: Vec<pgrx::Uuid> = earlier.iter().map(|(_, e)| pgrx::Uuid::from_bytes(e.command)).collect();
     let earlier_attempts: Vec<i32> = earlier.iter().map(|(_, e)| e.attempt).collect();

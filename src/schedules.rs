@@ -45,7 +45,8 @@ fn to_zoned(at: TimestampWithTimeZone, zone: Tz) -> Option<DateTime<Tz>> {
 }
 
 fn to_pg(at: &DateTime<Tz>) -> Option<TimestampWithTimeZone> {
-    let micros = (at.timestamp() - PG_EPOCH_UNIX_SECONDS).checked_mul(1_000_000)? + i64::from(at.timestamp_subsec_micros());
+    let micros =
+        (at.timestamp() - PG_EPOCH_UNIX_SECONDS).checked_mul(1_000_000)? + i64::from(at.timestamp_subsec_micros());
     crate::spans::timestamp_from_pg(micros)
 }
 
@@ -99,11 +100,7 @@ fn _schedule_due(
     max_fire: i32,
 ) -> TableIterator<
     'static,
-    (
-        name!(fire, Vec<TimestampWithTimeZone>),
-        name!(skipped, i64),
-        name!(next_tick, Option<TimestampWithTimeZone>),
-    ),
+    (name!(fire, Vec<TimestampWithTimeZone>), name!(skipped, i64), name!(next_tick, Option<TimestampWithTimeZone>)),
 > {
     let nothing = || TableIterator::once((Vec::new(), 0, None));
     let (Ok(pattern), Ok(zone)) = (parse_cron(cron), parse_zone(timezone)) else { return nothing() };

@@ -7,11 +7,11 @@
 //! again.
 
 use crate::claim::{AttemptId, Claimed};
-use crate::payload::Jsonb;
 use crate::outcome::{Class, Failure};
+use crate::payload::Jsonb;
 use crate::spi::{
-    self, engine_query, in_subtransaction, BOOL, INT4, INT4_ARRAY, INT8, JSONB_ARRAY, TEXT, TID_ARRAY, TIMESTAMPTZ,
-    TEXT_ARRAY, TIMESTAMPTZ_ARRAY, UUID, UUID_ARRAY,
+    self, engine_query, in_subtransaction, BOOL, INT4, INT4_ARRAY, INT8, JSONB_ARRAY, TEXT, TEXT_ARRAY, TID_ARRAY,
+    TIMESTAMPTZ, TIMESTAMPTZ_ARRAY, UUID, UUID_ARRAY,
 };
 use crate::{gucs, ids};
 use pgrx::datum::DatumWithOid;
@@ -221,16 +221,21 @@ pub fn settle_engine_error(command: &AttemptId, message: &str, sqlstate: &str, w
     let invalid = sqlstate.starts_with("FL") || sqlstate.starts_with("22") || sqlstate.starts_with("23");
     if invalid {
         let decision = Failure::new(Class::Permanent, "invalid_decision", message);
-        if in_subtransaction(|| Ok::<_, ()>(settle_failure(command, &decision, None, worker, RunWait::Always)), |_| ()).is_ok() {
+        if in_subtransaction(|| Ok::<_, ()>(settle_failure(command, &decision, None, worker, RunWait::Always)), |_| ())
+            .is_ok()
+        {
             return true;
         }
     }
     let retryable = Failure::new(Class::Retryable, "engine_error", message);
-    if in_subtransaction(|| Ok::<_, ()>(settle_failure(command, &retryable, None, worker, RunWait::Always)), |_| ()).is_ok() {
+    if in_subtransaction(|| Ok::<_, ()>(settle_failure(command, &retryable, None, worker, RunWait::Always)), |_| ())
+        .is_ok()
+    {
         return true;
     }
     let permanent = Failure { class: Class::Permanent, ..retryable };
-    in_subtransaction(|| Ok::<_, ()>(settle_failure(command, &permanent, None, worker, RunWait::Always)), |_| ()).is_ok()
+    in_subtransaction(|| Ok::<_, ()>(settle_failure(command, &permanent, None, worker, RunWait::Always)), |_| ())
+        .is_ok()
 }
 
 /// What concluding a held attempt came to (`conclude_held`).

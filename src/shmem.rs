@@ -327,7 +327,9 @@ pub fn record_files_generation() -> u64 {
 
 impl Default for Activities {
     fn default() -> Self {
-        Activities { slots: std::array::from_fn(|_| ActivitySlot::default()), record_files: AtomicU64::new(0),
+        Activities {
+            slots: std::array::from_fn(|_| ActivitySlot::default()),
+            record_files: AtomicU64::new(0),
             awaiting: std::array::from_fn(|_| AtomicU64::new(0)),
         }
     }
@@ -681,7 +683,11 @@ pub fn set_sleeping(index: usize, sleeping: bool) {
 pub fn publish_cursor(index: usize, ends: &[End], until: i64) {
     let mut shared = [CursorEnd::NONE; CURSOR_QUEUES];
     let mut len = 0;
-    for end in ends.iter().filter_map(|(queue, priority, due_at, id)| CursorEnd::new(queue, *priority, *due_at, *id)).take(CURSOR_QUEUES) {
+    for end in ends
+        .iter()
+        .filter_map(|(queue, priority, due_at, id)| CursorEnd::new(queue, *priority, *due_at, *id))
+        .take(CURSOR_QUEUES)
+    {
         shared[len] = end;
         len += 1;
     }

@@ -731,18 +731,17 @@ impl Worker {
             }
         }
         gucs::inject_fault("claim");
-        let claim::Claim { commands: claimed, ended_at, interleaved, left_some } =
-            claim::claim(
-                &self.name,
-                self.backend_start,
-                size,
-                turn,
-                excluded,
-                shmem::busy_runs_of_others(self.index),
-                kept.as_ref().map(|(_, at)| at),
-                &|| attempt_record::named_elsewhere(self.index),
-                ahead,
-            );
+        let claim::Claim { commands: claimed, ended_at, interleaved, left_some } = claim::claim(
+            &self.name,
+            self.backend_start,
+            size,
+            turn,
+            excluded,
+            shmem::busy_runs_of_others(self.index),
+            kept.as_ref().map(|(_, at)| at),
+            &|| attempt_record::named_elsewhere(self.index),
+            ahead,
+        );
         // (a claim from several queues took each one's share only, and one
         // that left commands it locked left them due: more may be due)
         let full = claimed.len() >= size as usize || interleaved || left_some;
