@@ -2884,6 +2884,13 @@ BEGIN
     RETURN pos;
 END $$;
 
+-- An array of one dimension whose first index is 1, or empty, or NULL: what
+-- a loop by index and unnest read alike. (SQL, inlined.)
+CREATE OR REPLACE FUNCTION flow._plain_array(a anyarray) RETURNS boolean
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT a IS NULL OR cardinality(a) = 0 OR (array_ndims(a) = 1 AND array_lower(a, 1) = 1)
+$$;
+
 -- What a spawn declares, kept in _commands.declaration: a spawn of the same
 -- key must declare the same (flow._spawn_many). `waits` is the waits as a
 -- JSON array; `more` the priority when given. (SQL, inlined into the
@@ -2940,22 +2947,31 @@ BEGIN
     -- id: around the inserts too, a fan-out of 200 spawns took 200, and the
     -- subtransactions of more than 64 overflow every snapshot in the server.
     BEGIN
-        IF args_list IS NULL OR keys IS NULL OR cardinality(args_list) <> cardinality(keys) THEN
-            RAISE EXCEPTION 'flow: spawn_many needs as many keys (%) as args (%)',
-                coalesce(cardinality(keys), 0), coalesce(cardinality(args_list), 0) USING ERRCODE = 'FL003';
+        IF args_list IS NULL OR keys IS NULL THEN
+            RAISE EXCEPTION 'flow: spawn_many needs args_array and keys' USING ERRCODE = 'FL003';
+        END IF;
+        IF cardinality(args_list) <> cardinality(keys) THEN
+            RAISE EXCEPTION 'flow: spawn_many needs as many keys (%) as args (%)', cardinality(keys),
+                cardinality(args_list) USING ERRCODE = 'FL003';
+        END IF;
+        -- (read by index below, and by unnest in the insert: the two agree
+        -- only on arrays of one dimension that start at 1)
+        IF NOT flow._plain_array(keys) OR NOT flow._plain_array(args_list) OR NOT flow._plain_array(group_keys) THEN
+            RAISE EXCEPTION 'flow: spawn_many takes arrays of one dimension, from index 1' USING ERRCODE = 'FL003';
         END IF;
         p := flow._plan_enqueue(caller, name, version, queue, start_after, NULL, NULL);
         priority := flow._priority(given_priority, p.def_priority);
         -- (one loop for both, by index: two FOREACH loops cost a spawn of
         -- one child 5-8 µs, 5 %)
         FOR i IN 1..cardinality(keys) LOOP
-            PERFORM flow._require_name('key', keys[i]);
+            PERFORM flow._require_name(CASE WHEN cardinality(keys) = 1 THEN 'key' ELSE format('keys[%s]', i) END, keys[i]);
             IF keys[i] = 'root' THEN
                 -- (the root's key, though not in _commands_run_key: spawning it is
                 -- spawning a declaration other than the root's)
                 RAISE EXCEPTION 'flow: child key root is the run''s root command' USING ERRCODE = 'FL016';
             END IF;
-            PERFORM flow._require_payload('args', args_list[i]);
+            PERFORM flow._require_payload(CASE WHEN cardinality(keys) = 1 THEN 'args' ELSE format('args_array[%s]', i) END,
+                                          args_list[i]);
             -- (each check called only when it has something to check: a call is
             -- a statement of its own, a few microseconds each, per spawn)
             IF p.def_args_type IS NOT NULL THEN
