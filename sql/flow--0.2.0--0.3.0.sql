@@ -926,6 +926,33 @@ BEGIN
     RETURN flow._require_short(what, group_key);
 END $$;
 
+-- One group for all (group_key) or one each (group_keys, as many as the
+-- `count` elements of the array named `counted`), not both; each key NULL
+-- (no group) or a valid group key. For enqueue_many and spawn_many.
+CREATE OR REPLACE FUNCTION flow._require_group_keys(group_key text, group_keys text[], count integer, counted text)
+RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    bad record;
+BEGIN
+    IF group_keys IS NULL THEN
+        PERFORM flow._require_group('group_key', group_key);
+        RETURN;
+    END IF;
+    IF group_key IS NOT NULL THEN
+        RAISE EXCEPTION 'flow: give group_key or group_keys, not both' USING ERRCODE = 'FL006';
+    END IF;
+    IF cardinality(group_keys) <> count THEN
+        RAISE EXCEPTION 'flow: group_keys has % elements, % %', cardinality(group_keys), counted, count
+            USING ERRCODE = 'FL003';
+    END IF;
+    -- (a call of flow._require_group per key: 1.3-1.7 ms of an enqueue of 999 runs with a group each)
+    SELECT i, k INTO bad FROM unnest(group_keys) WITH ORDINALITY AS u(k, i) WHERE NOT flow._group_key_ok(k) LIMIT 1;
+    IF bad.i IS NOT NULL THEN
+        PERFORM flow._require_group(format('group_keys[%s]', bad.i), bad.k);
+    END IF;
+END $$;
+
 -- Note that `queue` has commands of `priority`, with groups if `grouped`,
 -- for its claims (_queues.priorities and grouped_priorities; priority 0
 -- without groups is always read). Called for each enqueue and spawn of a
@@ -1122,23 +1149,7 @@ BEGIN
     IF args_array IS NULL THEN
         RAISE EXCEPTION 'flow: args_array must not be NULL' USING ERRCODE = 'FL003';
     END IF;
-    -- one group for all (group_key), or one each (group_keys)
-    IF group_keys IS NOT NULL THEN
-        IF group_key IS NOT NULL THEN
-            RAISE EXCEPTION 'flow: give group_key or group_keys, not both' USING ERRCODE = 'FL006';
-        END IF;
-        IF cardinality(group_keys) <> cardinality(args_array) THEN
-            RAISE EXCEPTION 'flow: group_keys has % elements, args_array %', cardinality(group_keys), cardinality(args_array)
-                USING ERRCODE = 'FL003';
-        END IF;
-        -- (a call of flow._require_group per key: 1.3-1.7 ms of an enqueue of 999 runs with a group each)
-        SELECT i, k INTO bad FROM unnest(group_keys) WITH ORDINALITY AS u(k, i) WHERE NOT flow._group_key_ok(k) LIMIT 1;
-        IF bad.i IS NOT NULL THEN
-            PERFORM flow._require_group(format('group_keys[%s]', bad.i), bad.k);
-        END IF;
-    ELSE
-        PERFORM flow._require_group('group_key', group_key);
-    END IF;
+    PERFORM flow._require_group_keys(group_key, group_keys, cardinality(args_array), 'args_array');
     SELECT i, a INTO bad FROM unnest(args_array) WITH ORDINALITY AS t(a, i)
     WHERE a IS NULL OR jsonb_typeof(a) <> 'object' OR octet_length(a::text) > limit_bytes
     LIMIT 1;
@@ -2978,20 +2989,8 @@ BEGIN
                 PERFORM flow._require_args_fit(_spawn_many.name, p.def_owner, p.def_args_type, args_list[i]);
             END IF;
         END LOOP;
-        -- one group for all (group_key), or one each (group_keys)
-        IF group_keys IS NOT NULL THEN
-            IF group_key IS NOT NULL THEN
-                RAISE EXCEPTION 'flow: give group_key or group_keys, not both' USING ERRCODE = 'FL006';
-            END IF;
-            IF cardinality(group_keys) <> cardinality(keys) THEN
-                RAISE EXCEPTION 'flow: group_keys has % elements, keys %', cardinality(group_keys), cardinality(keys)
-                    USING ERRCODE = 'FL003';
-            END IF;
-            FOR i IN 1..cardinality(group_keys) LOOP
-                PERFORM flow._require_group(format('group_keys[%s]', i), group_keys[i]);
-            END LOOP;
-        ELSIF group_key IS NOT NULL THEN
-            PERFORM flow._require_group('group_key', group_key);
+        IF group_key IS NOT NULL OR group_keys IS NOT NULL THEN
+            PERFORM flow._require_group_keys(group_key, group_keys, cardinality(keys), 'keys');
         END IF;
         IF within IS NOT NULL THEN
             PERFORM flow._require_span('within', within);
@@ -3075,10 +3074,11 @@ BEGIN
             PERFORM flow._decide('invalid_decision', 'invalid_decision', conflict, NULL);
             RAISE EXCEPTION USING MESSAGE = conflict, ERRCODE = 'FL016';
         END IF;
-        inserted := ARRAY(SELECT c.id FROM unnest(children, keys) AS t(id, key)
-                          JOIN flow._commands_of(parent.run_id) c ON c.key = t.key AND c.id = t.id);
-        children := ARRAY(SELECT c.id FROM unnest(keys) WITH ORDINALITY AS t(key, n)
-                          JOIN flow._commands_of(parent.run_id) c ON c.key = t.key ORDER BY t.n);
+        -- each key's command, and of those the new ones
+        SELECT array_agg(c.id ORDER BY t.n), coalesce(array_agg(c.id) FILTER (WHERE c.id = t.id), '{}')
+        INTO children, inserted
+        FROM unnest(children, keys) WITH ORDINALITY AS t(id, key, n)
+        JOIN flow._commands_of(parent.run_id) c ON c.key = t.key;
     END IF;
 
     -- (a child without waits is pending already: a fan-out's spawns skip

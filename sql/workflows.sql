@@ -373,20 +373,8 @@ BEGIN
                 PERFORM flow._require_args_fit(_spawn_many.name, p.def_owner, p.def_args_type, args_list[i]);
             END IF;
         END LOOP;
-        -- one group for all (group_key), or one each (group_keys)
-        IF group_keys IS NOT NULL THEN
-            IF group_key IS NOT NULL THEN
-                RAISE EXCEPTION 'flow: give group_key or group_keys, not both' USING ERRCODE = 'FL006';
-            END IF;
-            IF cardinality(group_keys) <> cardinality(keys) THEN
-                RAISE EXCEPTION 'flow: group_keys has % elements, keys %', cardinality(group_keys), cardinality(keys)
-                    USING ERRCODE = 'FL003';
-            END IF;
-            FOR i IN 1..cardinality(group_keys) LOOP
-                PERFORM flow._require_group(format('group_keys[%s]', i), group_keys[i]);
-            END LOOP;
-        ELSIF group_key IS NOT NULL THEN
-            PERFORM flow._require_group('group_key', group_key);
+        IF group_key IS NOT NULL OR group_keys IS NOT NULL THEN
+            PERFORM flow._require_group_keys(group_key, group_keys, cardinality(keys), 'keys');
         END IF;
         IF within IS NOT NULL THEN
             PERFORM flow._require_span('within', within);
@@ -470,10 +458,11 @@ BEGIN
             PERFORM flow._decide('invalid_decision', 'invalid_decision', conflict, NULL);
             RAISE EXCEPTION USING MESSAGE = conflict, ERRCODE = 'FL016';
         END IF;
-        inserted := ARRAY(SELECT c.id FROM unnest(children, keys) AS t(id, key)
-                          JOIN flow._commands_of(parent.run_id) c ON c.key = t.key AND c.id = t.id);
-        children := ARRAY(SELECT c.id FROM unnest(keys) WITH ORDINALITY AS t(key, n)
-                          JOIN flow._commands_of(parent.run_id) c ON c.key = t.key ORDER BY t.n);
+        -- each key's command, and of those the new ones
+        SELECT array_agg(c.id ORDER BY t.n), coalesce(array_agg(c.id) FILTER (WHERE c.id = t.id), '{}')
+        INTO children, inserted
+        FROM unnest(children, keys) WITH ORDINALITY AS t(id, key, n)
+        JOIN flow._commands_of(parent.run_id) c ON c.key = t.key;
     END IF;
 
     -- (a child without waits is pending already: a fan-out's spawns skip
