@@ -197,3 +197,104 @@ def test_the_cap_counts_the_priorities_other_transactions_are_noting(pg):
                 second.execute("SELECT flow.enqueue(%s, '{}', priority => 65)", (name,))
             assert caught.value.sqlstate == "54000"
         first.rollback()
+
+
+def retire(pg):
+    """What the maintenance worker does once a minute (flow._retire_priorities):
+    how many queues forgot priorities (this module's other queues too)."""
+    return pg.one("SELECT flow._retire_priorities()")
+
+
+def test_priorities_no_unfinished_command_has_are_forgotten_and_free_the_cap(pg):
+    """A queue whose commands used 64 priorities once is not closed to new
+    ones for good: once those commands are done, their priorities go, and a
+    priority used again is claimed in its order."""
+    queue, name = queue_and_definition(pg)
+    p = unique("r")
+    for priority in range(1, 65):
+        pg.one("SELECT flow.enqueue(%s, jsonb_build_object('tag', %s::text), priority => %s)",
+               name, f"{p}-{priority}", priority)
+    priorities_noted(pg)
+    assert pg.sqlstate("SELECT flow.enqueue(%s, '{}', priority => 65)", name) == "54000"
+    # the commands of 1..63 end (cancelled); 64's is still pending (the queue is paused)
+    assert pg.one("SELECT count(*) FILTER (WHERE flow.cancel(c.run_id)) FROM flow.commands c"
+                  " WHERE c.queue = %s AND c.priority < 64", queue) == 63
+    assert pg.one("SELECT priorities FROM flow._queues WHERE name = %s", queue) == [0] + list(range(1, 65))
+    assert retire(pg) >= 1
+    assert pg.one("SELECT priorities FROM flow._queues WHERE name = %s", queue) == [0, 64]
+    # new priorities, and one forgotten, are taken again and claimed in order
+    pg.one("SELECT flow.enqueue(%s, jsonb_build_object('tag', %s::text), priority => 65)", name, f"{p}-65")
+    pg.one("SELECT flow.enqueue(%s, jsonb_build_object('tag', %s::text), priority => 3)", name, f"{p}-3")
+    pg.one("SELECT flow.enqueue(%s, jsonb_build_object('tag', %s::text))", name, f"{p}-0")
+    priorities_noted(pg)
+    assert pg.one("SELECT priorities FROM flow._queues WHERE name = %s", queue) == [0, 3, 64, 65]
+    pg.one("SELECT flow.set_queue(%s, paused => false)", queue)
+    assert ran_order(pg, [f"{p}-{t}" for t in (0, 3, 64, 65)]) == [f"{p}-{t}" for t in (0, 3, 64, 65)]
+
+
+def test_priorities_of_unfinished_commands_are_kept(pg):
+    """Pending (not yet due), waiting, running (an external lease) and
+    grouped commands keep their priorities; those of finished ones go."""
+    queue, name = queue_and_definition(pg)
+    pg.one("SELECT flow.enqueue(%s, '{}', priority => 7, start_after => '1 hour')", name)
+    pg.one("SELECT flow.enqueue(%s, '{}', priority => 9, group_key => 'g', start_after => '1 hour')", name)
+    done = pg.one("SELECT flow.enqueue(%s, '{}', priority => 10)", name)
+    done_grouped = pg.one("SELECT flow.enqueue(%s, '{}', priority => 11, group_key => 'g')", name)
+    pg.one("SELECT flow.cancel(%s), flow.cancel(%s)", done, done_grouped)
+    ext = external(pg, queue=f"'{queue}'")
+    pg.one("SELECT flow.enqueue(%s, '{}', priority => 8)", ext)
+    priorities_noted(pg)
+    pg.one("SELECT flow.set_queue(%s, paused => false)", queue)
+    with pg.connect() as c:
+        assert len(poll(lambda: claim(c, ext), 10.0, what="the external command claimed")) == 1
+    pg.one("SELECT flow.set_queue(%s, paused => true)", queue)
+    assert pg.all("SELECT priorities, grouped_priorities FROM flow._queues WHERE name = %s", queue) \
+        == [([0, 7, 8, 9, 10, 11], [9, 11])]
+    assert retire(pg) >= 1
+    assert pg.all("SELECT priorities, grouped_priorities FROM flow._queues WHERE name = %s", queue) \
+        == [([0, 7, 8, 9], [9])]
+
+
+def test_a_queue_being_enqueued_into_keeps_its_priorities_until_the_enqueue_ends(pg):
+    """An open transaction putting commands in the queue holds its name: the
+    queue is skipped, never waited for, and a priority that transaction saw
+    in the queue's row is not forgotten under it."""
+    queue, name = queue_and_definition(pg)
+    run = pg.one("SELECT flow.enqueue(%s, '{}', priority => 4)", name)
+    priorities_noted(pg)
+    pg.one("SELECT flow.cancel(%s)", run)
+    with pg.connect(autocommit=False) as c:
+        # (4 is in the queue's row: this enqueue notes nothing, and relies on it)
+        again = c.execute("SELECT flow.enqueue(%s, '{}', priority => 4)", (name,)).fetchone()[0]
+        with pg.connect() as other:
+            other.execute("SET statement_timeout = '5 s'")
+            other.execute("SELECT flow._retire_priorities()")
+        assert pg.one("SELECT priorities FROM flow._queues WHERE name = %s", queue) == [0, 4]
+        c.commit()
+    retire(pg)
+    assert pg.one("SELECT priorities FROM flow._queues WHERE name = %s", queue) == [0, 4]
+    pg.one("SELECT flow.set_queue(%s, paused => false)", queue)
+    assert pg.await_run(again)[0] == "succeeded"
+
+
+def test_a_transaction_that_read_a_forgotten_priority_in_its_snapshot_notes_it_again(pg):
+    """A REPEATABLE READ transaction whose snapshot still has a priority the
+    maintenance worker forgot since notes it again when it enqueues into the
+    queue: its command is claimed, not left where no claim reads."""
+    queue, name = queue_and_definition(pg)
+    run = pg.one("SELECT flow.enqueue(%s, '{}', priority => 5)", name)
+    priorities_noted(pg)
+    pg.one("SELECT flow.cancel(%s)", run)
+    with pg.connect(autocommit=False) as c:
+        c.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        assert c.execute("SELECT priorities FROM flow._queues WHERE name = %s", (queue,)).fetchone()[0] == [0, 5]
+        assert retire(pg) >= 1
+        assert pg.one("SELECT priorities FROM flow._queues WHERE name = %s", queue) == [0]
+        again = c.execute("SELECT flow.enqueue(%s, '{}', priority => 5)", (name,)).fetchone()[0]
+        c.execute("SELECT flow.enqueue(%s, '{}', priority => 5)", (name,))
+        assert c.execute("SELECT count(*) FROM flow._priority_notes WHERE queue = %s", (queue,)).fetchone()[0] == 1
+        c.commit()
+    priorities_noted(pg)
+    assert pg.one("SELECT priorities FROM flow._queues WHERE name = %s", queue) == [0, 5]
+    pg.one("SELECT flow.set_queue(%s, paused => false)", queue)
+    assert pg.await_run(again)[0] == "succeeded"

@@ -144,3 +144,34 @@ def test_bad_inputs_are_refused_and_change_nothing(pg):
     fix(pg, bad)
     assert pg.one("SELECT flow.retry(%s)", run, user="alice") is True
     assert pg.await_run(run, user="alice")[0] == "succeeded"
+
+
+def test_a_re_drive_notes_a_priority_forgotten_since_and_refuses_a_dropped_queue(pg):
+    """A failed command's priority may have been forgotten since it ended (no
+    unfinished command had it, flow._retire_priorities): its re-drive notes
+    it again, and the command runs. One whose queue was dropped since is
+    refused (42704), and nothing changes: in no queue, it would never run."""
+    queue, bad = unique("q"), unique("prio")
+    name = unique("step")
+    pg.one(f"SELECT flow.define('{name}', 'app.step'::regproc, queue => '{queue}', max_attempts => 1)")
+    break_(pg, bad)
+    run = pg.one("SELECT flow.enqueue(%s, jsonb_build_object('tag', %s::text), priority => 12)", name, bad)
+    assert pg.await_run(run)[0] == "failed"
+    pg.wait_for("SELECT count(*) = 0 FROM flow._priority_notes")
+    pg.one("SELECT flow._retire_priorities()")
+    assert pg.one("SELECT priorities FROM flow._queues WHERE name = %s", queue) == [0]
+    fix(pg, bad)
+    assert pg.one("SELECT flow.retry(%s)", run) is True
+    assert pg.await_run(run)[0] == "succeeded"
+    # the same, once its queue is gone
+    break_(pg, bad)
+    run = pg.one("SELECT flow.enqueue(%s, jsonb_build_object('tag', %s::text))", name, bad)
+    assert pg.await_run(run)[0] == "failed"
+    pg.one(f"SELECT flow.define('{name}', 'app.step'::regproc, queue => 'default', max_attempts => 1)")
+    assert pg.one("SELECT flow.drop_queue(%s)", queue) is True
+    fix(pg, bad)
+    before = pg.all("SELECT status, attempts, attempt_base, finished_at FROM flow._commands WHERE run_id = %s", run)
+    assert pg.sqlstate("SELECT flow.retry(%s)", run) == "42704"
+    assert pg.one("SELECT status FROM flow.runs WHERE id = %s", run) == "failed"
+    assert pg.all("SELECT status, attempts, attempt_base, finished_at FROM flow._commands WHERE run_id = %s",
+                  run) == before

@@ -689,7 +689,8 @@ BEGIN
                    '_lock_runs', '_lock_runs_of', '_try_lock_run_of', '_close_open_commands', '_conclude_record',
                    '_expire_runs', '_conclude_expired_lease', '_gone_workers',
                    '_release', '_void_held', '_settle_batch', '_settle_failure', '_lock_run_and_commands',
-                   '_promote_if_satisfied', '_fire_schedules', '_next_tick_ms', '_fold_priority_notes']) LOOP
+                   '_promote_if_satisfied', '_fire_schedules', '_next_tick_ms', '_fold_priority_notes',
+                   '_retire_priorities']) LOOP
         EXECUTE format('ALTER FUNCTION %s SET enable_seqscan = off SET enable_bitmapscan = off'
                        ' SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off', f);
     END LOOP;

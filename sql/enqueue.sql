@@ -138,13 +138,24 @@ DECLARE
     -- (what a note in progress holds: see the cap below)
     lock_key integer := pg_catalog.hashtext('flow priority note ' || queue);
 BEGIN
-    IF EXISTS (SELECT 1 FROM flow._queues q
-               WHERE q.name = _note_priority.queue AND _note_priority.priority = ANY (q.priorities)
-                 AND (NOT grouped OR _note_priority.priority = ANY (q.grouped_priorities)))
-       -- (noted by this transaction, or not yet added: the maintenance worker adds it)
-       OR (here AND EXISTS (SELECT 1 FROM flow._priority_notes n
-                            WHERE n.queue = _note_priority.queue AND n.priority = _note_priority.priority
-                              AND (n.grouped OR NOT _note_priority.grouped))) THEN
+    IF current_setting('transaction_isolation') = 'read committed' THEN
+        IF EXISTS (SELECT 1 FROM flow._queues q
+                   WHERE q.name = _note_priority.queue AND _note_priority.priority = ANY (q.priorities)
+                     AND (NOT grouped OR _note_priority.priority = ANY (q.grouped_priorities)))
+           -- (noted by this transaction, or not yet added: the maintenance worker adds it)
+           OR (here AND EXISTS (SELECT 1 FROM flow._priority_notes n
+                                WHERE n.queue = _note_priority.queue AND n.priority = _note_priority.priority
+                                  AND (n.grouped OR NOT _note_priority.grouped))) THEN
+            RETURN;
+        END IF;
+    -- A transaction that keeps its snapshot may read the queue's row, and
+    -- others' notes, as they were before the maintenance worker forgot the
+    -- priority (flow._retire_priorities: it cannot do so while this one
+    -- holds the queue, but may have just before): only its own notes count.
+    ELSIF here AND EXISTS (SELECT 1 FROM flow._priority_notes n
+                           WHERE n.queue = _note_priority.queue AND n.priority = _note_priority.priority
+                             AND (n.grouped OR NOT _note_priority.grouped)
+                             AND flow._written_here(n.xmin::text::bigint)) THEN
         RETURN;
     END IF;
     -- The cap (each priority costs every claim of the queue a probe) counts
@@ -225,6 +236,65 @@ BEGIN
     END IF;
     RETURN changed;
 END $$;
+
+-- Forget the priorities (and the grouped priorities) of each queue that none
+-- of its unfinished commands has any more: the maintenance worker's, every
+-- PRIORITY_RETIREMENT_INTERVAL (src/maintenance.rs). So a queue whose
+-- commands once used 64 priorities (the cap, see flow._note_priority) can
+-- take new ones once those are done, and the shared `default` queue is not
+-- closed to new priorities for good by one role that used many once; and
+-- its claims no longer probe for them. A priority used again is noted again.
+-- Safe against the commands being put in the queue meanwhile: a queue is
+-- looked at only under its name's lock, taken exclusively without waiting
+-- (skipped while an enqueue, spawn, define or re-drive holds it: those hold
+-- it to their commit, see flow._hold_queue), and under its row's lock (a
+-- transaction that read the queue's priorities before this one commits, in
+-- a snapshot it keeps, fails with 40001 when it holds the queue). Commands
+-- finished are never made unfinished without that hold (flow._retry).
+-- Returns how many queues changed.
+CREATE FUNCTION flow._retire_priorities() RETURNS integer
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    candidate text;
+    q flow._queues;
+    kept smallint[];
+    kept_grouped smallint[];
+    changed integer := 0;
+BEGIN
+    FOR candidate IN SELECT x.name FROM flow._queues x
+                     WHERE x.priorities <> '{0}' OR x.grouped_priorities <> '{}' LOOP
+        CONTINUE WHEN NOT flow._try_lock_queue_name(candidate);
+        SELECT * INTO q FROM flow._queues x WHERE x.name = candidate FOR NO KEY UPDATE SKIP LOCKED;
+        CONTINUE WHEN NOT FOUND;   -- (flow.set_queue in an open transaction, or dropped: next time)
+        -- (a statement after the locks: its snapshot sees every command put
+        -- in the queue by a transaction that held it and committed)
+        SELECT ARRAY(SELECT p FROM unnest(q.priorities) AS p
+                     WHERE p = 0 OR flow._priority_in_use(q.name, p, false) ORDER BY p),
+               ARRAY(SELECT p FROM unnest(q.grouped_priorities) AS p
+                     WHERE flow._priority_in_use(q.name, p, true) ORDER BY p)
+        INTO kept, kept_grouped;
+        IF kept <> q.priorities OR kept_grouped <> q.grouped_priorities THEN
+            UPDATE flow._queues x SET priorities = kept, grouped_priorities = kept_grouped WHERE x.name = q.name;
+            changed := changed + 1;
+        END IF;
+    END LOOP;
+    RETURN changed;
+END $$;
+
+-- Whether an unfinished command of `queue` has `priority` (and a group, if
+-- `grouped`): a due or waiting one, lane by lane, or a running one (which
+-- may be due again: a retry, a hand-back).
+CREATE FUNCTION flow._priority_in_use(queue text, priority smallint, grouped boolean) RETURNS boolean
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT EXISTS (SELECT 1 FROM flow._commands c                      -- index _commands_due
+                   WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END)
+                             = ANY (ARRAY(SELECT l.lane FROM flow._queue_lanes l WHERE l.queue = _priority_in_use.queue))
+                     AND c.queue = _priority_in_use.queue AND c.status IN ('pending', 'waiting')
+                     AND c.priority = _priority_in_use.priority AND (NOT grouped OR c.group_hash <> 0))
+        OR EXISTS (SELECT 1 FROM flow._commands c                      -- index _commands_running
+                   WHERE c.queue = _priority_in_use.queue AND c.status = 'running'
+                     AND c.priority = _priority_in_use.priority AND (NOT grouped OR c.group_hash <> 0))
+$$;
 
 -- The root commands of new runs (run_ids[i] gets args[i]), and the wake-up.
 -- A run is its root until it needs a row of its own (see flow._runs).

@@ -112,8 +112,9 @@ CREATE TABLE flow._queues (
     -- among them, and those whose commands had groups (flow._note_priority):
     -- what a claim of the queue reads (flow._claim), from the queue's row
     -- its claim reads anyway: a queue that never had either costs a claim
-    -- no probe for them. Never forgotten while the queue exists: a priority
-    -- no longer used costs each claim of its queue one empty index probe.
+    -- no probe for them. Forgotten once no unfinished command has them
+    -- (flow._retire_priorities); until then a priority no longer used costs
+    -- each claim of its queue one empty index probe.
     priorities   smallint[] NOT NULL DEFAULT '{0}' CHECK (0 = ANY (priorities)),
     grouped_priorities smallint[] NOT NULL DEFAULT '{}'
 );

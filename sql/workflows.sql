@@ -82,6 +82,7 @@ LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     r flow._runs;
     redriven integer;
+    used record;
 BEGIN
     SELECT * INTO r FROM flow._run_rows x WHERE x.id = run_id;
     PERFORM flow._require_member(caller, r.owner, 'run', run_id);
@@ -96,6 +97,22 @@ BEGIN
         RAISE EXCEPTION 'flow: run % passed its deadline at %; it cannot run again', run_id, r.deadline
             USING ERRCODE = 'FL007';
     END IF;
+    -- The queues of the commands made unfinished again are held, as an
+    -- enqueue holds its queue (flow._hold_queue): one dropped since they
+    -- ended is refused (a command in it would never run), and their
+    -- priorities are noted again (flow._retire_priorities forgets those no
+    -- unfinished command has, as it may have since these ended).
+    FOR used IN SELECT DISTINCT k.queue, k.priority, k.group_hash <> 0 AS grouped
+                FROM flow._commands_of(_retry.run_id) k WHERE k.status IN ('failed', 'cancelled') LOOP
+        IF NOT EXISTS (SELECT 1 FROM flow._queues q WHERE q.name = used.queue) THEN
+            RAISE EXCEPTION 'flow: run % has commands in queue %, which was dropped', run_id, used.queue
+                USING ERRCODE = '42704', HINT = 'Make the queue again with flow.set_queue, then re-drive the run.';
+        END IF;
+        PERFORM flow._hold_queue(used.queue);
+        IF used.priority <> 0 OR used.grouped THEN
+            PERFORM flow._note_priority(used.queue, used.priority, used.grouped);
+        END IF;
+    END LOOP;
     UPDATE flow._commands c SET
         status = CASE WHEN redo.waits THEN 'waiting' ELSE 'pending' END::flow.command_status,
         next_run_at = CASE WHEN redo.waits THEN least(coalesce(now() + (c.declaration->>'within')::interval, 'infinity'),

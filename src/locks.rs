@@ -84,11 +84,21 @@ fn _lock_event_bucket(name: &str, key: &str, share: bool, wait: bool) -> bool {
 }
 
 /// Lock a queue's name until the end of the transaction: shared by whoever
-/// puts a definition or a command in the queue (flow._hold_queue), exclusive
-/// by flow.drop_queue, which so waits for them to commit before it looks
-/// for what uses the queue, and makes them wait until it has dropped it.
+/// puts a definition or a command in the queue (flow._hold_queue, and a
+/// re-drive: flow._retry), exclusive by flow.drop_queue, which so waits for
+/// them to commit before it looks for what uses the queue, and makes them
+/// wait until it has dropped it.
 #[pg_extern(volatile, parallel_unsafe)]
 fn _lock_queue_name(name: &str, exclusive: bool) {
     let mode = if exclusive { pg_sys::ExclusiveLock } else { pg_sys::ShareLock };
     lock_own(QUEUE_LOCK_TAG, hash64(&[name.as_bytes()]), mode as pg_sys::LOCKMODE, true);
+}
+
+/// Lock a queue's name exclusively, as flow.drop_queue does, but only if no
+/// transaction is putting commands in it now (else false, at once): the
+/// maintenance worker forgetting the priorities its commands no longer use
+/// (flow._retire_priorities) never waits for a role's open transaction.
+#[pg_extern(volatile, parallel_unsafe)]
+fn _try_lock_queue_name(name: &str) -> bool {
+    lock_own(QUEUE_LOCK_TAG, hash64(&[name.as_bytes()]), pg_sys::ExclusiveLock as pg_sys::LOCKMODE, false)
 }

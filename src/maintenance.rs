@@ -1,7 +1,8 @@
 //! The maintenance worker: one background process, `flow maintenance`, that
 //! keeps the engine's upkeep out from behind handlers. It never runs a
 //! handler. It adds the priorities enqueues noted to their queues
-//! (flow._fold_priority_notes: woken by the note's commit). It fires
+//! (flow._fold_priority_notes: woken by the note's commit), and forgets
+//! those no command has any more (flow._retire_priorities). It fires
 //! schedules' ticks on time (flow._fire_schedules: it sleeps until the next
 //! tick, and a change of schedule wakes it). Each round
 //! (every RECOVERY_INTERVAL, or at once when woken by an abandoned external
@@ -24,6 +25,12 @@ use std::time::{Duration, Instant};
 /// their deadline: one index scan of running commands, and one of the
 /// unfinished commands with a deadline, each a fraction of a millisecond.
 const RECOVERY_INTERVAL: Duration = Duration::from_secs(1);
+
+/// How often the priorities no unfinished command has are forgotten
+/// (flow._retire_priorities): a look under each queue's lock, a probe per
+/// priority; one used again within it is not noted again (a note delays its
+/// first commands by a round of this worker).
+const PRIORITY_RETIREMENT_INTERVAL: Duration = Duration::from_secs(60);
 
 /// How many ticks one transaction fires: each is an enqueue in a
 /// subtransaction of its own, and a transaction with more than 64 of them
@@ -71,6 +78,7 @@ pub extern "C-unwind" fn flow_maintenance_main(_arg: pg_sys::Datum) {
     let mut recovery = Recovery::default();
     let mut pruning = Pruning::default();
     let mut last_round: Option<Instant> = None;
+    let mut last_retirement = Instant::now();
     // (ticks that passed before now were missed: see src/schedules.rs)
     let started = crate::spans::timestamp_from_pg(unsafe { pg_sys::GetCurrentTimestamp() });
     while !BackgroundWorker::sigterm_received() {
@@ -87,6 +95,15 @@ pub extern "C-unwind" fn flow_maintenance_main(_arg: pg_sys::Datum) {
             worker::report_activity("flow maintenance: adding priorities");
             if transaction(fold_priority_notes).flatten().is_none() {
                 spi::forget_plans();
+            }
+            if last_retirement.elapsed() >= PRIORITY_RETIREMENT_INTERVAL {
+                last_retirement = Instant::now();
+                worker::report_activity("flow maintenance: forgetting unused priorities");
+                match transaction(retire_priorities).flatten() {
+                    None => spi::forget_plans(),
+                    Some(n) if n > 0 => gucs::log(&format!("flow: {n} queues forgot priorities no command has")),
+                    Some(_) => {}
+                }
             }
             worker::report_activity("flow maintenance: firing schedules");
             let next_tick = fire_schedules(started);
@@ -164,6 +181,11 @@ fn fire_schedules(started: Option<pgrx::datum::TimestampWithTimeZone>) -> Durati
         Some(ms) if ms <= 0 => HELD_SCHEDULE_RETRY,
         Some(ms) => Duration::from_millis(ms as u64),
     }
+}
+
+/// Forget the priorities no unfinished command has (flow._retire_priorities); how many queues changed.
+fn retire_priorities() -> Option<i32> {
+    engine_query("SELECT flow._retire_priorities()", &[], &[], |rows| rows.first().get_one::<i32>().ok().flatten())
 }
 
 /// Add the priorities enqueues noted to their queues (flow._fold_priority_notes); how many queues changed.
