@@ -8,6 +8,13 @@ tools/setup.sh
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-/var/tmp/flow-target}
 VENV=${FLOW_VENV:-/var/tmp/flow-venv}
 
+echo "== cargo fmt --check"
+if cargo fmt --version >/dev/null 2>&1; then
+  cargo fmt --check
+else
+  echo "(rustfmt is not installed with this toolchain: formatting not checked)"
+fi
+
 echo "== cargo pgrx test (as postgres)"
 rm -rf /tmp/flow-pgrx-test
 cargo pgrx test pg15 --runas postgres --pgdata /tmp/flow-pgrx-test
