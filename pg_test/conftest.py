@@ -499,6 +499,20 @@ def priorities_noted(pg):
     pg.wait_for("SELECT count(*) = 0 FROM flow._priority_notes")
 
 
+def retire_priorities(pg, conn=None):
+    """A pass of what the maintenance worker does once a minute: forget the
+    priorities no unfinished command of a queue has (flow._retire_priorities,
+    queue by queue); how many queues changed (of the whole cluster).
+    `conn`: run it there (its own transactions) instead of new connections."""
+    changed, after = 0, ""
+    while True:
+        sql = "SELECT queue, changed FROM flow._retire_priorities(%s)"
+        queue, did = conn.execute(sql, (after,)).fetchone() if conn else pg.all(sql, after)[0]
+        if queue is None:
+            return changed
+        changed, after = changed + did, queue
+
+
 # ---------------------------------------------------------------- external workers
 
 QUICK = {"max_attempts": 3, "backoff": "'10 ms'", "backoff_max": "'10 ms'"}

@@ -4,7 +4,7 @@ in-database workers and external claims alike."""
 import psycopg
 import pytest
 
-from conftest import app_cluster, claim, external, poll, priorities_noted, unique
+from conftest import app_cluster, claim, external, poll, priorities_noted, retire_priorities, unique
 
 PRIORITY_APP = """
     -- each run records the order it ran in
@@ -199,12 +199,6 @@ def test_the_cap_counts_the_priorities_other_transactions_are_noting(pg):
         first.rollback()
 
 
-def retire(pg):
-    """What the maintenance worker does once a minute (flow._retire_priorities):
-    how many queues forgot priorities (this module's other queues too)."""
-    return pg.one("SELECT flow._retire_priorities()")
-
-
 def test_priorities_no_unfinished_command_has_are_forgotten_and_free_the_cap(pg):
     """A queue whose commands used 64 priorities once is not closed to new
     ones for good: once those commands are done, their priorities go, and a
@@ -220,7 +214,7 @@ def test_priorities_no_unfinished_command_has_are_forgotten_and_free_the_cap(pg)
     assert pg.one("SELECT count(*) FILTER (WHERE flow.cancel(c.run_id)) FROM flow.commands c"
                   " WHERE c.queue = %s AND c.priority < 64", queue) == 63
     assert pg.one("SELECT priorities FROM flow._queues WHERE name = %s", queue) == [0] + list(range(1, 65))
-    assert retire(pg) >= 1
+    assert retire_priorities(pg) >= 1
     assert pg.one("SELECT priorities FROM flow._queues WHERE name = %s", queue) == [0, 64]
     # new priorities, and one forgotten, are taken again and claimed in order
     pg.one("SELECT flow.enqueue(%s, jsonb_build_object('tag', %s::text), priority => 65)", name, f"{p}-65")
@@ -250,7 +244,7 @@ def test_priorities_of_unfinished_commands_are_kept(pg):
     pg.one("SELECT flow.set_queue(%s, paused => true)", queue)
     assert pg.all("SELECT priorities, grouped_priorities FROM flow._queues WHERE name = %s", queue) \
         == [([0, 7, 8, 9, 10, 11], [9, 11])]
-    assert retire(pg) >= 1
+    assert retire_priorities(pg) >= 1
     assert pg.all("SELECT priorities, grouped_priorities FROM flow._queues WHERE name = %s", queue) \
         == [([0, 7, 8, 9], [9])]
 
@@ -268,10 +262,10 @@ def test_a_queue_being_enqueued_into_keeps_its_priorities_until_the_enqueue_ends
         again = c.execute("SELECT flow.enqueue(%s, '{}', priority => 4)", (name,)).fetchone()[0]
         with pg.connect() as other:
             other.execute("SET statement_timeout = '5 s'")
-            other.execute("SELECT flow._retire_priorities()")
+            retire_priorities(pg, other)
         assert pg.one("SELECT priorities FROM flow._queues WHERE name = %s", queue) == [0, 4]
         c.commit()
-    retire(pg)
+    retire_priorities(pg)
     assert pg.one("SELECT priorities FROM flow._queues WHERE name = %s", queue) == [0, 4]
     pg.one("SELECT flow.set_queue(%s, paused => false)", queue)
     assert pg.await_run(again)[0] == "succeeded"
@@ -288,7 +282,7 @@ def test_a_transaction_that_read_a_forgotten_priority_in_its_snapshot_notes_it_a
     with pg.connect(autocommit=False) as c:
         c.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
         assert c.execute("SELECT priorities FROM flow._queues WHERE name = %s", (queue,)).fetchone()[0] == [0, 5]
-        assert retire(pg) >= 1
+        assert retire_priorities(pg) >= 1
         assert pg.one("SELECT priorities FROM flow._queues WHERE name = %s", queue) == [0]
         again = c.execute("SELECT flow.enqueue(%s, '{}', priority => 5)", (name,)).fetchone()[0]
         c.execute("SELECT flow.enqueue(%s, '{}', priority => 5)", (name,))
@@ -298,3 +292,24 @@ def test_a_transaction_that_read_a_forgotten_priority_in_its_snapshot_notes_it_a
     assert pg.one("SELECT priorities FROM flow._queues WHERE name = %s", queue) == [0, 5]
     pg.one("SELECT flow.set_queue(%s, paused => false)", queue)
     assert pg.await_run(again)[0] == "succeeded"
+
+
+def test_a_due_command_whose_priority_its_queue_lacks_is_noted_again(pg):
+    """The net under the retirement (flow._renote_stranded_priorities, at the
+    start of each pass): a command its queue's row does not list the
+    priority of, as after a `pg_restore -j` that loaded the commands after
+    a pass looked, is claimed a pass later instead of never."""
+    queue, name = queue_and_definition(pg)
+    p = unique("s")
+    pg.one("SELECT flow.enqueue(%s, jsonb_build_object('tag', %s::text), priority => 5)", name, f"{p}-5")
+    pg.one("SELECT flow.enqueue(%s, jsonb_build_object('tag', %s::text), priority => 6, group_key => 'g')",
+           name, f"{p}-6")
+    priorities_noted(pg)
+    pg.one("UPDATE flow._queues SET priorities = '{0}', grouped_priorities = '{}' WHERE name = %s", queue)
+    assert pg.one("SELECT flow._renote_stranded_priorities()") == 2
+    assert pg.one("SELECT flow._renote_stranded_priorities()") == 0   # (noted already)
+    priorities_noted(pg)
+    assert pg.all("SELECT priorities, grouped_priorities FROM flow._queues WHERE name = %s", queue) \
+        == [([0, 5, 6], [6])]
+    pg.one("SELECT flow.set_queue(%s, paused => false)", queue)
+    assert ran_order(pg, [f"{p}-5", f"{p}-6"]) == [f"{p}-5", f"{p}-6"]

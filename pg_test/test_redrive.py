@@ -3,7 +3,7 @@ cancelled run run again with a fresh attempt budget, their history kept
 (sql/workflows.sql, flow._retry)."""
 import pytest
 
-from conftest import app_cluster, unique
+from conftest import app_cluster, retire_priorities, unique
 
 REDRIVE_APP = """
     DO $$ BEGIN CREATE ROLE alice LOGIN; CREATE ROLE bob LOGIN;
@@ -158,7 +158,7 @@ def test_a_re_drive_notes_a_priority_forgotten_since_and_refuses_a_dropped_queue
     run = pg.one("SELECT flow.enqueue(%s, jsonb_build_object('tag', %s::text), priority => 12)", name, bad)
     assert pg.await_run(run)[0] == "failed"
     pg.wait_for("SELECT count(*) = 0 FROM flow._priority_notes")
-    pg.one("SELECT flow._retire_priorities()")
+    retire_priorities(pg)
     assert pg.one("SELECT priorities FROM flow._queues WHERE name = %s", queue) == [0]
     fix(pg, bad)
     assert pg.one("SELECT flow.retry(%s)", run) is True
@@ -175,3 +175,20 @@ def test_a_re_drive_notes_a_priority_forgotten_since_and_refuses_a_dropped_queue
     assert pg.one("SELECT status FROM flow.runs WHERE id = %s", run) == "failed"
     assert pg.all("SELECT status, attempts, attempt_base, finished_at FROM flow._commands WHERE run_id = %s",
                   run) == before
+
+
+def test_a_re_drive_into_a_queue_another_role_made_again_is_refused(pg):
+    """A queue dropped and made again by another role is that role's: the
+    run's owner may not put its commands there by re-driving (FL011)."""
+    queue, bad, name = unique("q"), unique("theirs"), unique("alice_step")
+    break_(pg, bad)
+    pg.one(f"SELECT flow.define('{name}', 'app.step'::regproc, queue => '{queue}', max_attempts => 1)", user="alice")
+    run = pg.one("SELECT flow.enqueue(%s, jsonb_build_object('tag', %s::text))", name, bad, user="alice")
+    assert pg.await_run(run, user="alice")[0] == "failed"
+    pg.one(f"SELECT flow.define('{name}', 'app.step'::regproc, max_attempts => 1)", user="alice")
+    assert pg.one("SELECT flow.drop_queue(%s)", queue, user="alice") is True
+    pg.one("SELECT flow.set_queue(%s, paused => true)", queue, user="bob")
+    fix(pg, bad)
+    assert pg.sqlstate("SELECT flow.retry(%s)", run, user="alice") == "FL011"
+    assert pg.one("SELECT status FROM flow.runs WHERE id = %s", run) == "failed"
+    assert pg.one("SELECT count(*) FROM flow._commands WHERE queue = %s AND finished_at IS NULL", queue) == 0

@@ -690,7 +690,7 @@ BEGIN
                    '_expire_runs', '_conclude_expired_lease', '_gone_workers',
                    '_release', '_void_held', '_settle_batch', '_settle_failure', '_lock_run_and_commands',
                    '_promote_if_satisfied', '_fire_schedules', '_next_tick_ms', '_fold_priority_notes',
-                   '_retire_priorities']) LOOP
+                   '_retire_priorities', '_renote_stranded_priorities']) LOOP
         EXECUTE format('ALTER FUNCTION %s SET enable_seqscan = off SET enable_bitmapscan = off'
                        ' SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off', f);
     END LOOP;

@@ -149,13 +149,20 @@ BEGIN
     RETURN _hold_queue.name;
 END $$;
 
+-- Who may put commands in a queue: its owner's members and the roles it was
+-- granted to (flow._use_queue; a re-drive, flow._retry).
+CREATE FUNCTION flow._may_use_queue(caller oid, q flow._queues) RETURNS boolean
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT coalesce(pg_has_role(caller, q.owner, 'MEMBER'), false) OR flow._among(caller, q.users)
+$$;
+
 -- Put commands in a queue: its owner's members and the roles it was granted to.
 CREATE FUNCTION flow._use_queue(caller oid, name text) RETURNS text
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     q flow._queues := flow._queue(caller, name);
 BEGIN
-    IF NOT (coalesce(pg_has_role(caller, q.owner, 'MEMBER'), false) OR flow._among(caller, q.users)) THEN
+    IF NOT flow._may_use_queue(caller, q) THEN
         RAISE EXCEPTION 'flow: queue % belongs to another role', name USING ERRCODE = 'FL011',
             HINT = 'Use a queue of your own, or ask its owner for flow.grant_queue().';
     END IF;

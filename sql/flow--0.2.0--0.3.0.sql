@@ -481,13 +481,20 @@ BEGIN
     RETURN _hold_queue.name;
 END $$;
 
+-- Who may put commands in a queue: its owner's members and the roles it was
+-- granted to (flow._use_queue; a re-drive, flow._retry).
+CREATE OR REPLACE FUNCTION flow._may_use_queue(caller oid, q flow._queues) RETURNS boolean
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT coalesce(pg_has_role(caller, q.owner, 'MEMBER'), false) OR flow._among(caller, q.users)
+$$;
+
 -- Put commands in a queue: its owner's members and the roles it was granted to.
 CREATE OR REPLACE FUNCTION flow._use_queue(caller oid, name text) RETURNS text
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     q flow._queues := flow._queue(caller, name);
 BEGIN
-    IF NOT (coalesce(pg_has_role(caller, q.owner, 'MEMBER'), false) OR flow._among(caller, q.users)) THEN
+    IF NOT flow._may_use_queue(caller, q) THEN
         RAISE EXCEPTION 'flow: queue % belongs to another role', name USING ERRCODE = 'FL011',
             HINT = 'Use a queue of your own, or ask its owner for flow.grant_queue().';
     END IF;
@@ -973,7 +980,8 @@ DECLARE
     -- (what a note in progress holds: see the cap below)
     lock_key integer := pg_catalog.hashtext('flow priority note ' || queue);
 BEGIN
-    IF current_setting('transaction_isolation') = 'read committed' THEN
+    -- (where no maintenance worker runs, nothing is forgotten: see below)
+    IF current_setting('transaction_isolation') = 'read committed' OR NOT here THEN
         IF EXISTS (SELECT 1 FROM flow._queues q
                    WHERE q.name = _note_priority.queue AND _note_priority.priority = ANY (q.priorities)
                      AND (NOT grouped OR _note_priority.priority = ANY (q.grouped_priorities)))
@@ -1072,48 +1080,104 @@ BEGIN
     RETURN changed;
 END $$;
 
--- Forget the priorities (and the grouped priorities) of each queue that none
+-- Forget the priorities (and the grouped priorities) of a queue that none
 -- of its unfinished commands has any more: the maintenance worker's, every
 -- PRIORITY_RETIREMENT_INTERVAL (src/maintenance.rs). So a queue whose
 -- commands once used 64 priorities (the cap, see flow._note_priority) can
 -- take new ones once those are done, and the shared `default` queue is not
 -- closed to new priorities for good by one role that used many once; and
 -- its claims no longer probe for them. A priority used again is noted again.
--- Safe against the commands being put in the queue meanwhile: a queue is
+-- Safe against commands being put in the queue meanwhile: the queue is
 -- looked at only under its name's lock, taken exclusively without waiting
 -- (skipped while an enqueue, spawn, define or re-drive holds it: those hold
--- it to their commit, see flow._hold_queue), and under its row's lock (a
--- transaction that read the queue's priorities before this one commits, in
--- a snapshot it keeps, fails with 40001 when it holds the queue). Commands
--- finished are never made unfinished without that hold (flow._retry).
--- Returns how many queues changed.
-CREATE OR REPLACE FUNCTION flow._retire_priorities() RETURNS integer
+-- it to their commit, see flow._hold_queue; a transaction that keeps an
+-- older snapshot notes a priority again, see flow._note_priority), and
+-- under its row's lock. Commands finished are made unfinished again only
+-- under that hold (flow._retry).
+-- It looks at the first queue with priorities after `after` in name order
+-- and returns its name (NULL: none is left) and whether it changed: the
+-- maintenance worker calls it in a transaction per queue, so one queue's
+-- name is held at a time, for a fraction of a millisecond (an enqueue into
+-- it waits for that), and a queue locked elsewhere is left for the next pass.
+CREATE OR REPLACE FUNCTION flow._retire_priorities(after text, OUT queue text, OUT changed boolean)
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
-    candidate text;
     q flow._queues;
     kept smallint[];
     kept_grouped smallint[];
-    changed integer := 0;
 BEGIN
-    FOR candidate IN SELECT x.name FROM flow._queues x
-                     WHERE x.priorities <> '{0}' OR x.grouped_priorities <> '{}' LOOP
-        CONTINUE WHEN NOT flow._try_lock_queue_name(candidate);
-        SELECT * INTO q FROM flow._queues x WHERE x.name = candidate FOR NO KEY UPDATE SKIP LOCKED;
-        CONTINUE WHEN NOT FOUND;   -- (flow.set_queue in an open transaction, or dropped: next time)
-        -- (a statement after the locks: its snapshot sees every command put
-        -- in the queue by a transaction that held it and committed)
-        SELECT ARRAY(SELECT p FROM unnest(q.priorities) AS p
-                     WHERE p = 0 OR flow._priority_in_use(q.name, p, false) ORDER BY p),
-               ARRAY(SELECT p FROM unnest(q.grouped_priorities) AS p
-                     WHERE flow._priority_in_use(q.name, p, true) ORDER BY p)
-        INTO kept, kept_grouped;
-        IF kept <> q.priorities OR kept_grouped <> q.grouped_priorities THEN
-            UPDATE flow._queues x SET priorities = kept, grouped_priorities = kept_grouped WHERE x.name = q.name;
-            changed := changed + 1;
-        END IF;
-    END LOOP;
-    RETURN changed;
+    changed := false;
+    SELECT x.name INTO queue FROM flow._queues x
+    WHERE x.name > after AND (x.priorities <> '{0}' OR x.grouped_priorities <> '{}')
+    ORDER BY x.name LIMIT 1;
+    IF queue IS NULL OR NOT flow._try_lock_queue_name(queue) THEN
+        RETURN;
+    END IF;
+    SELECT * INTO q FROM flow._queues x WHERE x.name = _retire_priorities.queue FOR NO KEY UPDATE SKIP LOCKED;
+    IF NOT FOUND THEN
+        RETURN;   -- (flow.set_queue in an open transaction, or dropped: next time)
+    END IF;
+    -- (a statement after the locks: its snapshot sees every command put in
+    -- the queue by a transaction that held it and committed)
+    SELECT ARRAY(SELECT p FROM unnest(q.priorities) AS p
+                 WHERE p = 0 OR flow._priority_in_use(q.name, p, false) ORDER BY p),
+           ARRAY(SELECT p FROM unnest(q.grouped_priorities) AS p
+                 WHERE flow._priority_in_use(q.name, p, true) ORDER BY p)
+    INTO kept, kept_grouped;
+    IF kept <> q.priorities OR kept_grouped <> q.grouped_priorities THEN
+        UPDATE flow._queues x SET priorities = kept, grouped_priorities = kept_grouped WHERE x.name = q.name;
+        changed := true;
+    END IF;
+END $$;
+
+-- Note again each priority (or grouped priority) that a due or waiting
+-- command has and its queue's row does not list: a net under
+-- flow._retire_priorities, run by the maintenance worker at the start of
+-- each of its passes, for a command that pass could not see: one that
+-- became visible after it looked (a `pg_restore -j` loads _commands and
+-- _queues at once), or in a lane of a definition external once more. Such a
+-- command is claimed a pass later (a minute) instead of never. It reads the
+-- due index once per (lane, priority) with due work (a loose index scan),
+-- whatever the number of commands; it writes notes only (folded as any
+-- other, flow._fold_priority_notes). Returns how many it noted.
+CREATE OR REPLACE FUNCTION flow._renote_stranded_priorities() RETURNS integer
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    noted integer;
+BEGIN
+    WITH RECURSIVE pairs AS (
+        (SELECT flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END) AS lane, c.priority
+         FROM flow._commands c                                         -- index _commands_due
+         WHERE c.status IN ('pending', 'waiting')
+         ORDER BY 1, 2 LIMIT 1)
+        UNION ALL
+        SELECT n.lane, n.priority
+        FROM pairs x CROSS JOIN LATERAL (
+            SELECT flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END) AS lane, c.priority
+            FROM flow._commands c                                      -- index _commands_due
+            WHERE (flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END), c.priority) > (x.lane, x.priority)
+              AND c.status IN ('pending', 'waiting')
+            ORDER BY 1, 2 LIMIT 1) n
+    ), used AS (
+        SELECT DISTINCT h.queue, x.priority,
+               EXISTS (SELECT 1 FROM flow._commands g                  -- index _commands_due_grouped
+                       WHERE flow._lane(g.queue, CASE WHEN g.external THEN g.name ELSE '' END) = x.lane
+                         AND g.priority = x.priority AND g.group_hash <> 0 AND g.queue = h.queue
+                         AND g.status IN ('pending', 'waiting')) AS grouped
+        FROM pairs x CROSS JOIN LATERAL (
+            SELECT c.queue FROM flow._commands c                       -- index _commands_due
+            WHERE flow._lane(c.queue, CASE WHEN c.external THEN c.name ELSE '' END) = x.lane
+              AND c.priority = x.priority AND c.status IN ('pending', 'waiting')
+            LIMIT 1) h
+    )
+    INSERT INTO flow._priority_notes (queue, priority, grouped)
+    SELECT u.queue, u.priority, u.grouped
+    FROM used u JOIN flow._queues q ON q.name = u.queue
+    WHERE NOT (u.priority = ANY (q.priorities) AND (NOT u.grouped OR u.priority = ANY (q.grouped_priorities)))
+      AND NOT EXISTS (SELECT 1 FROM flow._priority_notes n
+                      WHERE n.queue = u.queue AND n.priority = u.priority AND (n.grouped OR NOT u.grouped));
+    GET DIAGNOSTICS noted = ROW_COUNT;
+    RETURN noted;
 END $$;
 
 -- Whether an unfinished command of `queue` has `priority` (and a group, if
@@ -2769,6 +2833,7 @@ DECLARE
     r flow._runs;
     redriven integer;
     used record;
+    q flow._queues;
 BEGIN
     SELECT * INTO r FROM flow._run_rows x WHERE x.id = run_id;
     PERFORM flow._require_member(caller, r.owner, 'run', run_id);
@@ -2790,9 +2855,15 @@ BEGIN
     -- unfinished command has, as it may have since these ended).
     FOR used IN SELECT DISTINCT k.queue, k.priority, k.group_hash <> 0 AS grouped
                 FROM flow._commands_of(_retry.run_id) k WHERE k.status IN ('failed', 'cancelled') LOOP
-        IF NOT EXISTS (SELECT 1 FROM flow._queues q WHERE q.name = used.queue) THEN
+        SELECT * INTO q FROM flow._queues x WHERE x.name = used.queue;
+        IF NOT FOUND THEN
             RAISE EXCEPTION 'flow: run % has commands in queue %, which was dropped', run_id, used.queue
                 USING ERRCODE = '42704', HINT = 'Make the queue again with flow.set_queue, then re-drive the run.';
+        END IF;
+        -- (a queue dropped and made again by another role is that role's now)
+        IF NOT flow._may_use_queue(r.owner, q) THEN
+            RAISE EXCEPTION 'flow: run % has commands in queue %, which its owner may no longer use', run_id, used.queue
+                USING ERRCODE = 'FL011', HINT = 'Ask the queue''s owner for flow.grant_queue(), then re-drive the run.';
         END IF;
         PERFORM flow._hold_queue(used.queue);
         IF used.priority <> 0 OR used.grouped THEN
@@ -5083,7 +5154,7 @@ BEGIN
                    '_expire_runs', '_conclude_expired_lease', '_gone_workers',
                    '_release', '_void_held', '_settle_batch', '_settle_failure', '_lock_run_and_commands',
                    '_promote_if_satisfied', '_fire_schedules', '_next_tick_ms', '_fold_priority_notes',
-                   '_retire_priorities']) LOOP
+                   '_retire_priorities', '_renote_stranded_priorities']) LOOP
         EXECUTE format('ALTER FUNCTION %s SET enable_seqscan = off SET enable_bitmapscan = off'
                        ' SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off', f);
     END LOOP;

@@ -32,6 +32,11 @@ const RECOVERY_INTERVAL: Duration = Duration::from_secs(1);
 /// first commands by a round of this worker).
 const PRIORITY_RETIREMENT_INTERVAL: Duration = Duration::from_secs(60);
 
+/// How long one round looks at queues' priorities before the rest of the
+/// round has its turn (the pass goes on in the next round): a queue takes a
+/// fraction of a millisecond, thousands of them (one role may make 1,000) more.
+const PRIORITY_RETIREMENT_BUDGET: Duration = Duration::from_millis(25);
+
 /// How many ticks one transaction fires: each is an enqueue in a
 /// subtransaction of its own, and a transaction with more than 64 of them
 /// slows every other backend's snapshot checks (the subxid cache overflows).
@@ -79,6 +84,8 @@ pub extern "C-unwind" fn flow_maintenance_main(_arg: pg_sys::Datum) {
     let mut pruning = Pruning::default();
     let mut last_round: Option<Instant> = None;
     let mut last_retirement = Instant::now();
+    // (a pass in progress: the last queue it looked at)
+    let mut retirement: Option<String> = None;
     // (ticks that passed before now were missed: see src/schedules.rs)
     let started = crate::spans::timestamp_from_pg(unsafe { pg_sys::GetCurrentTimestamp() });
     while !BackgroundWorker::sigterm_received() {
@@ -96,14 +103,21 @@ pub extern "C-unwind" fn flow_maintenance_main(_arg: pg_sys::Datum) {
             if transaction(fold_priority_notes).flatten().is_none() {
                 spi::forget_plans();
             }
-            if last_retirement.elapsed() >= PRIORITY_RETIREMENT_INTERVAL {
+            if retirement.is_none() && last_retirement.elapsed() >= PRIORITY_RETIREMENT_INTERVAL {
                 last_retirement = Instant::now();
-                worker::report_activity("flow maintenance: forgetting unused priorities");
-                match transaction(retire_priorities).flatten() {
+                // (first, the net under the last pass: flow._renote_stranded_priorities)
+                match transaction(renote_stranded_priorities).flatten() {
                     None => spi::forget_plans(),
-                    Some(n) if n > 0 => gucs::log(&format!("flow: {n} queues forgot priorities no command has")),
+                    Some(n) if n > 0 => {
+                        pgrx::log!("flow: {n} priorities of due commands were missing from their queues; noted again")
+                    }
                     Some(_) => {}
                 }
+                retirement = Some(String::new());
+            }
+            if let Some(after) = retirement.take() {
+                worker::report_activity("flow maintenance: forgetting unused priorities");
+                retirement = retire_priorities(after);
             }
             worker::report_activity("flow maintenance: firing schedules");
             let next_tick = fire_schedules(started);
@@ -183,9 +197,47 @@ fn fire_schedules(started: Option<pgrx::datum::TimestampWithTimeZone>) -> Durati
     }
 }
 
-/// Forget the priorities no unfinished command has (flow._retire_priorities); how many queues changed.
-fn retire_priorities() -> Option<i32> {
-    engine_query("SELECT flow._retire_priorities()", &[], &[], |rows| rows.first().get_one::<i32>().ok().flatten())
+/// Forget the priorities no unfinished command has (flow._retire_priorities),
+/// queue by queue after `after`, each in a transaction of its own, for at
+/// most PRIORITY_RETIREMENT_BUDGET; the last queue looked at if the pass is
+/// not done (None: done, or a look failed and the pass waits for the next).
+fn retire_priorities(mut after: String) -> Option<String> {
+    let started = Instant::now();
+    while started.elapsed() < PRIORITY_RETIREMENT_BUDGET {
+        let looked = transaction(|| {
+            engine_query(
+                "SELECT queue, changed FROM flow._retire_priorities($1)",
+                &[TEXT],
+                &[after.as_str().into()],
+                |rows| {
+                    let row = rows.first();
+                    Some((row.get::<String>(1).ok().flatten(), row.get::<bool>(2).ok().flatten().unwrap_or(false)))
+                },
+            )
+        })
+        .flatten();
+        match looked {
+            None => {
+                spi::forget_plans();
+                return None;
+            }
+            Some((None, _)) => return None,
+            Some((Some(queue), changed)) => {
+                if changed {
+                    gucs::log(&format!("flow: queue {queue} forgot the priorities no command has"));
+                }
+                after = queue;
+            }
+        }
+    }
+    Some(after)
+}
+
+/// Note the priorities of due commands their queues lack (flow._renote_stranded_priorities); how many.
+fn renote_stranded_priorities() -> Option<i32> {
+    engine_query("SELECT flow._renote_stranded_priorities()", &[], &[], |rows| {
+        rows.first().get_one::<i32>().ok().flatten()
+    })
 }
 
 /// Add the priorities enqueues noted to their queues (flow._fold_priority_notes); how many queues changed.
