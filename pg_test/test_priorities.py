@@ -313,3 +313,18 @@ def test_a_due_command_whose_priority_its_queue_lacks_is_noted_again(pg):
         == [([0, 5, 6], [6])]
     pg.one("SELECT flow.set_queue(%s, paused => false)", queue)
     assert ran_order(pg, [f"{p}-5", f"{p}-6"]) == [f"{p}-5", f"{p}-6"]
+
+
+def test_no_priority_is_forgotten_while_the_database_has_over_1000_external_definitions(pg):
+    """Each queue's look probes a lane per external definition, under the
+    queue's name lock: past 1,000 no pass is made (priorities are kept, as
+    before 0.3.0), so no role can stall enqueues by defining many.
+    (Last in this module: the definitions stay.)"""
+    queue, name = queue_and_definition(pg)
+    run = pg.one("SELECT flow.enqueue(%s, '{}', priority => 13)", name)
+    priorities_noted(pg)
+    pg.one("SELECT flow.cancel(%s)", run)
+    prefix = unique("many")
+    pg.one("SELECT count(flow.define(%s || i, NULL)) FROM generate_series(1, 1001) i", prefix)
+    assert retire_priorities(pg) == 0
+    assert pg.one("SELECT priorities FROM flow._queues WHERE name = %s", queue) == [0, 13]

@@ -1107,6 +1107,13 @@ DECLARE
     kept_grouped smallint[];
 BEGIN
     changed := false;
+    -- A queue's look probes each of its lanes, one per external definition
+    -- of any role, under the queue's name lock: past 1,000 of them (a role
+    -- defining 100,000 would hold every enqueue into `default` for seconds)
+    -- no pass is made, and priorities are kept, as before 0.3.0.
+    IF after = '' AND (SELECT count(DISTINCT d.name) FROM flow._definitions d WHERE d.handler IS NULL) > 1000 THEN
+        RETURN;
+    END IF;
     SELECT x.name INTO queue FROM flow._queues x
     WHERE x.name > after AND (x.priorities <> '{0}' OR x.grouped_priorities <> '{}')
     ORDER BY x.name LIMIT 1;
