@@ -137,26 +137,21 @@ DECLARE
     in_use integer;
     -- (what a note in progress holds: see the cap below)
     lock_key integer := pg_catalog.hashtext('flow priority note ' || queue);
-BEGIN
-    -- (where no maintenance worker runs, nothing is forgotten: see below)
-    IF current_setting('transaction_isolation') = 'read committed' OR NOT here THEN
-        IF EXISTS (SELECT 1 FROM flow._queues q
-                   WHERE q.name = _note_priority.queue AND _note_priority.priority = ANY (q.priorities)
-                     AND (NOT grouped OR _note_priority.priority = ANY (q.grouped_priorities)))
-           -- (noted by this transaction, or not yet added: the maintenance worker adds it)
-           OR (here AND EXISTS (SELECT 1 FROM flow._priority_notes n
-                                WHERE n.queue = _note_priority.queue AND n.priority = _note_priority.priority
-                                  AND (n.grouped OR NOT _note_priority.grouped))) THEN
-            RETURN;
-        END IF;
     -- A transaction that keeps its snapshot may read the queue's row, and
     -- others' notes, as they were before the maintenance worker forgot the
     -- priority (flow._retire_priorities: it cannot do so while this one
     -- holds the queue, but may have just before): only its own notes count.
-    ELSIF here AND EXISTS (SELECT 1 FROM flow._priority_notes n
-                           WHERE n.queue = _note_priority.queue AND n.priority = _note_priority.priority
-                             AND (n.grouped OR NOT _note_priority.grouped)
-                             AND flow._written_here(n.xmin::text::bigint)) THEN
+    -- (Where no maintenance worker runs, nothing is forgotten.)
+    snapshot_kept boolean := here AND current_setting('transaction_isolation') <> 'read committed';
+BEGIN
+    IF (NOT snapshot_kept AND EXISTS (SELECT 1 FROM flow._queues q
+                                      WHERE q.name = _note_priority.queue AND _note_priority.priority = ANY (q.priorities)
+                                        AND (NOT grouped OR _note_priority.priority = ANY (q.grouped_priorities))))
+       -- (noted by this transaction, or not yet added: the maintenance worker adds it)
+       OR (here AND EXISTS (SELECT 1 FROM flow._priority_notes n
+                            WHERE n.queue = _note_priority.queue AND n.priority = _note_priority.priority
+                              AND (n.grouped OR NOT _note_priority.grouped)
+                              AND (NOT snapshot_kept OR flow._written_here(n.xmin::text::bigint)))) THEN
         RETURN;
     END IF;
     -- The cap (each priority costs every claim of the queue a probe) counts

@@ -979,26 +979,21 @@ DECLARE
     in_use integer;
     -- (what a note in progress holds: see the cap below)
     lock_key integer := pg_catalog.hashtext('flow priority note ' || queue);
-BEGIN
-    -- (where no maintenance worker runs, nothing is forgotten: see below)
-    IF current_setting('transaction_isolation') = 'read committed' OR NOT here THEN
-        IF EXISTS (SELECT 1 FROM flow._queues q
-                   WHERE q.name = _note_priority.queue AND _note_priority.priority = ANY (q.priorities)
-                     AND (NOT grouped OR _note_priority.priority = ANY (q.grouped_priorities)))
-           -- (noted by this transaction, or not yet added: the maintenance worker adds it)
-           OR (here AND EXISTS (SELECT 1 FROM flow._priority_notes n
-                                WHERE n.queue = _note_priority.queue AND n.priority = _note_priority.priority
-                                  AND (n.grouped OR NOT _note_priority.grouped))) THEN
-            RETURN;
-        END IF;
     -- A transaction that keeps its snapshot may read the queue's row, and
     -- others' notes, as they were before the maintenance worker forgot the
     -- priority (flow._retire_priorities: it cannot do so while this one
     -- holds the queue, but may have just before): only its own notes count.
-    ELSIF here AND EXISTS (SELECT 1 FROM flow._priority_notes n
-                           WHERE n.queue = _note_priority.queue AND n.priority = _note_priority.priority
-                             AND (n.grouped OR NOT _note_priority.grouped)
-                             AND flow._written_here(n.xmin::text::bigint)) THEN
+    -- (Where no maintenance worker runs, nothing is forgotten.)
+    snapshot_kept boolean := here AND current_setting('transaction_isolation') <> 'read committed';
+BEGIN
+    IF (NOT snapshot_kept AND EXISTS (SELECT 1 FROM flow._queues q
+                                      WHERE q.name = _note_priority.queue AND _note_priority.priority = ANY (q.priorities)
+                                        AND (NOT grouped OR _note_priority.priority = ANY (q.grouped_priorities))))
+       -- (noted by this transaction, or not yet added: the maintenance worker adds it)
+       OR (here AND EXISTS (SELECT 1 FROM flow._priority_notes n
+                            WHERE n.queue = _note_priority.queue AND n.priority = _note_priority.priority
+                              AND (n.grouped OR NOT _note_priority.grouped)
+                              AND (NOT snapshot_kept OR flow._written_here(n.xmin::text::bigint)))) THEN
         RETURN;
     END IF;
     -- The cap (each priority costs every claim of the queue a probe) counts
@@ -2862,17 +2857,18 @@ BEGIN
     -- unfinished command has, as it may have since these ended).
     FOR used IN SELECT DISTINCT k.queue, k.priority, k.group_hash <> 0 AS grouped
                 FROM flow._commands_of(_retry.run_id) k WHERE k.status IN ('failed', 'cancelled') LOOP
-        SELECT * INTO q FROM flow._queues x WHERE x.name = used.queue;
-        IF NOT FOUND THEN
+        IF NOT EXISTS (SELECT 1 FROM flow._queues x WHERE x.name = used.queue) THEN
             RAISE EXCEPTION 'flow: run % has commands in queue %, which was dropped', run_id, used.queue
                 USING ERRCODE = '42704', HINT = 'Make the queue again with flow.set_queue, then re-drive the run.';
         END IF;
-        -- (a queue dropped and made again by another role is that role's now)
+        PERFORM flow._hold_queue(used.queue);   -- (40001 if dropped meanwhile)
+        -- (read once held, as it now is: a queue dropped and made again by
+        -- another role is that role's)
+        SELECT * INTO q FROM flow._queues x WHERE x.name = used.queue;
         IF NOT flow._may_use_queue(r.owner, q) THEN
             RAISE EXCEPTION 'flow: run % has commands in queue %, which its owner may no longer use', run_id, used.queue
                 USING ERRCODE = 'FL011', HINT = 'Ask the queue''s owner for flow.grant_queue(), then re-drive the run.';
         END IF;
-        PERFORM flow._hold_queue(used.queue);
         IF used.priority <> 0 OR used.grouped THEN
             PERFORM flow._note_priority(used.queue, used.priority, used.grouped);
         END IF;

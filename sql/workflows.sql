@@ -105,17 +105,18 @@ BEGIN
     -- unfinished command has, as it may have since these ended).
     FOR used IN SELECT DISTINCT k.queue, k.priority, k.group_hash <> 0 AS grouped
                 FROM flow._commands_of(_retry.run_id) k WHERE k.status IN ('failed', 'cancelled') LOOP
-        SELECT * INTO q FROM flow._queues x WHERE x.name = used.queue;
-        IF NOT FOUND THEN
+        IF NOT EXISTS (SELECT 1 FROM flow._queues x WHERE x.name = used.queue) THEN
             RAISE EXCEPTION 'flow: run % has commands in queue %, which was dropped', run_id, used.queue
                 USING ERRCODE = '42704', HINT = 'Make the queue again with flow.set_queue, then re-drive the run.';
         END IF;
-        -- (a queue dropped and made again by another role is that role's now)
+        PERFORM flow._hold_queue(used.queue);   -- (40001 if dropped meanwhile)
+        -- (read once held, as it now is: a queue dropped and made again by
+        -- another role is that role's)
+        SELECT * INTO q FROM flow._queues x WHERE x.name = used.queue;
         IF NOT flow._may_use_queue(r.owner, q) THEN
             RAISE EXCEPTION 'flow: run % has commands in queue %, which its owner may no longer use', run_id, used.queue
                 USING ERRCODE = 'FL011', HINT = 'Ask the queue''s owner for flow.grant_queue(), then re-drive the run.';
         END IF;
-        PERFORM flow._hold_queue(used.queue);
         IF used.priority <> 0 OR used.grouped THEN
             PERFORM flow._note_priority(used.queue, used.priority, used.grouped);
         END IF;
